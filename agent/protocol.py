@@ -1,0 +1,198 @@
+"""Wire models shared by the node agent and the control plane (pydantic only).
+
+The agent sends :class:`ReportBatch` to ``POST /api/v1/ingest/report`` and gets a
+:class:`ReportAck` back. Batches carry an agent *epoch* (a boot id, new on every agent start)
+and a per-epoch sequence number starting at 1, so the server stores each batch once
+(idempotent on node + epoch + seq) and a restarted agent that counts from 1 again is not
+mistaken for a replay.
+
+Every metric field of :class:`GpuSample` is optional: ``None`` means the collector could not
+read it (unsupported on this GPU or driver), never zero.
+
+Units are in the field names: ``_c`` degrees Celsius, ``_w`` watts, ``_pct`` percent,
+``_mib`` mebibytes, ``_ms`` milliseconds, ``_s`` seconds. Times are timezone-aware UTC.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field
+
+PROTOCOL_VERSION = 1
+
+NODE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+_NODE_NAME_RE = re.compile(NODE_NAME_PATTERN)
+
+# Clock-event ("throttle") reason bits, as defined by NVML's nvmlClocksEventReasons*
+# constants (nvml.h; formerly nvmlClocksThrottleReasons*).
+THROTTLE_GPU_IDLE = 0x1
+THROTTLE_APPLICATIONS_CLOCKS_SETTING = 0x2
+THROTTLE_SW_POWER_CAP = 0x4
+THROTTLE_HW_SLOWDOWN = 0x8
+THROTTLE_SYNC_BOOST = 0x10
+THROTTLE_SW_THERMAL_SLOWDOWN = 0x20
+THROTTLE_HW_THERMAL_SLOWDOWN = 0x40
+THROTTLE_HW_POWER_BRAKE_SLOWDOWN = 0x80
+THROTTLE_DISPLAY_CLOCK_SETTING = 0x100
+
+THROTTLE_REASON_NAMES: dict[int, str] = {
+    THROTTLE_GPU_IDLE: "gpu_idle",
+    THROTTLE_APPLICATIONS_CLOCKS_SETTING: "applications_clocks_setting",
+    THROTTLE_SW_POWER_CAP: "sw_power_cap",
+    THROTTLE_HW_SLOWDOWN: "hw_slowdown",
+    THROTTLE_SYNC_BOOST: "sync_boost",
+    THROTTLE_SW_THERMAL_SLOWDOWN: "sw_thermal_slowdown",
+    THROTTLE_HW_THERMAL_SLOWDOWN: "hw_thermal_slowdown",
+    THROTTLE_HW_POWER_BRAKE_SLOWDOWN: "hw_power_brake_slowdown",
+    THROTTLE_DISPLAY_CLOCK_SETTING: "display_clock_setting",
+}
+
+
+def throttle_reason_names(mask: int | None) -> list[str]:
+    """Names of the clock-event reason bits set in ``mask`` (empty for None or 0)."""
+    if not mask:
+        return []
+    return [name for bit, name in THROTTLE_REASON_NAMES.items() if mask & bit]
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(UTC)
+
+
+def _check_node_name(value: str) -> str:
+    if not _NODE_NAME_RE.match(value):
+        raise ValueError(
+            "node name must be 1-128 characters of letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+NodeName = Annotated[str, AfterValidator(_check_node_name)]
+Count = Annotated[int, Field(ge=0)]
+
+
+class _Model(BaseModel):
+    # Unknown fields are an error (422 at the API), so a typo never silently drops data.
+    model_config = ConfigDict(extra="forbid")
+
+
+class GpuInfo(_Model):
+    """Static identity of one GPU on a node."""
+
+    index: Annotated[int, Field(ge=0, le=255)]
+    uuid: Annotated[str, Field(min_length=1, max_length=96)]
+    name: Annotated[str, Field(max_length=128)] = ""  # model, e.g. "NVIDIA H100 80GB HBM3"
+    memory_total_mib: Annotated[float, Field(ge=0)] | None = None
+
+
+class GpuSample(_Model):
+    """One reading of one GPU's health metrics.
+
+    ``ts`` is when the collector actually read the values; a collector that keeps returning
+    a cached reading keeps the old ``ts``, which is how the server detects stale telemetry.
+    ECC and PCIe/NVLink counters are cumulative counts as NVML reports them (NVLink counters
+    summed over links); the server derives increases and rates.
+    """
+
+    index: Annotated[int, Field(ge=0, le=255)]
+    ts: AwareDatetime
+    temperature_c: Annotated[float, Field(ge=-50, le=200)] | None = None
+    slowdown_temp_c: Annotated[float, Field(ge=0, le=200)] | None = None
+    shutdown_temp_c: Annotated[float, Field(ge=0, le=200)] | None = None
+    power_w: Annotated[float, Field(ge=0, le=10000)] | None = None
+    power_limit_w: Annotated[float, Field(ge=0, le=10000)] | None = None
+    utilization_pct: Annotated[float, Field(ge=0, le=100)] | None = None
+    memory_used_mib: Annotated[float, Field(ge=0)] | None = None
+    memory_total_mib: Annotated[float, Field(ge=0)] | None = None
+    ecc_sbe_volatile: Count | None = None
+    ecc_dbe_volatile: Count | None = None
+    ecc_sbe_aggregate: Count | None = None
+    ecc_dbe_aggregate: Count | None = None
+    remapped_rows_correctable: Count | None = None
+    remapped_rows_uncorrectable: Count | None = None
+    row_remap_pending: bool | None = None
+    row_remap_failure: bool | None = None
+    pcie_replay_count: Count | None = None
+    throttle_reasons: Count | None = None  # bitmask of THROTTLE_* above
+    nvlink_crc_errors: Count | None = None
+    nvlink_replay_errors: Count | None = None
+    nvlink_recovery_errors: Count | None = None
+
+
+class XidEvent(_Model):
+    """One XID error reported by the driver for one GPU. Every occurrence is its own event."""
+
+    gpu: Annotated[int, Field(ge=0, le=255)]
+    xid: Annotated[int, Field(ge=0, le=100000)]
+    ts: AwareDatetime
+    message: Annotated[str, Field(max_length=2000)] = ""
+
+
+class LatencySample(_Model):
+    """Time of one small all_reduce on a job's process group, measured by a rank (ms)."""
+
+    job_id: Annotated[str, Field(min_length=1, max_length=128)]
+    rank: Annotated[int, Field(ge=0)]
+    world_size: Annotated[int, Field(ge=1)] | None = None
+    ts: AwareDatetime
+    latency_ms: Annotated[float, Field(ge=0, le=3_600_000)]
+
+
+class AgentEvent(_Model):
+    """Something the agent wants an operator to see (a collector error, dropped batches…)."""
+
+    kind: Annotated[str, Field(min_length=1, max_length=64)]
+    ts: AwareDatetime
+    message: Annotated[str, Field(max_length=2000)] = ""
+    gpu: Annotated[int, Field(ge=0, le=255)] | None = None
+
+
+class ReportBatch(_Model):
+    """One agent report: what the collectors read since the previous batch.
+
+    ``gpus`` is the node's GPU inventory (sent in every batch; it is small). ``dropped_batches``
+    counts batches the agent's spool discarded (oldest first) because it was full.
+    """
+
+    protocol: Literal[1] = PROTOCOL_VERSION
+    node: NodeName
+    epoch: Annotated[str, Field(min_length=1, max_length=64)]
+    seq: Annotated[int, Field(ge=1)]
+    sent_at: AwareDatetime
+    agent_version: Annotated[str, Field(max_length=32)] = ""
+    collector: Annotated[str, Field(max_length=32)] = ""
+    simulated: bool = False
+    interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
+    gpus: Annotated[list[GpuInfo], Field(max_length=64)] = []
+    samples: Annotated[list[GpuSample], Field(max_length=4096)] = []
+    xids: Annotated[list[XidEvent], Field(max_length=4096)] = []
+    latency: Annotated[list[LatencySample], Field(max_length=4096)] = []
+    events: Annotated[list[AgentEvent], Field(max_length=1024)] = []
+    dropped_batches: Count = 0
+
+
+class Command(_Model):
+    """A command for the agent, delivered in the answer to a report (later issues fill it)."""
+
+    id: str
+    kind: str
+    args: dict[str, Any] = {}
+
+
+class ReportAck(_Model):
+    """The server's answer to a report.
+
+    ``stored`` is False when this (epoch, seq) was already held (a replay); the agent drops
+    the batch from its spool either way. ``acked_seq`` is the highest seq the server holds
+    for this epoch.
+    """
+
+    epoch: str
+    acked_seq: int
+    stored: bool
+    commands: list[Command] = []

@@ -1,0 +1,139 @@
+"""``tierwatch-server``: serve, migrate, manage tokens, prune.
+
+Tokens print alone on stdout (messages go to stderr), so ``T=$(tierwatch-server token create
+--role viewer)`` works.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from tierwatch.server.config import ConfigError, get_settings
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+token_app = typer.Typer(no_args_is_help=True, help="Create, list and revoke API tokens.")
+app.add_typer(token_app, name="token")
+
+
+def _err(message: str) -> None:
+    typer.echo(message, err=True)
+
+
+def _sessionmaker():  # type: ignore[no-untyped-def]
+    from tierwatch.server.db import make_engine, make_sessionmaker
+
+    return make_sessionmaker(make_engine(get_settings().database_url))
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    migrate_first: Annotated[bool, typer.Option("--migrate/--no-migrate")] = True,
+    log_level: Annotated[str, typer.Option()] = "info",
+) -> None:
+    """Run the control plane (migrates the database first unless --no-migrate)."""
+    import uvicorn
+
+    from tierwatch.server.main import create_app
+
+    settings = get_settings()
+    try:
+        settings.check_serving()
+    except ConfigError as exc:
+        _err(f"error: {exc}")
+        raise typer.Exit(2) from exc
+    if migrate_first:
+        from tierwatch.server.migrate import upgrade
+
+        upgrade(settings.database_url)
+    _err(f"tierwatch-server listening on http://{host}:{port}")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level, access_log=False)
+
+
+@app.command()
+def migrate() -> None:
+    """Upgrade the database schema to the newest revision."""
+    from tierwatch.server.migrate import upgrade
+
+    upgrade(get_settings().database_url)
+    _err("database is at the newest schema revision")
+
+
+@app.command()
+def prune() -> None:
+    """Delete samples and events older than the retention windows, once."""
+    from tierwatch.agent.protocol import utcnow
+    from tierwatch.server.fleet.service import prune as prune_rows
+
+    settings = get_settings()
+    with _sessionmaker()() as session:
+        deleted = prune_rows(
+            session,
+            now=utcnow(),
+            sample_retention_s=settings.sample_retention_s,
+            event_retention_s=settings.event_retention_s,
+        )
+    _err(f"deleted {deleted}")
+
+
+@token_app.command("create")
+def token_create(
+    role: Annotated[str, typer.Option(help="viewer | operator | admin | agent")],
+    node: Annotated[str | None, typer.Option(help="node an agent token reports for")] = None,
+    label: Annotated[str, typer.Option(help="free text to recognise the token by")] = "",
+) -> None:
+    """Create a token and print it (only its hash is stored: it cannot be shown again)."""
+    from tierwatch.server.db import session_scope
+    from tierwatch.server.tokens import TokenError, create_token
+
+    try:
+        with session_scope(_sessionmaker()) as session:
+            plaintext, row = create_token(session, role=role, node=node, label=label)
+            token_id = row.id
+    except TokenError as exc:
+        _err(f"error: {exc}")
+        raise typer.Exit(2) from exc
+    _err(f"created {role} token id {token_id}" + (f" for node {node}" if node else ""))
+    typer.echo(plaintext)
+
+
+@token_app.command("list")
+def token_list() -> None:
+    """List tokens (ids, roles, nodes; never the tokens themselves)."""
+    from tierwatch.server.tokens import list_tokens
+
+    with _sessionmaker()() as session:
+        for t in list_tokens(session):
+            status = "revoked" if t.revoked_at else "active"
+            typer.echo(
+                f"{t.id}\t{t.role}\t{t.node_name or '-'}\t{status}\t"
+                f"{t.created_at.isoformat()}\t{t.label}"
+            )
+
+
+@token_app.command("revoke")
+def token_revoke(token_id: Annotated[int, typer.Argument(help="id from `token list`")]) -> None:
+    """Revoke a token: it stops working at once."""
+    from tierwatch.server.db import session_scope
+    from tierwatch.server.tokens import TokenError, revoke_token
+
+    try:
+        with session_scope(_sessionmaker()) as session:
+            revoke_token(session, token_id)
+    except TokenError as exc:
+        _err(f"error: {exc}")
+        raise typer.Exit(2) from exc
+    _err(f"revoked token {token_id}")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app(prog_name="tierwatch-server")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

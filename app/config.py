@@ -1,0 +1,89 @@
+"""Server settings, read from ``TIERWATCH_*`` environment variables (pydantic-settings).
+
+Nested health thresholds use a double underscore, e.g. ``TIERWATCH_HEALTH__STRAGGLER_FACTOR=4``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Annotated
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tierwatch.server.fleet.rules import HealthThresholds
+
+DEFAULT_DATABASE_URL = "sqlite:///var/tierwatch.db"
+_PLACEHOLDER_SECRETS = {"changeme", "change-me", "secret", "dev", "test", "password"}
+MIN_SECRET_LENGTH = 32
+
+
+class ConfigError(RuntimeError):
+    """Settings that the server cannot start with; the message says what to set."""
+
+
+class Settings(BaseSettings):
+    """Control-plane settings.
+
+    Attributes:
+        database_url: SQLAlchemy URL, ``sqlite:///path/to/file.db`` (default, relative to the
+            working directory) or ``postgresql+psycopg://user@host:5432/db``.
+        secret_key: signs dashboard session cookies; required unless ``dev`` is set.
+        dev: development mode (allows running without a secret key).
+        sample_retention_s: raw GPU samples, latency samples and report receipts older than
+            this are pruned (seconds; default 24 h).
+        event_retention_s: events (XIDs, state changes) older than this are pruned (seconds).
+        prune_interval_s: how often the pruner runs (seconds; 0 disables it).
+        max_body_bytes: request bodies larger than this are refused with 413 (bytes).
+        metrics_require_token: require a bearer token for ``GET /metrics``.
+        dashboard_refresh_s: how often dashboard pages poll for fresh data (seconds).
+        health: health-rule thresholds (see ``tierwatch.server.fleet.rules``).
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix="TIERWATCH_", env_nested_delimiter="__", extra="ignore"
+    )
+
+    database_url: str = DEFAULT_DATABASE_URL
+    secret_key: str | None = None
+    dev: bool = False
+    sample_retention_s: Annotated[float, Field(gt=0)] = 24 * 3600.0
+    event_retention_s: Annotated[float, Field(gt=0)] = 30 * 24 * 3600.0
+    prune_interval_s: Annotated[float, Field(ge=0)] = 300.0
+    max_body_bytes: Annotated[int, Field(gt=0)] = 1024 * 1024
+    metrics_require_token: bool = False
+    dashboard_refresh_s: Annotated[float, Field(gt=0)] = 1.5
+    health: HealthThresholds = HealthThresholds()
+
+    def check_serving(self) -> None:
+        """Refuse settings that are unsafe for serving.
+
+        Raises:
+            ConfigError: outside dev mode when ``TIERWATCH_SECRET_KEY`` is unset, shorter than
+                32 characters or an obvious placeholder.
+        """
+        if self.dev:
+            return
+        key = self.secret_key or ""
+        if not key:
+            raise ConfigError(
+                "TIERWATCH_SECRET_KEY is not set: set it to a random string of at least "
+                f"{MIN_SECRET_LENGTH} characters (e.g. `python -c 'import secrets; "
+                "print(secrets.token_urlsafe(48))'`), or set TIERWATCH_DEV=1 for local development"
+            )
+        if key.lower() in _PLACEHOLDER_SECRETS or len(key) < MIN_SECRET_LENGTH:
+            raise ConfigError(
+                f"TIERWATCH_SECRET_KEY is a placeholder or shorter than {MIN_SECRET_LENGTH} "
+                "characters: set a random secret"
+            )
+
+    @property
+    def session_secret(self) -> str:
+        """The key that signs session cookies (a fixed dev key in dev mode without one)."""
+        return self.secret_key or "tierwatch-dev-mode-insecure-session-key"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    """Settings from the environment, read once per process."""
+    return Settings()

@@ -1,0 +1,144 @@
+"""Fleet REST API under /api/v1: nodes, samples, events, acknowledgements."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Query
+from pydantic import AwareDatetime
+
+from tierwatch.agent.protocol import utcnow
+from tierwatch.server.deps import SessionDep, SettingsDep
+from tierwatch.server.fleet import service
+from tierwatch.server.fleet.models import METRIC_FIELDS, Node
+from tierwatch.server.fleet.schemas import (
+    AckIn,
+    AckOut,
+    EventOut,
+    NodeDetailOut,
+    NodeList,
+    NodeOut,
+    node_out,
+)
+from tierwatch.server.security import OperatorDep, ReaderDep
+
+router = APIRouter(prefix="/api/v1", tags=["fleet"])
+
+StateFilter = Annotated[
+    str | None,
+    Query(pattern="^(healthy|degraded|unhealthy|unreachable)$", description="effective state"),
+]
+
+
+def valid_node(name: str, session: SessionDep) -> Node:
+    """The node named in the path.
+
+    Raises:
+        HTTPException: 404 for an unknown node.
+    """
+    try:
+        return service.get_node(session, name)
+    except service.NotFoundError as exc:
+        raise HTTPException(status_code=404, detail=str(exc)) from exc
+
+
+NodeDep = Annotated[Node, Depends(valid_node)]
+
+
+@router.get("/nodes", response_model=NodeList)
+def list_nodes(
+    _: ReaderDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    state: StateFilter = None,
+    name: Annotated[str | None, Query(max_length=128, description="name contains")] = None,
+) -> NodeList:
+    """All nodes with effective state, reasons and their GPUs' latest values."""
+    views = service.list_node_views(session, now=utcnow(), th=settings.health, name_contains=name)
+    counts = service.state_counts(views)
+    return NodeList(
+        counts=counts, nodes=[node_out(v) for v in views if state is None or v.state == state]
+    )
+
+
+@router.get("/nodes/{name}", response_model=NodeDetailOut)
+def get_node(_: ReaderDep, node: NodeDep, session: SessionDep, settings: SettingsDep) -> NodeOut:
+    """One node, with report bookkeeping (epoch, seq range, missing batches)."""
+    view = service.get_node_view(session, node.name, now=utcnow(), th=settings.health)
+    return node_out(view, detail=service.report_stats(session, node))
+
+
+@router.get("/nodes/{name}/samples")
+def get_samples(
+    _: ReaderDep,
+    node: NodeDep,
+    session: SessionDep,
+    gpu: Annotated[int | None, Query(ge=0, le=255)] = None,
+    metric: Annotated[str | None, Query(description="one of: " + ", ".join(METRIC_FIELDS))] = None,
+    since: AwareDatetime | None = None,
+    until: AwareDatetime | None = None,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 20_000,
+) -> dict:
+    """Raw samples of a node, oldest first (default: the last 15 minutes).
+
+    Returns ``{"node", "metric", "since", "until", "samples": [{"gpu", "ts", <metrics>…}]}``.
+    """
+    until = until or utcnow()
+    since = since or until - timedelta(minutes=15)
+    if since > until:
+        raise HTTPException(status_code=422, detail="since must not be after until")
+    try:
+        rows = service.query_samples(
+            session, node, gpu=gpu, metric=metric, since=since, until=until, limit=limit
+        )
+    except ValueError as exc:
+        raise HTTPException(status_code=422, detail=str(exc)) from exc
+    return {"node": node.name, "metric": metric, "since": since, "until": until, "samples": rows}
+
+
+@router.get("/events", response_model=list[EventOut])
+def list_events(
+    _: ReaderDep,
+    session: SessionDep,
+    node: Annotated[str | None, Query(max_length=128)] = None,
+    kind: Annotated[str | None, Query(pattern="^(xid|state|agent|ack)$")] = None,
+    since: AwareDatetime | None = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 200,
+) -> list[EventOut]:
+    """Events newest first: XIDs (with catalog mnemonic/action), state changes, agent events."""
+    node_row = valid_node(node, session) if node else None
+    return [
+        EventOut(
+            id=e.id,
+            node=name,
+            kind=e.kind,
+            gpu=e.gpu_index,
+            code=e.code,
+            ts=e.ts,
+            severity=e.severity,
+            message=e.message,
+            data=e.data or {},
+        )
+        for e, name in service.query_events(
+            session, node=node_row, kind=kind, since=since, limit=limit
+        )
+    ]
+
+
+@router.post("/nodes/{name}/ack", response_model=AckOut)
+def acknowledge(
+    body: AckIn,
+    principal: OperatorDep,
+    node: NodeDep,
+    session: SessionDep,
+    settings: SettingsDep,
+) -> AckOut:
+    """Acknowledge (clear) a node's reasons; needs the operator role."""
+    now = utcnow()
+    cleared = service.acknowledge(
+        session, node, rule=body.rule, gpu=body.gpu, actor=principal.actor, note=body.note, now=now
+    )
+    session.commit()
+    view = service.get_node_view(session, node.name, now=now, th=settings.health)
+    return AckOut(cleared=cleared, node=node_out(view))

@@ -1,0 +1,258 @@
+"""Fleet tables: nodes, GPUs (with their latest values), raw samples, events, reasons.
+
+``gpus`` is the latest-value table the dashboard and ``/metrics`` read; they never scan
+``gpu_samples`` (raw history, pruned after ``sample_retention_s``).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import Mapped, mapped_column
+
+from tierwatch.server.db import Base, UTCDateTime
+
+# BIGINT on PostgreSQL, INTEGER (a rowid alias, so it autoincrements) on SQLite.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+# Metric columns shared by the latest-value table and the raw samples, in wire-model names.
+METRIC_FIELDS: tuple[str, ...] = (
+    "temperature_c",
+    "slowdown_temp_c",
+    "shutdown_temp_c",
+    "power_w",
+    "power_limit_w",
+    "utilization_pct",
+    "memory_used_mib",
+    "memory_total_mib",
+    "ecc_sbe_volatile",
+    "ecc_dbe_volatile",
+    "ecc_sbe_aggregate",
+    "ecc_dbe_aggregate",
+    "remapped_rows_correctable",
+    "remapped_rows_uncorrectable",
+    "row_remap_pending",
+    "row_remap_failure",
+    "pcie_replay_count",
+    "throttle_reasons",
+    "nvlink_crc_errors",
+    "nvlink_replay_errors",
+    "nvlink_recovery_errors",
+)
+FLOAT_METRICS = frozenset(
+    {
+        "temperature_c",
+        "slowdown_temp_c",
+        "shutdown_temp_c",
+        "power_w",
+        "power_limit_w",
+        "utilization_pct",
+        "memory_used_mib",
+        "memory_total_mib",
+    }
+)
+BOOL_METRICS = frozenset({"row_remap_pending", "row_remap_failure"})
+
+
+class _Metrics:
+    """Mixin: one nullable column per metric (None = not supported on that GPU)."""
+
+    temperature_c: Mapped[float | None] = mapped_column(Float)
+    slowdown_temp_c: Mapped[float | None] = mapped_column(Float)
+    shutdown_temp_c: Mapped[float | None] = mapped_column(Float)
+    power_w: Mapped[float | None] = mapped_column(Float)
+    power_limit_w: Mapped[float | None] = mapped_column(Float)
+    utilization_pct: Mapped[float | None] = mapped_column(Float)
+    memory_used_mib: Mapped[float | None] = mapped_column(Float)
+    memory_total_mib: Mapped[float | None] = mapped_column(Float)
+    ecc_sbe_volatile: Mapped[int | None] = mapped_column(BigInteger)
+    ecc_dbe_volatile: Mapped[int | None] = mapped_column(BigInteger)
+    ecc_sbe_aggregate: Mapped[int | None] = mapped_column(BigInteger)
+    ecc_dbe_aggregate: Mapped[int | None] = mapped_column(BigInteger)
+    remapped_rows_correctable: Mapped[int | None] = mapped_column(BigInteger)
+    remapped_rows_uncorrectable: Mapped[int | None] = mapped_column(BigInteger)
+    row_remap_pending: Mapped[bool | None] = mapped_column(Boolean)
+    row_remap_failure: Mapped[bool | None] = mapped_column(Boolean)
+    pcie_replay_count: Mapped[int | None] = mapped_column(BigInteger)
+    throttle_reasons: Mapped[int | None] = mapped_column(BigInteger)
+    nvlink_crc_errors: Mapped[int | None] = mapped_column(BigInteger)
+    nvlink_replay_errors: Mapped[int | None] = mapped_column(BigInteger)
+    nvlink_recovery_errors: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class Node(Base):
+    """A GPU node, created by its agent's first report (or its first token).
+
+    ``state`` is the health state from the node's reasons (healthy | degraded | unhealthy);
+    ``unreachable`` is derived at read time from ``last_seen`` and ``interval_s``.
+    """
+
+    __tablename__ = "nodes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    state: Mapped[str] = mapped_column(String(16), default="healthy")
+    isolated: Mapped[bool] = mapped_column(Boolean, default=False)
+    simulated: Mapped[bool] = mapped_column(Boolean, default=False)
+    collector: Mapped[str] = mapped_column(String(32), default="")
+    agent_version: Mapped[str] = mapped_column(String(32), default="")
+    interval_s: Mapped[float] = mapped_column(Float, default=5.0)
+    first_seen: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    last_seen: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    state_since: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    epoch: Mapped[str] = mapped_column(String(64), default="")
+    last_seq: Mapped[int] = mapped_column(BigInteger, default=0)
+    dropped_batches: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class Gpu(_Metrics, Base):
+    """One GPU: identity plus its latest values (the latest-value table)."""
+
+    __tablename__ = "gpus"
+    __table_args__ = (UniqueConstraint("node_id", "index"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    index: Mapped[int] = mapped_column(Integer)
+    uuid: Mapped[str] = mapped_column(String(96), default="")
+    name: Mapped[str] = mapped_column(String(128), default="")
+    ts: Mapped[datetime | None] = mapped_column(UTCDateTime)  # when the latest values were read
+
+
+class GpuSampleRow(_Metrics, Base):
+    """Raw history: one row per GPU per reading."""
+
+    __tablename__ = "gpu_samples"
+    __table_args__ = (
+        Index("ix_gpu_samples_node_gpu_ts", "node_id", "gpu_index", "ts"),
+        Index("ix_gpu_samples_ts", "ts"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    gpu_index: Mapped[int] = mapped_column(Integer)
+    ts: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class Event(Base):
+    """Something that happened on a node: an XID, a state change, an agent event.
+
+    ``kind`` is ``xid`` (``code`` holds the XID, ``data`` the catalog entry), ``state`` (a
+    node state change), ``agent`` (reported by the agent), or ``ack``.
+    """
+
+    __tablename__ = "events"
+    __table_args__ = (
+        Index("ix_events_node_ts", "node_id", "ts"),
+        Index("ix_events_kind_ts", "kind", "ts"),
+        Index("ix_events_ts", "ts"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    node_id: Mapped[int | None] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(32))
+    gpu_index: Mapped[int | None] = mapped_column(Integer)
+    code: Mapped[int | None] = mapped_column(Integer)
+    ts: Mapped[datetime] = mapped_column(UTCDateTime)
+    received_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    severity: Mapped[str] = mapped_column(String(16), default="info")
+    message: Mapped[str] = mapped_column(Text, default="")
+    data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class XidCount(Base):
+    """Monotonic count of XID occurrences per (node, GPU, code), for ``/metrics``."""
+
+    __tablename__ = "xid_counts"
+
+    node_id: Mapped[int] = mapped_column(
+        ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
+    )
+    gpu_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    xid: Mapped[int] = mapped_column(Integer, primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger, default=0)
+    last_ts: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class ReasonRow(Base):
+    """An active reason behind a node's state (see ``fleet.rules.Reason``).
+
+    ``gpu_index`` is -1 for node-level reasons so the unique key works on every database.
+    """
+
+    __tablename__ = "reasons"
+    __table_args__ = (UniqueConstraint("node_id", "rule", "gpu_index", "key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    rule: Mapped[str] = mapped_column(String(32))
+    gpu_index: Mapped[int] = mapped_column(Integer, default=-1)
+    key: Mapped[str] = mapped_column(String(64), default="")
+    severity: Mapped[str] = mapped_column(String(16))
+    message: Mapped[str] = mapped_column(Text)
+    action: Mapped[str] = mapped_column(String(64))
+    evidence: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    first_seen: Mapped[datetime] = mapped_column(UTCDateTime)
+    last_seen: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class Acknowledgement(Base):
+    """An operator's acknowledgement of a reason: earlier occurrences no longer count."""
+
+    __tablename__ = "acknowledgements"
+    __table_args__ = (Index("ix_acknowledgements_node_rule", "node_id", "rule", "gpu_index"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    rule: Mapped[str] = mapped_column(String(32))
+    gpu_index: Mapped[int] = mapped_column(Integer, default=-1)
+    key: Mapped[str] = mapped_column(String(64), default="")
+    acked_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    actor: Mapped[str] = mapped_column(String(128))
+    note: Mapped[str] = mapped_column(Text, default="")
+
+
+class ReportReceipt(Base):
+    """One stored agent batch: the key that makes ingest idempotent."""
+
+    __tablename__ = "report_receipts"
+    __table_args__ = (Index("ix_report_receipts_received_at", "received_at"),)
+
+    node_id: Mapped[int] = mapped_column(
+        ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
+    )
+    epoch: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    sent_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    received_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class LatencySampleRow(Base):
+    """A collective-latency sample of one rank of one job (ms)."""
+
+    __tablename__ = "latency_samples"
+    __table_args__ = (
+        Index("ix_latency_samples_job_ts", "job_id", "ts"),
+        Index("ix_latency_samples_ts", "ts"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(String(128))
+    rank: Mapped[int] = mapped_column(Integer)
+    world_size: Mapped[int | None] = mapped_column(Integer)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    ts: Mapped[datetime] = mapped_column(UTCDateTime)
+    latency_ms: Mapped[float] = mapped_column(Float)

@@ -1,0 +1,177 @@
+"""API shapes of the fleet (pydantic v2). Units are in field names (see agent.protocol)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tierwatch.server.fleet.models import METRIC_FIELDS
+from tierwatch.server.fleet.service import NodeView, throttle_names
+
+
+class ReasonOut(BaseModel):
+    """Why a node is not healthy, and what to do about it."""
+
+    rule: str
+    severity: str
+    gpu: int | None
+    key: str
+    message: str
+    action: str
+    evidence: dict[str, Any]
+    first_seen: datetime
+    last_seen: datetime
+
+
+class GpuOut(BaseModel):
+    """A GPU with its latest values (None = not supported/read)."""
+
+    index: int
+    uuid: str
+    name: str
+    ts: datetime | None
+    temperature_c: float | None = None
+    slowdown_temp_c: float | None = None
+    shutdown_temp_c: float | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    utilization_pct: float | None = None
+    memory_used_mib: float | None = None
+    memory_total_mib: float | None = None
+    ecc_sbe_volatile: int | None = None
+    ecc_dbe_volatile: int | None = None
+    ecc_sbe_aggregate: int | None = None
+    ecc_dbe_aggregate: int | None = None
+    remapped_rows_correctable: int | None = None
+    remapped_rows_uncorrectable: int | None = None
+    row_remap_pending: bool | None = None
+    row_remap_failure: bool | None = None
+    pcie_replay_count: int | None = None
+    throttle_reasons: int | None = None
+    throttle_reason_names: list[str] = []
+    nvlink_crc_errors: int | None = None
+    nvlink_replay_errors: int | None = None
+    nvlink_recovery_errors: int | None = None
+    xid_count: int = 0
+
+
+class NodeOut(BaseModel):
+    """A node: effective state (unreachable overrides health), reasons and GPUs."""
+
+    name: str
+    state: str
+    health_state: str
+    reasons: list[ReasonOut]
+    isolated: bool
+    simulated: bool
+    collector: str
+    agent_version: str
+    interval_s: float
+    first_seen: datetime | None
+    last_seen: datetime | None
+    state_since: datetime | None
+    gpus: list[GpuOut]
+
+
+class ReportStats(BaseModel):
+    """What the server holds of the node's current agent epoch."""
+
+    epoch: str
+    first_seq: int | None
+    last_seq: int | None
+    batches: int
+    missing: int
+    dropped_by_agent: int
+
+
+class NodeDetailOut(NodeOut):
+    """A node with its report bookkeeping."""
+
+    reports: ReportStats
+
+
+class NodeList(BaseModel):
+    """Nodes plus the number per state."""
+
+    counts: dict[str, int]
+    nodes: list[NodeOut]
+
+
+class EventOut(BaseModel):
+    """One event (XID, state change, agent event, acknowledgement)."""
+
+    id: int
+    node: str | None
+    kind: str
+    gpu: int | None
+    code: int | None
+    ts: datetime
+    severity: str
+    message: str
+    data: dict[str, Any]
+
+
+class AckIn(BaseModel):
+    """Acknowledge a node's reasons: all of them, or one rule and/or one GPU."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rule: Annotated[str, Field(max_length=32)] | None = None
+    gpu: Annotated[int, Field(ge=0, le=255)] | None = None
+    note: Annotated[str, Field(max_length=2000)] = ""
+
+
+class AckOut(BaseModel):
+    """Result of an acknowledgement."""
+
+    cleared: int
+    node: NodeOut
+
+
+def node_out(view: NodeView, *, detail: dict[str, Any] | None = None) -> NodeOut:
+    """Build the API shape of a node view (a NodeDetailOut when ``detail`` is given)."""
+    n = view.node
+    fields: dict[str, Any] = {
+        "name": n.name,
+        "state": view.state,
+        "health_state": n.state,
+        "reasons": [
+            ReasonOut(
+                rule=r.rule,
+                severity=r.severity,
+                gpu=None if r.gpu_index < 0 else r.gpu_index,
+                key=r.key,
+                message=r.message,
+                action=r.action,
+                evidence=r.evidence or {},
+                first_seen=r.first_seen,
+                last_seen=r.last_seen,
+            )
+            for r in view.reasons
+        ],
+        "isolated": n.isolated,
+        "simulated": n.simulated,
+        "collector": n.collector,
+        "agent_version": n.agent_version,
+        "interval_s": n.interval_s,
+        "first_seen": n.first_seen,
+        "last_seen": n.last_seen,
+        "state_since": n.state_since,
+        "gpus": [
+            GpuOut(
+                index=g.index,
+                uuid=g.uuid,
+                name=g.name,
+                ts=g.ts,
+                throttle_reason_names=throttle_names(g),
+                xid_count=view.xid_counts.get(g.index, 0),
+                **{f: getattr(g, f) for f in METRIC_FIELDS},
+            )
+            for g in view.gpus
+        ],
+    }
+    if detail is not None:
+        return NodeDetailOut(**fields, reports=ReportStats(**detail))
+    return NodeOut(**fields)

@@ -1,0 +1,331 @@
+"""Read side of the fleet and its housekeeping: node views, samples, events, acks, pruning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session
+
+from tierwatch.agent.protocol import throttle_reason_names
+from tierwatch.server.fleet import rules
+from tierwatch.server.fleet.models import (
+    METRIC_FIELDS,
+    Acknowledgement,
+    Event,
+    Gpu,
+    GpuSampleRow,
+    LatencySampleRow,
+    Node,
+    ReasonRow,
+    ReportReceipt,
+    XidCount,
+)
+
+STATES = ("healthy", "degraded", "unhealthy", "unreachable")
+
+
+class NotFoundError(LookupError):
+    """A named object does not exist (answered as 404)."""
+
+
+@dataclass
+class NodeView:
+    """A node as the API and dashboard show it (effective state includes reachability)."""
+
+    node: Node
+    state: str
+    unreachable: bool
+    reasons: list[ReasonRow]
+    gpus: list[Gpu] = field(default_factory=list)
+    xid_counts: dict[int, int] = field(default_factory=dict)  # gpu index -> occurrences
+
+
+def effective_state(node: Node, now: datetime, th: rules.HealthThresholds) -> tuple[str, bool]:
+    """(state, unreachable) of a node at ``now``: unreachable overrides the health state."""
+    unreachable = rules.is_unreachable(node.last_seen, node.interval_s, now, th)
+    return ("unreachable" if unreachable else node.state), unreachable
+
+
+def list_node_views(
+    session: Session,
+    *,
+    now: datetime,
+    th: rules.HealthThresholds,
+    state: str | None = None,
+    name_contains: str | None = None,
+    with_gpus: bool = True,
+) -> list[NodeView]:
+    """All nodes (optionally filtered by effective state and name substring), by name.
+
+    Reads only the latest-value tables (nodes, gpus, reasons, xid_counts): never history.
+    """
+    query = select(Node).order_by(Node.name)
+    if name_contains:
+        escaped = name_contains.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        query = query.where(Node.name.ilike(f"%{escaped}%", escape="\\"))
+    nodes = list(session.scalars(query))
+    reasons: dict[int, list[ReasonRow]] = {}
+    for r in session.scalars(select(ReasonRow).order_by(ReasonRow.first_seen)):
+        reasons.setdefault(r.node_id, []).append(r)
+    gpus: dict[int, list[Gpu]] = {}
+    counts: dict[int, dict[int, int]] = {}
+    if with_gpus:
+        for g in session.scalars(select(Gpu).order_by(Gpu.node_id, Gpu.index)):
+            gpus.setdefault(g.node_id, []).append(g)
+        for c in session.scalars(select(XidCount)):
+            per = counts.setdefault(c.node_id, {})
+            per[c.gpu_index] = per.get(c.gpu_index, 0) + c.count
+    views = []
+    for n in nodes:
+        eff, unreachable = effective_state(n, now, th)
+        if state and eff != state:
+            continue
+        views.append(
+            NodeView(
+                n, eff, unreachable, reasons.get(n.id, []), gpus.get(n.id, []), counts.get(n.id, {})
+            )
+        )
+    return views
+
+
+def get_node_view(
+    session: Session, name: str, *, now: datetime, th: rules.HealthThresholds
+) -> NodeView:
+    """One node with its GPUs and reasons.
+
+    Raises:
+        NotFoundError: no node has that name.
+    """
+    node = get_node(session, name)
+    eff, unreachable = effective_state(node, now, th)
+    reasons = list(
+        session.scalars(
+            select(ReasonRow).where(ReasonRow.node_id == node.id).order_by(ReasonRow.first_seen)
+        )
+    )
+    gpus = list(session.scalars(select(Gpu).where(Gpu.node_id == node.id).order_by(Gpu.index)))
+    counts: dict[int, int] = {}
+    for c in session.scalars(select(XidCount).where(XidCount.node_id == node.id)):
+        counts[c.gpu_index] = counts.get(c.gpu_index, 0) + c.count
+    return NodeView(node, eff, unreachable, reasons, gpus, counts)
+
+
+def get_node(session: Session, name: str) -> Node:
+    """The node named ``name``.
+
+    Raises:
+        NotFoundError: no node has that name.
+    """
+    node = session.scalar(select(Node).where(Node.name == name))
+    if node is None:
+        raise NotFoundError(f"no node named {name!r}")
+    return node
+
+
+def state_counts(views: list[NodeView]) -> dict[str, int]:
+    """Number of nodes per effective state (every state present, zero included)."""
+    counts = dict.fromkeys(STATES, 0)
+    for v in views:
+        counts[v.state] += 1
+    return counts
+
+
+def report_stats(session: Session, node: Node) -> dict[str, Any]:
+    """What the server holds of the node's current agent epoch: first/last seq and count.
+
+    ``count == last_seq - first_seq + 1`` proves no batch of the epoch is missing.
+    """
+    first, last, count = session.execute(
+        select(
+            func.min(ReportReceipt.seq), func.max(ReportReceipt.seq), func.count(ReportReceipt.seq)
+        ).where(ReportReceipt.node_id == node.id, ReportReceipt.epoch == node.epoch)
+    ).one()
+    return {
+        "epoch": node.epoch,
+        "first_seq": first,
+        "last_seq": last,
+        "batches": count,
+        "missing": (last - first + 1 - count) if last is not None else 0,
+        "dropped_by_agent": node.dropped_batches,
+    }
+
+
+def query_samples(
+    session: Session,
+    node: Node,
+    *,
+    gpu: int | None,
+    metric: str | None,
+    since: datetime,
+    until: datetime,
+    limit: int,
+) -> list[dict[str, Any]]:
+    """Raw samples of one node in ``[since, until]``, oldest first.
+
+    Returns rows ``{"gpu": int, "ts": datetime, <metric>: value, ...}``: every metric, or
+    only ``metric`` when given. At most ``limit`` rows (the newest ones).
+
+    Raises:
+        ValueError: unknown metric name (the message lists the valid ones).
+    """
+    if metric is not None and metric not in METRIC_FIELDS:
+        raise ValueError(f"unknown metric {metric!r}; valid: {', '.join(METRIC_FIELDS)}")
+    fields = [metric] if metric else list(METRIC_FIELDS)
+    cols = [GpuSampleRow.gpu_index, GpuSampleRow.ts] + [getattr(GpuSampleRow, f) for f in fields]
+    q = select(*cols).where(
+        GpuSampleRow.node_id == node.id, GpuSampleRow.ts >= since, GpuSampleRow.ts <= until
+    )
+    if gpu is not None:
+        q = q.where(GpuSampleRow.gpu_index == gpu)
+    rows = session.execute(q.order_by(GpuSampleRow.ts.desc()).limit(limit)).all()
+    return [
+        {"gpu": r[0], "ts": r[1], **dict(zip(fields, r[2:], strict=True))} for r in reversed(rows)
+    ]
+
+
+def query_events(
+    session: Session,
+    *,
+    node: Node | None,
+    kind: str | None,
+    since: datetime | None,
+    limit: int,
+) -> list[tuple[Event, str | None]]:
+    """Events newest first, with the node name, filtered by node, kind and time."""
+    q = select(Event, Node.name).join(Node, Node.id == Event.node_id, isouter=True)
+    if node is not None:
+        q = q.where(Event.node_id == node.id)
+    if kind:
+        q = q.where(Event.kind == kind)
+    if since is not None:
+        q = q.where(Event.ts >= since)
+    return [
+        (e, n)
+        for e, n in session.execute(q.order_by(Event.ts.desc(), Event.id.desc()).limit(limit))
+    ]
+
+
+def acknowledge(
+    session: Session,
+    node: Node,
+    *,
+    rule: str | None,
+    gpu: int | None,
+    actor: str,
+    note: str,
+    now: datetime,
+) -> int:
+    """Acknowledge a node's reasons (all, or one rule and/or GPU): they are cleared now.
+
+    Earlier XID occurrences stop counting toward repeat rules; a level condition that
+    still holds (e.g. a hot GPU) is found again on the next report.
+
+    Returns:
+        The number of reasons cleared.
+    """
+    q = select(ReasonRow).where(ReasonRow.node_id == node.id)
+    if rule:
+        q = q.where(ReasonRow.rule == rule)
+    if gpu is not None:
+        q = q.where(ReasonRow.gpu_index == gpu)
+    rows = list(session.scalars(q))
+    for r in rows:
+        session.add(
+            Acknowledgement(
+                node_id=node.id,
+                rule=r.rule,
+                gpu_index=r.gpu_index,
+                key=r.key,
+                acked_at=now,
+                actor=actor,
+                note=note,
+            )
+        )
+        session.delete(r)
+    session.flush()
+    remaining = [
+        rules.Reason(
+            rule=r.rule,
+            severity=r.severity,
+            gpu=None if r.gpu_index < 0 else r.gpu_index,  # type: ignore[arg-type]
+            key=r.key,
+            message=r.message,
+            action=r.action,
+            evidence=r.evidence or {},
+            first_seen=r.first_seen,
+            last_seen=r.last_seen,
+        )
+        for r in session.scalars(select(ReasonRow).where(ReasonRow.node_id == node.id))
+    ]
+    session.add(
+        Event(
+            node_id=node.id,
+            kind="ack",
+            ts=now,
+            received_at=now,
+            severity="info",
+            message=f"{len(rows)} reason(s) acknowledged by {actor}"
+            + (f": {note}" if note else ""),
+            data={"rule": rule, "gpu": gpu, "actor": actor},
+        )
+    )
+    set_state(session, node, rules.node_state(remaining, unreachable=False), remaining, now)
+    return len(rows)
+
+
+def prune(
+    session: Session, *, now: datetime, sample_retention_s: float, event_retention_s: float
+) -> dict[str, int]:
+    """Delete raw history older than the retention windows.
+
+    Returns:
+        Rows deleted per table.
+    """
+    sample_cut = now - timedelta(seconds=sample_retention_s)
+    event_cut = now - timedelta(seconds=event_retention_s)
+    deleted = {}
+    for table, col, cut in (
+        (GpuSampleRow, GpuSampleRow.ts, sample_cut),
+        (LatencySampleRow, LatencySampleRow.ts, sample_cut),
+        (ReportReceipt, ReportReceipt.received_at, sample_cut),
+        (Event, Event.ts, event_cut),
+        (Acknowledgement, Acknowledgement.acked_at, event_cut),
+    ):
+        result = session.execute(delete(table).where(col < cut))
+        deleted[table.__tablename__] = result.rowcount  # type: ignore[attr-defined]
+    session.commit()
+    return deleted
+
+
+def throttle_names(gpu: Gpu) -> list[str]:
+    """Active clock-event reasons of a GPU's latest sample, by name."""
+    return throttle_reason_names(gpu.throttle_reasons)
+
+
+def set_state(
+    session: Session, node: Node, state: str, reasons: list[rules.Reason], at: datetime
+) -> None:
+    """Record a health-state change of ``node`` as an event (no-op when unchanged)."""
+    if state == node.state and node.state_since is not None:
+        return
+    old = node.state
+    node.state = state
+    node.state_since = at
+    if old == state:
+        return
+    worst = sorted(reasons, key=lambda r: -rules.STATE_ORDER[r.severity])[:3]
+    detail = "; ".join(f"{r.message} → {r.action}" for r in worst)
+    session.add(
+        Event(
+            node_id=node.id,
+            kind="state",
+            ts=at,
+            received_at=at,
+            severity=state,
+            message=f"{old} → {state}" + (f": {detail}" if detail else ""),
+            data={"from": old, "to": state},
+        )
+    )

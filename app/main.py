@@ -1,0 +1,183 @@
+"""The control-plane application: ``create_app()`` wires routers, middleware and lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware.sessions import SessionMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tierwatch import __version__
+from tierwatch.agent.protocol import utcnow
+from tierwatch.server.config import Settings, get_settings
+from tierwatch.server.db import make_engine, make_sessionmaker
+from tierwatch.server.fleet import api as fleet_api
+from tierwatch.server.fleet import service as fleet_service
+from tierwatch.server.ingest import api as ingest_api
+from tierwatch.server.metrics import make_registry
+from tierwatch.server.resources import resource_dir
+from tierwatch.server.security import optional_principal
+from tierwatch.server.web import views as web_views
+
+log = logging.getLogger("tierwatch.server")
+
+
+class BodySizeLimit:
+    """Refuse request bodies over ``limit`` bytes with 413, before the route reads them.
+
+    Checks ``Content-Length`` up front and counts streamed (chunked) bodies as they arrive.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._too_large(scope, receive, send)
+            return
+        seen = 0
+        refused = False
+
+        async def counting_receive() -> Message:
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    # Answer 413 now; the route then sees a disconnect and its own reply
+                    # (whatever it is) is dropped by guarded_send.
+                    refused = True
+                    await self._too_large(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            if not refused:
+                await send(message)
+
+        await self.app(scope, counting_receive, guarded_send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = JSONResponse(
+            {
+                "detail": f"request body is larger than the {self.limit}-byte limit; send smaller "
+                "batches (or raise TIERWATCH_MAX_BODY_BYTES)"
+            },
+            status_code=413,
+        )
+        await response(scope, receive, send)
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = [
+        {"field": _field_path(e.get("loc", ())), "message": e.get("msg", ""), "type": e.get("type")}
+        for e in exc.errors()
+    ]
+    summary = "; ".join(f"{e['field']}: {e['message']}" for e in errors[:5])
+    return JSONResponse(
+        status_code=422,
+        content=jsonable_encoder({"detail": f"invalid request: {summary}", "errors": errors}),
+    )
+
+
+async def _prune_forever(app: FastAPI, settings: Settings) -> None:
+    while True:
+        await asyncio.sleep(settings.prune_interval_s)
+        try:
+            with app.state.sessionmaker() as session:
+                deleted = await run_in_threadpool(
+                    fleet_service.prune,
+                    session,
+                    now=utcnow(),
+                    sample_retention_s=settings.sample_retention_s,
+                    event_retention_s=settings.event_retention_s,
+                )
+            log.info("pruned %s", deleted)
+        except Exception:  # keep pruning on the next round; the error is logged
+            log.exception("pruning failed")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the control-plane app.
+
+    Raises:
+        ConfigError: unsafe settings outside dev mode (e.g. no secret key).
+    """
+    settings = settings or get_settings()
+    settings.check_serving()
+    engine = make_engine(settings.database_url)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = None
+        if settings.prune_interval_s > 0:
+            task = asyncio.create_task(_prune_forever(app, settings))
+        yield
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        engine.dispose()
+
+    app = FastAPI(
+        title="tierwatch",
+        version=__version__,
+        description="GPU-cluster health and tiered checkpointing control plane.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.sessionmaker = make_sessionmaker(engine)
+    app.state.metrics_registry = make_registry(app.state.sessionmaker, settings.health)
+
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_middleware(
+        SessionMiddleware,
+        secret_key=settings.session_secret,
+        session_cookie="tierwatch_session",
+        same_site="lax",
+        max_age=12 * 3600,
+    )
+    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+
+    app.include_router(ingest_api.router)
+    app.include_router(fleet_api.router)
+    app.include_router(web_views.router)
+    app.mount("/static", StaticFiles(directory=resource_dir("static")), name="static")
+
+    @app.get("/healthz", include_in_schema=False)
+    def healthz() -> dict[str, str]:
+        return {"status": "ok", "version": __version__}
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics(request: Request) -> Response:
+        if settings.metrics_require_token:
+            with app.state.sessionmaker() as session:
+                if optional_principal(request, session) is None:
+                    return PlainTextResponse("authentication required", status_code=401)
+        return Response(generate_latest(app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

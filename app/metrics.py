@@ -1,0 +1,163 @@
+"""``GET /metrics``: Prometheus exposition of the latest-value tables.
+
+GPU gauges use dcgm-exporter's metric names and labels (``Hostname``, ``gpu``, ``UUID``,
+``modelName``) so existing Grafana dashboards work unchanged. They are exposed as gauges:
+a prometheus-client Counter would append ``_total`` and break the names. Collection is a
+pure read done on demand (a custom collector), never a background copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from tierwatch.agent.protocol import utcnow
+from tierwatch.server.fleet import rules
+from tierwatch.server.fleet.models import Gpu, Node, XidCount
+from tierwatch.server.fleet.service import STATES, effective_state
+
+# (dcgm-exporter name, our column, help text, transform)
+DCGM_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("DCGM_FI_DEV_GPU_TEMP", "temperature_c", "GPU temperature (in C)."),
+    ("DCGM_FI_DEV_POWER_USAGE", "power_w", "Power draw (in W)."),
+    ("DCGM_FI_DEV_POWER_MGMT_LIMIT", "power_limit_w", "Power management limit (in W)."),
+    ("DCGM_FI_DEV_GPU_UTIL", "utilization_pct", "GPU utilization (in %)."),
+    ("DCGM_FI_DEV_FB_USED", "memory_used_mib", "Framebuffer memory used (in MiB)."),
+    (
+        "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
+        "ecc_sbe_volatile",
+        "Total number of single-bit volatile ECC errors.",
+    ),
+    (
+        "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+        "ecc_dbe_volatile",
+        "Total number of double-bit volatile ECC errors.",
+    ),
+    (
+        "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL",
+        "ecc_sbe_aggregate",
+        "Total number of single-bit persistent ECC errors.",
+    ),
+    (
+        "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL",
+        "ecc_dbe_aggregate",
+        "Total number of double-bit persistent ECC errors.",
+    ),
+    (
+        "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
+        "remapped_rows_correctable",
+        "Number of remapped rows for correctable errors.",
+    ),
+    (
+        "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
+        "remapped_rows_uncorrectable",
+        "Number of remapped rows for uncorrectable errors.",
+    ),
+    ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "row_remap_failure", "Whether remapping of rows has failed."),
+    (
+        "DCGM_FI_DEV_ROW_REMAP_PENDING",
+        "row_remap_pending",
+        "Whether a row remap is pending (GPU reset needed).",
+    ),
+    ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "pcie_replay_count", "Total number of PCIe retries."),
+    (
+        "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
+        "throttle_reasons",
+        "Current clock throttle reasons (bitmask).",
+    ),
+    (
+        "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
+        "nvlink_crc_errors",
+        "Total number of NVLink CRC errors.",
+    ),
+    (
+        "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL",
+        "nvlink_replay_errors",
+        "Total number of NVLink replay errors.",
+    ),
+    (
+        "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
+        "nvlink_recovery_errors",
+        "Total number of NVLink recovery errors.",
+    ),
+)
+GPU_LABELS = ["gpu", "UUID", "modelName", "Hostname"]
+
+
+class FleetCollector(Collector):
+    """Yields metric families from the database on each scrape."""
+
+    def __init__(self, factory: sessionmaker[Session], th: rules.HealthThresholds) -> None:
+        self._factory = factory
+        self._th = th
+
+    def collect(self) -> Iterator[Metric]:
+        with self._factory() as session:
+            yield from collect_fleet(session, self._th)
+
+
+def collect_fleet(session: Session, th: rules.HealthThresholds) -> Iterator[Metric]:
+    """All fleet metric families from the latest-value tables (pure read)."""
+    now = utcnow()
+    nodes = {n.id: n for n in session.scalars(select(Node))}
+    gpus = list(session.scalars(select(Gpu).order_by(Gpu.node_id, Gpu.index)))
+    families = {
+        name: GaugeMetricFamily(name, help_, labels=GPU_LABELS) for name, _, help_ in DCGM_GAUGES
+    }
+    xid_last = GaugeMetricFamily(
+        "DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered.", labels=GPU_LABELS
+    )
+    last_xid: dict[tuple[int, int], tuple[Any, int]] = {}
+    counts = CounterMetricFamily(
+        "tierwatch_xid_events",
+        "XID occurrences per node, GPU and code (every occurrence counted).",
+        labels=["Hostname", "gpu", "xid"],
+    )
+    for c in session.scalars(select(XidCount)):
+        node = nodes.get(c.node_id)
+        if node is None:
+            continue
+        counts.add_metric([node.name, str(c.gpu_index), str(c.xid)], c.count)
+        key = (c.node_id, c.gpu_index)
+        if c.last_ts is not None and (key not in last_xid or c.last_ts > last_xid[key][0]):
+            last_xid[key] = (c.last_ts, c.xid)
+    for g in gpus:
+        node = nodes.get(g.node_id)
+        if node is None or g.ts is None:
+            continue
+        labels = [str(g.index), g.uuid, g.name, node.name]
+        for name, column, _ in DCGM_GAUGES:
+            value = getattr(g, column)
+            if value is not None:
+                families[name].add_metric(labels, float(value))
+        xid_last.add_metric(labels, float(last_xid.get((g.node_id, g.index), (None, 0))[1]))
+    yield from families.values()
+    yield xid_last
+    yield counts
+    state = GaugeMetricFamily(
+        "tierwatch_node_state",
+        "1 for the node's current effective state, 0 for the others.",
+        labels=["Hostname", "state"],
+    )
+    isolated = GaugeMetricFamily(
+        "tierwatch_node_isolated", "1 when the node is isolated.", labels=["Hostname"]
+    )
+    for node in nodes.values():
+        current, _ = effective_state(node, now, th)
+        for s in STATES:
+            state.add_metric([node.name, s], 1.0 if s == current else 0.0)
+        isolated.add_metric([node.name], 1.0 if node.isolated else 0.0)
+    yield state
+    yield isolated
+
+
+def make_registry(factory: sessionmaker[Session], th: rules.HealthThresholds) -> CollectorRegistry:
+    """A registry holding only the fleet collector (no process/platform metrics)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FleetCollector(factory, th))
+    return registry

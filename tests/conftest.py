@@ -1,0 +1,122 @@
+"""Shared fixtures: migrated databases (SQLite always, PostgreSQL when configured), apps,
+clients and tokens.
+
+PostgreSQL tests run when ``TIERWATCH_TEST_DATABASE_URL`` is set (``.ci/run`` sets it); each
+test session migrates into its own schema, dropped at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session
+
+from tierwatch.server.config import Settings
+from tierwatch.server.db import Base, make_engine, make_sessionmaker
+from tierwatch.server.main import create_app
+from tierwatch.server.migrate import upgrade
+from tierwatch.server.tokens import create_token
+
+PG_URL = os.environ.get("TIERWATCH_TEST_DATABASE_URL")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+BACKENDS = [
+    pytest.param("sqlite", id="sqlite"),
+    pytest.param(
+        "postgres",
+        id="postgres",
+        marks=[
+            pytest.mark.postgres,
+            pytest.mark.skipif(
+                not PG_URL, reason="TIERWATCH_TEST_DATABASE_URL is not set (.ci/run sets it)"
+            ),
+        ],
+    ),
+]
+
+
+def _pg_schema_url(base: str, schema: str) -> str:
+    return make_url(base).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(
+        hide_password=False
+    )
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A freshly migrated database URL for the whole test session, per backend."""
+    if request.param == "sqlite":
+        path = tmp_path_factory.mktemp("db") / "tierwatch.db"
+        url = f"sqlite:///{path}"
+        upgrade(url)
+        yield url
+        return
+    assert PG_URL
+    schema = f"tw_test_{uuid.uuid4().hex[:12]}"
+    admin = make_engine(PG_URL)
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    url = _pg_schema_url(PG_URL, schema)
+    try:
+        upgrade(url)
+        yield url
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture
+def db_url(database_url: str) -> Iterator[str]:
+    """The session database, emptied before each test."""
+    engine = make_engine(database_url)
+    with engine.begin() as conn:
+        for table in reversed(Base.metadata.sorted_tables):
+            conn.execute(table.delete())
+    engine.dispose()
+    yield database_url
+
+
+@pytest.fixture
+def settings(db_url: str) -> Settings:
+    """Dev-mode settings on the test database, pruner off."""
+    return Settings(database_url=db_url, dev=True, prune_interval_s=0)
+
+
+@pytest.fixture
+def app(settings: Settings):  # type: ignore[no-untyped-def]
+    """The control-plane app on the test database."""
+    return create_app(settings)
+
+
+@pytest.fixture
+def client(app) -> Iterator[TestClient]:  # type: ignore[no-untyped-def]
+    """A client talking to the app in-process (lifespan run)."""
+    with TestClient(app) as c:
+        yield c
+
+
+@pytest.fixture
+def session(app) -> Iterator[Session]:  # type: ignore[no-untyped-def]
+    """A session on the app's database."""
+    with app.state.sessionmaker() as s:
+        yield s
+
+
+@pytest.fixture
+def make_token(app):  # type: ignore[no-untyped-def]
+    """Create a token: ``make_token("agent", "node-a") -> plaintext``."""
+
+    def _make(role: str, node: str | None = None) -> str:
+        with make_sessionmaker(app.state.engine)() as s:
+            plaintext, _ = create_token(s, role=role, node=node)
+            s.commit()
+        return plaintext
+
+    return _make

@@ -1,0 +1,162 @@
+"""Auth and input validation of the REST API: clear 401/403/404/413/422, never a 500."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from support import auth, make_batch, post_batch
+
+
+def test_ingest_without_token_is_401(client):
+    r = client.post("/api/v1/ingest/report", content=make_batch("n1", 1).model_dump_json())
+    assert r.status_code == 401
+    assert "Bearer" in r.json()["detail"]
+
+
+def test_ingest_with_unknown_token_is_401(client):
+    r = post_batch(client, "tw_not-a-real-token", make_batch("n1", 1))
+    assert r.status_code == 401
+    assert r.json()["detail"] == "unknown or revoked token"
+
+
+def test_malformed_authorization_header_is_401(client):
+    r = client.get("/api/v1/nodes", headers={"Authorization": "Token abc"})
+    assert r.status_code == 401
+    assert "Bearer" in r.json()["detail"]
+
+
+def test_agent_token_for_other_node_is_403_and_stores_nothing(client, make_token):
+    token_a = make_token("agent", "node-a")
+    viewer = make_token("viewer")
+    r = post_batch(client, token_a, make_batch("node-b", 1))
+    assert r.status_code == 403
+    assert "node-a" in r.json()["detail"] and "node-b" in r.json()["detail"]
+    assert client.get("/api/v1/nodes", headers=auth(viewer)).json()["nodes"] == []
+
+
+def test_viewer_token_cannot_report(client, make_token):
+    r = post_batch(client, make_token("viewer"), make_batch("n1", 1))
+    assert r.status_code == 403
+    assert "agent" in r.json()["detail"]
+
+
+def test_read_endpoints_need_a_token(client):
+    for path in ("/api/v1/nodes", "/api/v1/events", "/api/v1/nodes/x", "/api/v1/nodes/x/samples"):
+        assert client.get(path).status_code == 401, path
+
+
+def test_revoked_token_stops_working(client, make_token, app):
+    from tierwatch.server.tokens import list_tokens, revoke_token
+
+    viewer = make_token("viewer")
+    assert client.get("/api/v1/nodes", headers=auth(viewer)).status_code == 200
+    with app.state.sessionmaker() as s:
+        revoke_token(s, list_tokens(s)[0].id)
+        s.commit()
+    assert client.get("/api/v1/nodes", headers=auth(viewer)).status_code == 401
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda b: b.update(seq=0), "body.seq"),
+        (lambda b: b.update(node="bad name!"), "body.node"),
+        (lambda b: b["samples"][0].update(temperature_c="hot"), "body.samples.0.temperature_c"),
+        (lambda b: b["samples"][1].update(ts="2026-01-01T00:00:00"), "body.samples.1.ts"),
+        (lambda b: b.update(surprise=1), "body.surprise"),
+        (lambda b: b["samples"][0].update(ecc_dbe_volatile=-1), "body.samples.0.ecc_dbe_volatile"),
+        (lambda b: b.pop("epoch"), "body.epoch"),
+    ],
+)
+def test_junk_report_is_422_with_field_path(client, make_token, mutate, field):
+    token = make_token("agent", "n1")
+    body = json.loads(make_batch("n1", 1).model_dump_json())
+    mutate(body)
+    r = client.post("/api/v1/ingest/report", json=body, headers=auth(token))
+    assert r.status_code == 422
+    payload = r.json()
+    assert field in [e["field"] for e in payload["errors"]]
+    assert field in payload["detail"]
+
+
+def test_invalid_json_is_422(client, make_token):
+    token = make_token("agent", "n1")
+    r = client.post(
+        "/api/v1/ingest/report",
+        content=b"{not json",
+        headers={**auth(token), "Content-Type": "application/json"},
+    )
+    assert r.status_code == 422
+
+
+def test_oversized_body_is_413_by_content_length(client, make_token, settings):
+    token = make_token("agent", "n1")
+    big = b"x" * (settings.max_body_bytes + 1)
+    r = client.post("/api/v1/ingest/report", content=big, headers=auth(token))
+    assert r.status_code == 413
+    assert "limit" in r.json()["detail"]
+
+
+def test_oversized_chunked_body_is_413(client, make_token, settings):
+    token = make_token("agent", "n1")
+
+    def chunks():
+        for _ in range(settings.max_body_bytes // 65536 + 2):
+            yield b"y" * 65536
+
+    r = client.post("/api/v1/ingest/report", content=chunks(), headers=auth(token))
+    assert r.status_code == 413
+
+
+def test_unknown_node_is_404(client, make_token):
+    viewer = make_token("viewer")
+    for path in ("/api/v1/nodes/ghost", "/api/v1/nodes/ghost/samples", "/api/v1/events?node=ghost"):
+        r = client.get(path, headers=auth(viewer))
+        assert r.status_code == 404, path
+        assert "ghost" in r.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "metric=bogus",
+        "since=yesterday",
+        "since=2026-01-01T00:00:00",  # naive: ambiguous, refused
+        "gpu=-1",
+        "limit=0",
+        "since=2030-01-02T00:00:00Z&until=2030-01-01T00:00:00Z",
+    ],
+)
+def test_bad_sample_queries_are_422(client, make_token, query):
+    agent = make_token("agent", "n1")
+    assert post_batch(client, agent, make_batch("n1", 1)).status_code == 200
+    r = client.get(f"/api/v1/nodes/n1/samples?{query}", headers=auth(make_token("viewer")))
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"]
+
+
+def test_bad_event_filters_are_422(client, make_token):
+    viewer = make_token("viewer")
+    assert client.get("/api/v1/events?kind=nope", headers=auth(viewer)).status_code == 422
+    assert client.get("/api/v1/nodes?state=sleepy", headers=auth(viewer)).status_code == 422
+
+
+def test_ack_needs_operator(client, make_token):
+    agent = make_token("agent", "n1")
+    post_batch(client, agent, make_batch("n1", 1))
+    r = client.post("/api/v1/nodes/n1/ack", json={}, headers=auth(make_token("viewer")))
+    assert r.status_code == 403
+    assert "operator" in r.json()["detail"]
+
+
+def test_openapi_is_served(client):
+    spec = client.get("/openapi.json").json()
+    assert "/api/v1/nodes" in spec["paths"]
+    assert "/api/v1/ingest/report" in spec["paths"]
+    assert client.get("/docs").status_code == 200
+
+
+def test_healthz_and_metrics_need_no_token(client):
+    assert client.get("/healthz").json()["status"] == "ok"
+    assert client.get("/metrics").status_code == 200

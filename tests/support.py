@@ -1,0 +1,78 @@
+"""Helpers shared by tests: headers and realistic agent batches."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from fastapi.testclient import TestClient
+
+from tierwatch.agent.protocol import GpuInfo, GpuSample, ReportBatch, XidEvent, utcnow
+
+
+def auth(token: str) -> dict[str, str]:
+    """The Authorization header for a bearer token."""
+    return {"Authorization": f"Bearer {token}"}
+
+
+def make_batch(
+    node: str,
+    seq: int,
+    *,
+    epoch: str = "epoch-1",
+    gpus: int = 2,
+    offset_s: float = 0.0,
+    xids: list[tuple[int, int]] | None = None,
+    interval_s: float = 5.0,
+    **metrics: object,
+) -> ReportBatch:
+    """A realistic batch: ``gpus`` GPUs, one sample each, optional (gpu, xid) events.
+
+    ``metrics`` override sample fields on every GPU (e.g. ``temperature_c=95``);
+    ``offset_s`` shifts all times (to build a series of reports).
+    """
+    now = utcnow() + timedelta(seconds=offset_s)
+    base = {
+        "temperature_c": 55.0,
+        "slowdown_temp_c": 90.0,
+        "shutdown_temp_c": 95.0,
+        "power_w": 400.0,
+        "power_limit_w": 700.0,
+        "utilization_pct": 90.0,
+        "memory_used_mib": 40000.0,
+        "memory_total_mib": 81559.0,
+        "ecc_sbe_volatile": 0,
+        "ecc_dbe_volatile": 0,
+        "ecc_sbe_aggregate": 0,
+        "ecc_dbe_aggregate": 0,
+        "remapped_rows_correctable": 0,
+        "remapped_rows_uncorrectable": 0,
+        "row_remap_pending": False,
+        "row_remap_failure": False,
+        "pcie_replay_count": 0,
+        "throttle_reasons": 0,
+        "nvlink_crc_errors": 0,
+        "nvlink_replay_errors": 0,
+        "nvlink_recovery_errors": 0,
+    }
+    base.update(metrics)
+    return ReportBatch(
+        node=node,
+        epoch=epoch,
+        seq=seq,
+        sent_at=now,
+        collector="simulated",
+        simulated=True,
+        interval_s=interval_s,
+        gpus=[GpuInfo(index=i, uuid=f"GPU-{node}-{i}", name="Test GPU") for i in range(gpus)],
+        samples=[GpuSample(index=i, ts=now, **base) for i in range(gpus)],  # type: ignore[arg-type]
+        xids=[XidEvent(gpu=g, xid=x, ts=now) for g, x in (xids or [])],
+    )
+
+
+def post_batch(client: TestClient, token: str, batch: ReportBatch):  # type: ignore[no-untyped-def]
+    """POST a batch as its agent would."""
+    return client.post(
+        "/api/v1/ingest/report",
+        content=batch.model_dump_json(),
+        headers={**auth(token), "Content-Type": "application/json"},
+    )
