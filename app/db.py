@@ -112,11 +112,12 @@ def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
 def insert_ignore(session: Session, table: Any, values: dict[str, Any]) -> bool:
     """Insert one row unless it collides with a unique key; True when it was inserted.
 
-    Uses ``INSERT … ON CONFLICT DO NOTHING`` on both SQLite and PostgreSQL, so a replayed
-    row costs one statement and no savepoint.
+    Uses ``INSERT … ON CONFLICT DO NOTHING RETURNING`` on both SQLite and PostgreSQL, so a
+    replayed row costs one statement and no savepoint.
     """
     dialect = session.get_bind().dialect.name
     insert_fn = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    stmt = insert_fn(table).values(**values).on_conflict_do_nothing()
-    result = session.execute(stmt)
-    return bool(result.rowcount)  # type: ignore[attr-defined]
+    key = next(iter(table.primary_key.columns))
+    stmt = insert_fn(table).values(**values).on_conflict_do_nothing().returning(key)
+    # RETURNING, not rowcount: psycopg reports no reliable rowcount for a skipped insert.
+    return session.execute(stmt).first() is not None

@@ -1,0 +1,38 @@
+"""Fixtures that start real server and agent processes (see procs.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from procs import Agent, Server, make_agent, make_server
+
+
+@pytest.fixture
+def server(tmp_path: Path, db_url: str) -> Iterator[Server]:
+    """A tierwatch-server process on the (emptied) test database."""
+    srv = make_server(tmp_path / "server", db_url)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def start_agent(tmp_path: Path, server: Server) -> Iterator:
+    """``start_agent("node-a", interval=1.0) -> Agent``: a simulated agent process."""
+    agents: list[Agent] = []
+
+    def _start(node: str, *, interval: float = 1.0, extra_args: list[str] | None = None) -> Agent:
+        token = server.token("agent", node)
+        agent = make_agent(
+            tmp_path / "agents", node=node, server_url=server.url, token=token,
+            interval=interval, extra_args=extra_args,
+        )
+        agent.proc.start()
+        agents.append(agent)
+        return agent
+
+    yield _start
+    for a in agents:
+        a.stop()

@@ -1,0 +1,219 @@
+"""Ingest through the real API: idempotency, latest values, health reasons, acks, pruning."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from sqlalchemy import func, select
+from support import auth, make_batch, post_batch
+
+from tierwatch.agent.protocol import LatencySample, utcnow
+from tierwatch.server.fleet import service
+from tierwatch.server.fleet.models import Event, GpuSampleRow, ReportReceipt
+
+
+def node_json(client, viewer, name):
+    r = client.get(f"/api/v1/nodes/{name}", headers=auth(viewer))
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_first_report_creates_healthy_node_with_gpus(client, make_token):
+    agent, viewer = make_token("agent", "n1"), make_token("viewer")
+    r = post_batch(client, agent, make_batch("n1", 1, gpus=8))
+    assert r.status_code == 200
+    assert r.json() == {"epoch": "epoch-1", "acked_seq": 1, "stored": True, "commands": []}
+    node = node_json(client, viewer, "n1")
+    assert node["state"] == "healthy"
+    assert node["simulated"] is True
+    assert [g["index"] for g in node["gpus"]] == list(range(8))
+    assert node["gpus"][3]["temperature_c"] == 55.0
+    assert node["gpus"][3]["uuid"] == "GPU-n1-3"
+    listing = client.get("/api/v1/nodes", headers=auth(viewer)).json()
+    assert listing["counts"] == {"healthy": 1, "degraded": 0, "unhealthy": 0, "unreachable": 0}
+
+
+def test_agent_token_may_be_created_before_node_reports(client, make_token):
+    token = make_token("agent", "future-node")
+    assert post_batch(client, token, make_batch("future-node", 1)).status_code == 200
+
+
+def test_replayed_batch_is_stored_once(client, make_token, session):
+    agent, viewer = make_token("agent", "n1"), make_token("viewer")
+    batch = make_batch("n1", 1, gpus=4, xids=[(0, 13)])
+    assert post_batch(client, agent, batch).json()["stored"] is True
+    again = post_batch(client, agent, batch).json()
+    assert again["stored"] is False and again["acked_seq"] == 1
+    assert session.scalar(select(func.count()).select_from(GpuSampleRow)) == 4
+    assert session.scalar(select(func.count()).where(Event.kind == "xid")) == 1
+    assert node_json(client, viewer, "n1")["reports"]["batches"] == 1
+
+
+def test_new_epoch_restarts_sequence(client, make_token):
+    agent, viewer = make_token("agent", "n1"), make_token("viewer")
+    for seq in (1, 2, 3):
+        post_batch(client, agent, make_batch("n1", seq, offset_s=seq))
+    r = post_batch(client, agent, make_batch("n1", 1, epoch="epoch-2", offset_s=10)).json()
+    assert r == {"epoch": "epoch-2", "acked_seq": 1, "stored": True, "commands": []}
+    reports = node_json(client, viewer, "n1")["reports"]
+    assert reports["epoch"] == "epoch-2"
+    assert (reports["first_seq"], reports["last_seq"], reports["missing"]) == (1, 1, 0)
+
+
+def test_gap_in_sequence_is_visible(client, make_token):
+    agent, viewer = make_token("agent", "n1"), make_token("viewer")
+    for seq in (1, 2, 4):
+        post_batch(client, agent, make_batch("n1", seq, offset_s=seq))
+    reports = node_json(client, viewer, "n1")["reports"]
+    assert reports["missing"] == 1
+
+
+def test_xid_79_makes_node_unhealthy_with_catalog_action(client, make_token):
+    agent, viewer = make_token("agent", "n1"), make_token("viewer")
+    post_batch(client, agent, make_batch("n1", 1, gpus=8))
+    post_batch(client, agent, make_batch("n1", 2, gpus=8, offset_s=1, xids=[(3, 79)]))
+    node = node_json(client, viewer, "n1")
+    assert node["state"] == "unhealthy"
+    [reason] = [r for r in node["reasons"] if r["rule"] == "xid"]
+    assert reason["gpu"] == 3
+    assert reason["action"] == "RESTART_BM"
+    assert "XID 79" in reason["message"]
+    events = client.get("/api/v1/events?node=n1&kind=xid", headers=auth(viewer)).json()
+    assert events[0]["code"] == 79
+    assert events[0]["data"]["mnemonic"] == "ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS"
+    assert events[0]["data"]["action"] == "RESTART_BM"
+    states = client.get("/api/v1/events?node=n1&kind=state", headers=auth(viewer)).json()
+    assert states[0]["data"] == {"from": "healthy", "to": "unhealthy"}
+
+
+def test_every_xid_occurrence_is_counted(client, make_token):
+    agent, viewer = make_token("agent", "n1"), make_token("viewer")
+    post_batch(client, agent, make_batch("n1", 1, xids=[(0, 13), (0, 13)]))
+    post_batch(client, agent, make_batch("n1", 2, offset_s=1, xids=[(0, 13)]))
+    node = node_json(client, viewer, "n1")
+    assert node["gpus"][0]["xid_count"] == 3
+    assert len(client.get("/api/v1/events?kind=xid", headers=auth(viewer)).json()) == 3
+    # app-level XID 13 repeated on one GPU -> degraded, with the catalog action
+    assert node["state"] == "degraded"
+    [reason] = node["reasons"]
+    assert (reason["rule"], reason["action"]) == ("xid_repeat", "RESTART_APP")
+    metrics = client.get("/metrics").text
+    assert 'tierwatch_xid_events_total{Hostname="n1",gpu="0",xid="13"} 3.0' in metrics
+
+
+def test_single_app_level_xid_is_only_an_event(client, make_token):
+    agent, viewer = make_token("agent", "n1"), make_token("viewer")
+    post_batch(client, agent, make_batch("n1", 1, xids=[(1, 31)]))
+    node = node_json(client, viewer, "n1")
+    assert node["state"] == "healthy"
+    assert node["gpus"][1]["xid_count"] == 1
+
+
+def test_ack_clears_xid_reason_and_old_occurrences_stop_counting(client, make_token):
+    agent, viewer, op = make_token("agent", "n1"), make_token("viewer"), make_token("operator")
+    post_batch(client, agent, make_batch("n1", 1, xids=[(0, 13), (0, 13)]))
+    assert node_json(client, viewer, "n1")["state"] == "degraded"
+    r = client.post("/api/v1/nodes/n1/ack", json={"note": "app restarted"}, headers=auth(op))
+    assert r.status_code == 200
+    assert r.json()["cleared"] == 1
+    assert r.json()["node"]["state"] == "healthy"
+    # one more occurrence after the ack: the two before it no longer count as a repeat
+    post_batch(client, agent, make_batch("n1", 2, offset_s=1, xids=[(0, 13)]))
+    assert node_json(client, viewer, "n1")["state"] == "healthy"
+    acks = client.get("/api/v1/events?node=n1&kind=ack", headers=auth(viewer)).json()
+    assert "app restarted" in acks[0]["message"]
+
+
+def test_temperature_level_reason_comes_and_goes(client, make_token):
+    agent, viewer = make_token("agent", "n1"), make_token("viewer")
+    post_batch(client, agent, make_batch("n1", 1, temperature_c=91.0))
+    node = node_json(client, viewer, "n1")
+    assert node["state"] == "unhealthy"
+    assert {r["rule"] for r in node["reasons"]} == {"temperature"}
+    # cooled down; still held during the rule's quiet period (30 s by default) ...
+    post_batch(client, agent, make_batch("n1", 2, offset_s=5, temperature_c=60.0))
+    assert node_json(client, viewer, "n1")["state"] == "unhealthy"
+    # ... and cleared once the quiet period has passed
+    post_batch(client, agent, make_batch("n1", 3, offset_s=40, temperature_c=60.0))
+    assert node_json(client, viewer, "n1")["state"] == "healthy"
+
+
+def test_uncorrectable_ecc_increase_is_unhealthy_reset_gpu(client, make_token):
+    agent, viewer = make_token("agent", "n1"), make_token("viewer")
+    post_batch(client, agent, make_batch("n1", 1, ecc_dbe_volatile=0))
+    post_batch(client, agent, make_batch("n1", 2, offset_s=5, ecc_dbe_volatile=1))
+    node = node_json(client, viewer, "n1")
+    assert node["state"] == "unhealthy"
+    assert {(r["rule"], r["action"]) for r in node["reasons"]} == {
+        ("ecc_uncorrectable", "RESET_GPU")
+    }
+
+
+def test_stale_telemetry_is_degraded(client, make_token):
+    agent, viewer = make_token("agent", "n1"), make_token("viewer")
+    first = make_batch("n1", 1)
+    post_batch(client, agent, first)
+    later = make_batch("n1", 2, offset_s=30)
+    later.samples[1] = first.samples[1]  # GPU 1 keeps sending its old reading
+    post_batch(client, agent, later)
+    node = node_json(client, viewer, "n1")
+    assert node["state"] == "degraded"
+    [reason] = node["reasons"]
+    assert (reason["rule"], reason["gpu"]) == ("stale_telemetry", 1)
+
+
+def test_straggler_rank_is_degraded(client, make_token):
+    tokens = {f"n{i}": make_token("agent", f"n{i}") for i in range(4)}
+    viewer = make_token("viewer")
+    for step in range(3):
+        for i, (name, token) in enumerate(tokens.items()):
+            batch = make_batch(name, step + 1, offset_s=step)
+            latency = 30.0 if name == "n2" else 2.0 + 0.1 * i
+            batch.latency = [
+                LatencySample(
+                    job_id="llm", rank=i, world_size=4, ts=batch.sent_at, latency_ms=latency
+                )
+            ]
+            assert post_batch(client, token, batch).status_code == 200
+    states = {n["name"]: n["state"] for n in client.get("/api/v1/nodes", headers=auth(viewer)).json()["nodes"]}
+    assert states == {"n0": "healthy", "n1": "healthy", "n2": "degraded", "n3": "healthy"}
+    [reason] = node_json(client, viewer, "n2")["reasons"]
+    assert reason["rule"] == "straggler"
+
+
+def test_unreachable_after_three_missed_intervals(client, make_token, session):
+    agent, viewer = make_token("agent", "n1"), make_token("viewer")
+    post_batch(client, agent, make_batch("n1", 1, interval_s=5))
+    node = service.get_node(session, "n1")
+    node.last_seen = utcnow() - timedelta(seconds=16)
+    session.commit()
+    listing = client.get("/api/v1/nodes?state=unreachable", headers=auth(viewer)).json()
+    assert [n["name"] for n in listing["nodes"]] == ["n1"]
+    assert listing["counts"]["unreachable"] == 1
+
+
+def test_samples_api_filters_by_gpu_metric_and_time(client, make_token):
+    agent, viewer = make_token("agent", "n1"), make_token("viewer")
+    for seq in range(1, 4):
+        post_batch(client, agent, make_batch("n1", seq, gpus=2, offset_s=seq * 5 - 30, power_w=100.0 * seq))
+    r = client.get("/api/v1/nodes/n1/samples?gpu=1&metric=power_w", headers=auth(viewer))
+    assert r.status_code == 200
+    rows = r.json()["samples"]
+    assert [row["power_w"] for row in rows] == [100.0, 200.0, 300.0]
+    assert all(set(row) == {"gpu", "ts", "power_w"} for row in rows)
+    since = rows[1]["ts"]
+    later = client.get(
+        "/api/v1/nodes/n1/samples", params={"gpu": 1, "since": since}, headers=auth(viewer)
+    ).json()["samples"]
+    assert len(later) == 2
+
+
+def test_prune_removes_old_raw_history_only(client, make_token, session):
+    agent, viewer = make_token("agent", "n1"), make_token("viewer")
+    post_batch(client, agent, make_batch("n1", 1, offset_s=-7200))
+    post_batch(client, agent, make_batch("n1", 2))
+    deleted = service.prune(session, now=utcnow(), sample_retention_s=3600, event_retention_s=86400)
+    assert deleted["gpu_samples"] == 2
+    assert session.scalar(select(func.count()).select_from(GpuSampleRow)) == 2
+    assert session.scalar(select(func.count()).select_from(ReportReceipt)) == 2  # received now
+    assert node_json(client, viewer, "n1")["gpus"][0]["temperature_c"] == 55.0
