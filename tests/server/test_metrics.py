@@ -1,0 +1,68 @@
+"""/metrics: dcgm-exporter names and labels, XID counter, node state; promtool-valid."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from support import make_batch, post_batch
+
+
+def test_metrics_use_dcgm_exporter_names_and_labels(client, make_token):
+    agent = make_token("agent", "n1")
+    post_batch(client, agent, make_batch("n1", 1, gpus=2, temperature_c=61.0, power_w=350.5))
+    post_batch(
+        client,
+        agent,
+        make_batch("n1", 2, gpus=2, offset_s=1, temperature_c=61.0, xids=[(1, 79), (1, 79)]),
+    )
+    text = client.get("/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    temp = families["DCGM_FI_DEV_GPU_TEMP"]
+    assert temp.type == "gauge"
+    [s0] = [s for s in temp.samples if s.labels["gpu"] == "0"]
+    assert s0.value == 61.0
+    assert s0.labels == {"gpu": "0", "UUID": "GPU-n1-0", "Hostname": "n1"}
+    assert "DCGM_FI_DEV_POWER_USAGE" in families
+    assert "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL" in families  # not renamed with a _total suffix
+    assert "DCGM_FI_DEV_ROW_REMAP_FAILURE" in families
+    xid = {s.labels["gpu"]: s.value for s in families["DCGM_FI_DEV_XID_ERRORS"].samples}
+    assert xid == {"0": 0.0, "1": 79.0}
+    [count] = families["tierwatch_xid_events"].samples
+    assert count.name == "tierwatch_xid_events_total"
+    assert count.labels == {"Hostname": "n1", "gpu": "1", "xid": "79"}
+    assert count.value == 2.0
+    state = {s.labels["state"]: s.value for s in families["tierwatch_node_state"].samples}
+    assert state == {"healthy": 0.0, "degraded": 0.0, "unhealthy": 1.0, "unreachable": 0.0}
+
+
+def test_metrics_can_require_a_token(settings, make_token):
+    from fastapi.testclient import TestClient
+
+    from tierwatch.server.main import create_app
+
+    app = create_app(settings.model_copy(update={"metrics_require_token": True}))
+    with TestClient(app) as c:
+        assert c.get("/metrics").status_code == 401
+        from tierwatch.server.tokens import create_token
+
+        with app.state.sessionmaker() as s:
+            token, _ = create_token(s, role="viewer")
+            s.commit()
+        assert c.get("/metrics", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+
+
+@pytest.mark.skipif(
+    shutil.which("promtool") is None,
+    reason="promtool absent (.ci/run installs the Debian prometheus package)",
+)
+def test_metrics_pass_promtool(client, make_token):
+    agent = make_token("agent", "n1")
+    post_batch(client, agent, make_batch("n1", 1, gpus=8, xids=[(3, 79)]))
+    text = client.get("/metrics").text
+    out = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
