@@ -1,8 +1,9 @@
 """``GET /metrics``: Prometheus exposition of the latest-value tables.
 
-GPU gauges use dcgm-exporter's metric names and labels (``Hostname``, ``gpu``, ``UUID``) so existing Grafana dashboards work unchanged. They are exposed as gauges:
-a prometheus-client Counter would append ``_total`` and break the names. Collection is a
-pure read done on demand (a custom collector), never a background copy.
+GPU gauges use dcgm-exporter's metric names and its ``Hostname``, ``gpu`` and ``UUID``
+labels, so existing Grafana dashboards work unchanged. They are exposed as gauges: a
+prometheus-client Counter would append ``_total`` and break the names. Collection is a pure
+read done on demand (a custom collector), never a background copy.
 """
 
 from __future__ import annotations

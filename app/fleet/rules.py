@@ -134,6 +134,8 @@ class HealthThresholds(BaseModel):
         default_slowdown_temp_c: Slowdown threshold (°C) assumed when NVML gives none.
         temp_degraded_margin_c: Degraded at slowdown threshold minus this many °C.
         pcie_replay_per_min: PCIe replays per minute above which a GPU is degraded.
+        rate_min_window_s: Error rates are computed over at least this span (s), so a single
+            error between two closely spaced reports is not read as a high per-minute rate.
         nvlink_errors_per_min: NVLink CRC + replay + recovery errors per minute above which
             a GPU is degraded.
         xid_repeat_count: A non-fatal XID seen this many times on one GPU ...
@@ -152,6 +154,7 @@ class HealthThresholds(BaseModel):
     temp_degraded_margin_c: float = Field(5.0, ge=0)
     pcie_replay_per_min: float = Field(10.0, ge=0)
     nvlink_errors_per_min: float = Field(10.0, ge=0)
+    rate_min_window_s: float = Field(60.0, ge=0)
     xid_repeat_count: int = Field(2, ge=1)
     xid_repeat_window_s: float = Field(600.0, gt=0)
     straggler_factor: float = Field(3.0, gt=0)
@@ -572,11 +575,19 @@ def rule_throttling(cur: GpuSample, th: HealthThresholds | None = None) -> list[
 # --- PCIe replay, NVLink errors -------------------------------------------------------------------
 
 
-def _per_minute(delta: int, prev: GpuSample, cur: GpuSample) -> float | None:
+def _per_minute(
+    delta: int, prev: GpuSample, cur: GpuSample, min_window_s: float = 0.0
+) -> float | None:
+    """Errors per minute between two readings.
+
+    The span is at least ``min_window_s``: with 1-5 s report intervals a single replay
+    would otherwise read as 12-60 per minute, so one isolated error never trips a
+    per-minute threshold while a burst still does.
+    """
     seconds = (cur.ts - prev.ts).total_seconds()
     if seconds <= 0:
         return None
-    return delta * 60.0 / seconds
+    return delta * 60.0 / max(seconds, min_window_s)
 
 
 def rule_pcie_replay(prev: GpuSample | None, cur: GpuSample, th: HealthThresholds) -> list[Finding]:
@@ -604,7 +615,7 @@ def rule_pcie_replay(prev: GpuSample | None, cur: GpuSample, th: HealthThreshold
     delta = cur.pcie_replay_count - prev.pcie_replay_count
     if delta <= 0:
         return []
-    rate = _per_minute(delta, prev, cur)
+    rate = _per_minute(delta, prev, cur, th.rate_min_window_s)
     if rate is None or rate <= th.pcie_replay_per_min:
         return []
     return [
@@ -669,7 +680,7 @@ def rule_nvlink(prev: GpuSample | None, cur: GpuSample, th: HealthThresholds) ->
     total = sum(deltas.values())
     if total <= 0:
         return []
-    rate = _per_minute(total, prev, cur)
+    rate = _per_minute(total, prev, cur, th.rate_min_window_s)
     if rate is None or rate <= th.nvlink_errors_per_min:
         return []
     return [

@@ -350,8 +350,9 @@ def test_throttling_message_names_active_hardware_reasons() -> None:
     [
         (0, 10, 60, None),  # exactly 10/min: not over the threshold
         (0, 11, 60, 11.0),
-        (100, 102, 10, 12.0),
-        (100, 101, 10, None),  # 6/min
+        (100, 112, 10, 12.0),  # a burst within 10 s, over the 60 s minimum window
+        (100, 102, 10, None),  # 2 in 10 s: 2/min over the minimum window, not 12/min
+        (7, 8, 1, None),  # one replay between 1 s reports is not 60/min
         (0, 0, 60, None),
         (500, 3, 60, None),  # counter reset
         (None, 50, 60, None),
@@ -379,9 +380,11 @@ def test_pcie_replay_without_prev_is_nothing() -> None:
 
 
 def test_pcie_replay_threshold_from_settings() -> None:
-    th = HealthThresholds(pcie_replay_per_min=1.0)
+    th = HealthThresholds(pcie_replay_per_min=1.0, rate_min_window_s=0)
     prev, cur = sample(pcie_replay_count=0), sample(t=30, pcie_replay_count=1)
     assert rule_pcie_replay(prev, cur, th)[0].evidence["rate_per_min"] == pytest.approx(2.0)
+    # with the default 60 s minimum window the same single replay is 1/min: not over
+    assert rule_pcie_replay(prev, cur, HealthThresholds(pcie_replay_per_min=1.0)) == []
 
 
 NV = ("nvlink_crc_errors", "nvlink_replay_errors", "nvlink_recovery_errors")
@@ -393,7 +396,8 @@ NV = ("nvlink_crc_errors", "nvlink_replay_errors", "nvlink_recovery_errors")
         ((0, 0, 0), (5, 5, 1), 60, 11.0),
         ((0, 0, 0), (5, 5, 0), 60, None),  # exactly 10/min
         ((0, 0, 0), (0, 0, 11), 60, 11.0),
-        ((10, 10, 10), (12, 12, 12), 30, 12.0),
+        ((10, 10, 10), (14, 14, 14), 30, 12.0),
+        ((10, 10, 10), (12, 12, 12), 30, None),  # 6 in 30 s: 6/min over the 60 s window
         ((0, 0, 0), (0, 0, 0), 60, None),
         ((100, 0, 0), (90, 50, 50), 60, None),  # one counter reset: no rate this time
         ((None, None, None), (50, 50, 50), 60, None),
