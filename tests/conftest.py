@@ -43,13 +43,17 @@ BACKENDS = [
 
 
 def _pg_schema_url(base: str, schema: str) -> str:
-    return make_url(base).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(
-        hide_password=False
+    return (
+        make_url(base)
+        .update_query_dict({"options": f"-csearch_path={schema}"})
+        .render_as_string(hide_password=False)
     )
 
 
 @pytest.fixture(scope="session", params=BACKENDS)
-def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def database_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     """A freshly migrated database URL for the whole test session, per backend."""
     if request.param == "sqlite":
         path = tmp_path_factory.mktemp("db") / "tierwatch.db"
@@ -73,14 +77,14 @@ def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 
 
 @pytest.fixture
-def db_url(database_url: str) -> Iterator[str]:
+def db_url(database_url: str) -> str:
     """The session database, emptied before each test."""
     engine = make_engine(database_url)
     with engine.begin() as conn:
         for table in reversed(Base.metadata.sorted_tables):
             conn.execute(table.delete())
     engine.dispose()
-    yield database_url
+    return database_url
 
 
 @pytest.fixture
