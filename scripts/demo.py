@@ -21,7 +21,6 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-VAR = REPO / "var" / "demo"
 
 
 def port_free(port: int) -> bool:
@@ -42,7 +41,9 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--interval", type=float, default=2.0, help="agent report interval (s)")
     parser.add_argument("--agent-port", type=int, default=9470, help="first agent's local port")
+    parser.add_argument("--var-dir", type=Path, default=REPO / "var" / "demo", help="state dir")
     args = parser.parse_args()
+    VAR = args.var_dir  # noqa: N806
 
     ports = [args.port] + [args.agent_port + i for i in range(args.nodes)]
     busy = [p for p in ports if not port_free(p)]

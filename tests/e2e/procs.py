@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 BIN = Path(sys.executable).parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -27,6 +28,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_block(count: int, attempts: int = 50) -> int:
+    """The first of ``count`` consecutive free ports on 127.0.0.1.
+
+    Raises:
+        RuntimeError: no free block was found.
+    """
+    for _ in range(attempts):
+        first = free_port()
+        if first + count > 65535:
+            continue
+        socks = []
+        try:
+            for p in range(first, first + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {count} free ports found")
 
 
 def wait_for(
