@@ -1,0 +1,181 @@
+"""``tierwatch-agent``: run the node agent, or inject a fault into a simulated one.
+
+Examples::
+
+    tierwatch-agent run --node gpu-017 --server http://cp:8000 --token $TOKEN
+    TIERWATCH_COLLECTOR=simulated TIERWATCH_SIM_GPUS=4 tierwatch-agent run --node sim-1 ...
+    tierwatch-agent inject xid 79 --gpu 3
+    tierwatch-agent inject temp 95 --gpu 1
+    tierwatch-agent inject clear
+
+Every ``run`` option can also be set as a ``TIERWATCH_*`` environment variable (e.g.
+``TIERWATCH_SERVER``); a command-line option wins. Messages go to stderr.
+
+Exit codes of ``inject``: 0 done; 1 refused by the agent (409 real collector, 403, 422 bad
+fault/GPU/value, other HTTP errors); 3 agent unreachable. ``run`` exits 0 after a graceful
+shutdown and 2 on bad settings or a collector that cannot start.
+
+Keep this module's imports light (no FastAPI/uvicorn at import time, never torch or
+``tierwatch.server``): ``inject`` must start fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    name="tierwatch-agent",
+    help="tierwatch node agent: reports GPU health to the tierwatch control plane.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+EXIT_REFUSED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+
+
+def _err(message: str) -> None:
+    typer.echo(message, err=True)
+
+
+@app.command()
+def run(
+    node: Annotated[str | None, typer.Option(help="This node's name [TIERWATCH_NODE].")] = None,
+    server: Annotated[str | None, typer.Option(
+        help="Control-plane URL, e.g. http://cp:8000 [TIERWATCH_SERVER].")] = None,
+    token: Annotated[str | None, typer.Option(
+        help="Agent bearer token [TIERWATCH_TOKEN].")] = None,
+    collector: Annotated[str | None, typer.Option(
+        help="auto | nvml | dcgm-exporter | simulated [TIERWATCH_COLLECTOR].")] = None,
+    interval: Annotated[float | None, typer.Option(
+        help="Seconds between reports (default 5) [TIERWATCH_INTERVAL].")] = None,
+    listen: Annotated[str | None, typer.Option(
+        help="Local API address (default 127.0.0.1:9470) [TIERWATCH_LISTEN].")] = None,
+    spool_dir: Annotated[Path | None, typer.Option(
+        help="Spool folder (default var/spool/<node>) [TIERWATCH_SPOOL_DIR].")] = None,
+    spool_max_batches: Annotated[int | None, typer.Option(
+        help="Spool bound, batches (default 10000) [TIERWATCH_SPOOL_MAX_BATCHES].")] = None,
+    dcgm_exporter_url: Annotated[str | None, typer.Option(
+        help="dcgm-exporter metrics URL [TIERWATCH_DCGM_EXPORTER_URL].")] = None,
+    sim_gpus: Annotated[int | None, typer.Option(
+        help="Simulated GPUs (default 8) [TIERWATCH_SIM_GPUS].")] = None,
+    sim_seed: Annotated[int | None, typer.Option(
+        help="Simulator seed (default random) [TIERWATCH_SIM_SEED].")] = None,
+    sim_job: Annotated[str | None, typer.Option(
+        help="Job id for simulated latency samples [TIERWATCH_SIM_JOB].")] = None,
+    sim_rank: Annotated[int | None, typer.Option(
+        help="Rank for simulated latency samples [TIERWATCH_SIM_RANK].")] = None,
+    log_level: Annotated[str | None, typer.Option(
+        help="DEBUG | INFO | WARNING | ERROR [TIERWATCH_LOG_LEVEL].")] = None,
+) -> None:
+    """Run the agent until SIGTERM/SIGINT."""
+    from pydantic import ValidationError
+
+    from tierwatch.agent.collectors.base import CollectorError
+    from tierwatch.agent.config import AgentSettings, SettingsError
+
+    overrides = {
+        key: value
+        for key, value in {
+            "node": node, "server": server, "token": token, "collector": collector,
+            "interval": interval, "listen": listen, "spool_dir": spool_dir,
+            "spool_max_batches": spool_max_batches, "dcgm_exporter_url": dcgm_exporter_url,
+            "sim_gpus": sim_gpus, "sim_seed": sim_seed, "sim_job": sim_job,
+            "sim_rank": sim_rank, "log_level": log_level,
+        }.items()
+        if value is not None
+    }
+    try:
+        settings = AgentSettings(**overrides)
+        settings.check_runnable()
+    except ValidationError as exc:
+        for error in exc.errors():
+            where = ".".join(str(p) for p in error["loc"]) or "settings"
+            _err(f"error: {where}: {error['msg']}")
+        raise typer.Exit(EXIT_USAGE) from None
+    except SettingsError as exc:
+        _err(f"error: {exc}")
+        raise typer.Exit(EXIT_USAGE) from None
+
+    logging.basicConfig(
+        level=settings.log_level, stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if settings.log_level != "DEBUG":  # one line per report is noise; failures are logged
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    from tierwatch.agent.runtime import AgentRuntime
+
+    try:
+        runtime = AgentRuntime(settings)
+        runtime.install_signal_handlers()
+        runtime.start()
+    except (CollectorError, SettingsError, RuntimeError, OSError) as exc:
+        _err(f"error: cannot start the agent: {exc}")
+        raise typer.Exit(EXIT_USAGE) from None
+    raise typer.Exit(runtime.run())
+
+
+@app.command()
+def inject(
+    fault: Annotated[str, typer.Argument(
+        help="xid | thermal | temp | ecc-dbe | row-remap-failure | throttle | straggle | "
+        "freeze | clear")],
+    value: Annotated[float | None, typer.Argument(
+        help="XID code (xid) or temperature in °C (temp).")] = None,
+    gpu: Annotated[int | None, typer.Option(help="Target GPU index (default 0; clear: all).")]
+    = None,
+    agent: Annotated[str, typer.Option(
+        help="The agent's local API URL [TIERWATCH_AGENT_URL].")]
+    = "",
+    token: Annotated[str | None, typer.Option(
+        help="Agent token, needed from non-loopback addresses [TIERWATCH_TOKEN].")] = None,
+    timeout: Annotated[float, typer.Option(help="HTTP timeout, seconds.")] = 5.0,
+) -> None:
+    """Inject a fault into a running agent with the simulated collector."""
+    import httpx
+
+    url = (agent or os.environ.get("TIERWATCH_AGENT_URL") or "http://127.0.0.1:9470")
+    url = url.rstrip("/") + "/v1/inject"
+    token = token or os.environ.get("TIERWATCH_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    body = {"fault": fault, "gpu": gpu, "value": value}
+    try:
+        resp = httpx.post(url, json=body, headers=headers, timeout=timeout)
+    except httpx.HTTPError as exc:
+        _err(f"error: cannot reach the agent at {url}: {exc} (is it running? --agent URL)")
+        raise typer.Exit(EXIT_UNREACHABLE) from None
+    if resp.status_code == 200:
+        _err(f"injected: {resp.json().get('message', fault)}")
+        return
+    _err(f"refused (HTTP {resp.status_code}): {_detail(resp)}")
+    raise typer.Exit(EXIT_REFUSED)
+
+
+def _detail(resp: object) -> str:
+    try:
+        data = resp.json()  # type: ignore[attr-defined]
+    except ValueError:
+        return resp.text[:500]  # type: ignore[attr-defined]
+    detail = data.get("detail", data) if isinstance(data, dict) else data
+    if isinstance(detail, list):  # FastAPI validation errors
+        return "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', [])[1:]) or 'body'}: {e.get('msg')}"
+            for e in detail if isinstance(e, dict)
+        ) or str(detail)
+    return str(detail)
+
+
+def main() -> None:
+    """Console-script entry point (``tierwatch-agent``)."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,352 @@
+"""A simulated node: plausible GPU telemetry plus a fault injector, for demos and tests.
+
+Readings evolve per call of :meth:`SimulatedCollector.collect` (not per wall-clock second),
+from one seedable :class:`random.Random`, so the same seed gives the same sequence of values
+(only ``ts`` differs). Faults are injected with :meth:`SimulatedCollector.inject`:
+
+========================  ===============================================================
+fault                     effect (on GPU ``gpu``, default 0)
+========================  ===============================================================
+``thermal``               thermal runaway: temperature jumps to >= 80 °C and climbs 4 °C per
+                          sample up to 105 °C; past the 90 °C slowdown threshold the HW/SW
+                          thermal slowdown bits are set
+``temp VALUE``            temperature pinned at VALUE °C (no noise)
+``ecc-dbe``               volatile and aggregate uncorrectable (DBE) ECC counts +1, and
+                          XID 48 ("double bit ECC error") pushed at once
+``row-remap-failure``     ``row_remap_failure`` and ``row_remap_pending`` True, one more
+                          uncorrectable remapped row
+``xid CODE``              an XID event with that code pushed at once
+``throttle``              HW slowdown and HW thermal slowdown clock-event bits set
+``straggle``              (node-wide) latency samples ×10
+``freeze``                telemetry stops updating: the same sample with its old ``ts``
+``clear``                 clear faults of GPU ``gpu``, or of all GPUs and ``straggle`` when
+                          ``gpu`` is None; volatile ECC counts reset to 0 as a GPU reset
+                          would (aggregate counts stay)
+========================  ===============================================================
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Literal, get_args
+
+from tierwatch.agent.collectors.base import GpuCollector
+from tierwatch.agent.protocol import (
+    THROTTLE_HW_SLOWDOWN,
+    THROTTLE_HW_THERMAL_SLOWDOWN,
+    THROTTLE_SW_THERMAL_SLOWDOWN,
+    GpuInfo,
+    GpuSample,
+    LatencySample,
+    XidEvent,
+    utcnow,
+)
+
+Fault = Literal[
+    "xid", "thermal", "temp", "ecc-dbe", "row-remap-failure", "throttle", "straggle",
+    "freeze", "clear",
+]
+FAULTS: tuple[str, ...] = get_args(Fault)
+#: Faults that need a ``value`` (the XID code, the temperature in °C).
+FAULTS_WITH_VALUE = frozenset({"xid", "temp"})
+#: Faults that act on the whole node rather than one GPU.
+NODE_FAULTS = frozenset({"straggle"})
+
+SIM_MODEL = "NVIDIA H100 80GB HBM3 (simulated)"
+SIM_MEMORY_MIB = 81559.0
+SLOWDOWN_C = 90.0
+SHUTDOWN_C = 98.0
+POWER_LIMIT_W = 700.0
+BASE_LATENCY_MS = 2.0
+_UUID_NAMESPACE = uuid.UUID("6b1f3c3e-52a4-4c55-9a4b-7d0e4a1c0b11")
+
+
+class FaultError(ValueError):
+    """An injected fault is unknown or its arguments are invalid (message says why)."""
+
+
+def simulated_uuid(node: str, index: int) -> str:
+    """Deterministic ``GPU-…`` UUID of simulated GPU ``index`` on ``node``."""
+    return f"GPU-{uuid.uuid5(_UUID_NAMESPACE, f'{node}/{index}')}"
+
+
+@dataclass
+class _SimGpu:
+    index: int
+    base_temp_c: float
+    phase: float
+    temperature_c: float = 40.0
+    ecc_sbe_volatile: int = 0
+    ecc_dbe_volatile: int = 0
+    ecc_sbe_aggregate: int = 0
+    ecc_dbe_aggregate: int = 0
+    remapped_correctable: int = 0
+    remapped_uncorrectable: int = 0
+    pcie_replay: int = 0
+    nvlink_crc: int = 0
+    nvlink_replay: int = 0
+    nvlink_recovery: int = 0
+    # faults
+    thermal: bool = False
+    pinned_temp_c: float | None = None
+    row_remap_failure: bool = False
+    row_remap_pending: bool = False
+    throttle: bool = False
+    frozen: bool = False
+    last: GpuSample | None = field(default=None, repr=False)
+
+    def clear(self) -> None:
+        self.thermal = False
+        self.pinned_temp_c = None
+        self.row_remap_failure = False
+        self.row_remap_pending = False
+        self.throttle = False
+        self.frozen = False
+        self.ecc_sbe_volatile = 0
+        self.ecc_dbe_volatile = 0
+
+
+class SimulatedCollector(GpuCollector):
+    """Made-up telemetry for ``gpus`` H100-like GPUs, with fault injection.
+
+    Args:
+        node: Node name (seeds the GPU UUIDs).
+        gpus: Number of GPUs (1-64).
+        seed: Seed of the random generator; None draws a random seed.
+        job: When set, :meth:`latency` yields one collective-latency sample per call for
+            this job and ``rank`` (about 2 ms with jitter).
+        rank: The rank of those latency samples.
+
+    Raises:
+        ValueError: ``gpus`` is out of range, or only one of ``job``/``rank`` is given.
+    """
+
+    name = "simulated"
+    simulated = True
+
+    def __init__(
+        self,
+        node: str,
+        gpus: int = 8,
+        seed: int | None = None,
+        job: str | None = None,
+        rank: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not 1 <= gpus <= 64:
+            raise ValueError(f"gpus must be 1-64, got {gpus}")
+        if (job is None) != (rank is None):
+            raise ValueError("job and rank go together: give both or neither")
+        self.node = node
+        self.seed = seed if seed is not None else random.SystemRandom().randrange(2**32)
+        self.job = job
+        self.rank = rank
+        self._rng = random.Random(self.seed)
+        self._lock = threading.Lock()
+        self._tick = 0
+        self._straggle = False
+        self._gpus = [
+            _SimGpu(
+                index=i,
+                base_temp_c=self._rng.uniform(36.0, 42.0),
+                phase=self._rng.uniform(0, 2 * math.pi),
+            )
+            for i in range(gpus)
+        ]
+        for gpu in self._gpus:
+            gpu.temperature_c = gpu.base_temp_c
+        self._inventory = [
+            GpuInfo(index=i, uuid=simulated_uuid(node, i), name=SIM_MODEL,
+                    memory_total_mib=SIM_MEMORY_MIB)
+            for i in range(gpus)
+        ]
+
+    @property
+    def gpu_count(self) -> int:
+        """Number of simulated GPUs."""
+        return len(self._gpus)
+
+    def is_available(self) -> bool:
+        """Always True."""
+        return True
+
+    def inventory(self) -> list[GpuInfo]:
+        """The simulated GPUs (deterministic UUIDs from node and index)."""
+        return list(self._inventory)
+
+    # -- readings ------------------------------------------------------------------------
+    def collect(self) -> list[GpuSample]:
+        """Advance the simulation one step and return one sample per GPU.
+
+        A frozen GPU returns its previous sample unchanged (old ``ts``).
+        """
+        with self._lock:
+            self._tick += 1
+            now = utcnow()
+            return [self._step(gpu, now) for gpu in self._gpus]
+
+    def _step(self, gpu: _SimGpu, now: datetime) -> GpuSample:
+        rng = self._rng
+        # Draw the same random numbers whatever the faults, so faults on one GPU do not
+        # shift the values of the others (determinism per seed).
+        load = 0.5 + 0.5 * math.sin(self._tick / 12.0 + gpu.phase)  # 0..1, slow wave
+        util = min(100.0, max(0.0, 70.0 + 30.0 * load + rng.gauss(0, 3)))
+        target = gpu.base_temp_c + 28.0 * (util / 100.0)  # ~36-70 °C
+        noise_t = rng.gauss(0, 0.6)
+        noise_p = rng.gauss(0, 8)
+        mem_used = 60000.0 + 15000.0 * load + rng.uniform(-500, 500)
+        sbe_draw = rng.random()
+        pcie_draw = rng.random()
+        if gpu.frozen and gpu.last is not None:
+            return gpu.last
+
+        if gpu.pinned_temp_c is not None:
+            gpu.temperature_c = gpu.pinned_temp_c
+        elif gpu.thermal:
+            gpu.temperature_c = min(105.0, max(gpu.temperature_c + 4.0, 80.0))
+        else:
+            gpu.temperature_c += 0.5 * (target - gpu.temperature_c) + noise_t
+        if sbe_draw < 0.01:  # a rare corrected error, as healthy HBM shows
+            gpu.ecc_sbe_volatile += 1
+            gpu.ecc_sbe_aggregate += 1
+        if pcie_draw < 0.02:
+            gpu.pcie_replay += 1
+
+        throttle = 0
+        if gpu.throttle:
+            throttle |= THROTTLE_HW_SLOWDOWN | THROTTLE_HW_THERMAL_SLOWDOWN
+        if gpu.temperature_c >= SLOWDOWN_C:
+            throttle |= THROTTLE_HW_THERMAL_SLOWDOWN | THROTTLE_SW_THERMAL_SLOWDOWN
+        power = 120.0 + 520.0 * (util / 100.0) + noise_p
+        if throttle:
+            power *= 0.6
+        sample = GpuSample(
+            index=gpu.index,
+            ts=now,
+            temperature_c=round(gpu.temperature_c, 1),
+            slowdown_temp_c=SLOWDOWN_C,
+            shutdown_temp_c=SHUTDOWN_C,
+            power_w=round(min(POWER_LIMIT_W, max(60.0, power)), 1),
+            power_limit_w=POWER_LIMIT_W,
+            utilization_pct=round(util, 1),
+            memory_used_mib=round(mem_used, 1),
+            memory_total_mib=SIM_MEMORY_MIB,
+            ecc_sbe_volatile=gpu.ecc_sbe_volatile,
+            ecc_dbe_volatile=gpu.ecc_dbe_volatile,
+            ecc_sbe_aggregate=gpu.ecc_sbe_aggregate,
+            ecc_dbe_aggregate=gpu.ecc_dbe_aggregate,
+            remapped_rows_correctable=gpu.remapped_correctable,
+            remapped_rows_uncorrectable=gpu.remapped_uncorrectable,
+            row_remap_pending=gpu.row_remap_pending,
+            row_remap_failure=gpu.row_remap_failure,
+            pcie_replay_count=gpu.pcie_replay,
+            throttle_reasons=throttle,
+            nvlink_crc_errors=gpu.nvlink_crc,
+            nvlink_replay_errors=gpu.nvlink_replay,
+            nvlink_recovery_errors=gpu.nvlink_recovery,
+        )
+        gpu.last = sample
+        return sample
+
+    def latency(self) -> list[LatencySample]:
+        """One latency sample (ms) for the configured job and rank, or none.
+
+        About 2 ms with jitter; ×10 while the ``straggle`` fault is active.
+        """
+        if self.job is None or self.rank is None:
+            return []
+        with self._lock:
+            value = max(0.3, self._rng.gauss(BASE_LATENCY_MS, 0.15))
+            if self._straggle:
+                value *= 10.0
+        return [LatencySample(job_id=self.job, rank=self.rank, ts=utcnow(),
+                              latency_ms=round(value, 3))]
+
+    # -- faults --------------------------------------------------------------------------
+    def inject(self, fault: str, gpu: int | None = None, value: float | None = None) -> str:
+        """Inject a fault (see the module docs for each fault's effect).
+
+        Args:
+            fault: One of :data:`FAULTS`.
+            gpu: Target GPU index; None means GPU 0, except for ``clear`` (all GPUs) and
+                node-wide faults (``straggle``).
+            value: The XID code for ``xid`` (integer 0-100000), the temperature in °C for
+                ``temp`` (-50-200); must be None for other faults.
+
+        Returns:
+            A one-line description of what was done.
+
+        Raises:
+            FaultError: unknown fault, GPU index out of range, missing/extra/invalid value.
+        """
+        if fault not in FAULTS:
+            raise FaultError(f"unknown fault {fault!r}; choose one of: {', '.join(FAULTS)}")
+        if gpu is not None and not 0 <= gpu < len(self._gpus):
+            raise FaultError(
+                f"gpu {gpu} is out of range: this node has GPUs 0-{len(self._gpus) - 1}"
+            )
+        if fault in FAULTS_WITH_VALUE and value is None:
+            what = "an XID code, e.g. 79" if fault == "xid" else "a temperature in °C, e.g. 95"
+            raise FaultError(f"fault {fault!r} needs a value: {what}")
+        if fault not in FAULTS_WITH_VALUE and value is not None:
+            raise FaultError(f"fault {fault!r} takes no value (got {value!r}); use --gpu "
+                             "to pick the GPU")
+        if fault == "xid" and (value != int(value) or not 0 <= value <= 100000):
+            raise FaultError(f"XID code must be an integer 0-100000, got {value!r}")
+        if fault == "temp" and not -50 <= value <= 200:
+            raise FaultError(f"temperature must be between -50 and 200 °C, got {value!r}")
+
+        xid: XidEvent | None = None
+        with self._lock:
+            if fault == "clear":
+                targets = self._gpus if gpu is None else [self._gpus[gpu]]
+                for target in targets:
+                    target.clear()
+                if gpu is None:
+                    self._straggle = False
+                result = "cleared all faults" + ("" if gpu is None else f" on GPU {gpu}")
+            elif fault == "straggle":
+                self._straggle = True
+                result = "latency samples ×10 (straggler)"
+                if self.job is None:
+                    result += "; note: no sim job/rank set, so no latency samples are made"
+            else:
+                target = self._gpus[gpu or 0]
+                idx = target.index
+                if fault == "thermal":
+                    target.thermal = True
+                    target.pinned_temp_c = None
+                    result = f"thermal runaway on GPU {idx}"
+                elif fault == "temp":
+                    target.pinned_temp_c = float(value)
+                    target.thermal = False
+                    result = f"temperature of GPU {idx} set to {value:g} °C"
+                elif fault == "ecc-dbe":
+                    target.ecc_dbe_volatile += 1
+                    target.ecc_dbe_aggregate += 1
+                    xid = XidEvent(gpu=idx, xid=48, ts=utcnow(),
+                                   message="simulated double bit ECC error")
+                    result = f"uncorrectable ECC error (and XID 48) on GPU {idx}"
+                elif fault == "row-remap-failure":
+                    target.row_remap_failure = True
+                    target.row_remap_pending = True
+                    target.remapped_uncorrectable += 1
+                    result = f"row remapping failure on GPU {idx}"
+                elif fault == "xid":
+                    xid = XidEvent(gpu=idx, xid=int(value), ts=utcnow(),
+                                   message="simulated XID")
+                    result = f"XID {int(value)} on GPU {idx}"
+                elif fault == "throttle":
+                    target.throttle = True
+                    result = f"HW slowdown throttling on GPU {idx}"
+                else:  # freeze
+                    target.frozen = True
+                    result = f"telemetry of GPU {idx} frozen"
+        if xid is not None:
+            self.emit_xid(xid)
+        return result

@@ -1,0 +1,311 @@
+"""The agent main loop: collect, batch, report, serve the local API, shut down cleanly.
+
+Lifecycle: :meth:`AgentRuntime.start` starts the collector (with :meth:`~AgentRuntime.on_xid`
+as its XID callback), the reporter's sender thread and the local API; :meth:`~AgentRuntime.run`
+then builds one batch every ``interval`` seconds (samples + collector latency + trainer
+latency + agent events) until :meth:`~AgentRuntime.stop` (SIGTERM/SIGINT in the CLI). XIDs do
+not wait for the interval: each one is pushed at once in its own batch.
+
+Shutdown: the local API stops, a last batch holds what was collected or queued since the
+previous one, the collector shuts down, and the reporter tries to deliver the spool for up to
+``flush_timeout_s``; what is still unsent stays in the on-disk spool for the next start.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from types import FrameType, ModuleType
+from typing import Any
+
+from tierwatch import __version__
+from tierwatch.agent.collectors import GpuCollector, make_collector
+from tierwatch.agent.config import AgentSettings, is_loopback_host
+from tierwatch.agent.protocol import AgentEvent, Command, LatencySample, XidEvent, utcnow
+from tierwatch.agent.reporter import MAX_EVENTS_PER_BATCH, Reporter
+
+log = logging.getLogger(__name__)
+
+MAX_PER_BATCH = 4096  # protocol limit on samples / xids / latency per batch
+MAX_QUEUED_LATENCY = 20000
+
+
+class LocalApiServer:
+    """uvicorn serving the local API in a background thread.
+
+    Args:
+        app: The ASGI app.
+        host: Bind address.
+        port: Bind port (0: ephemeral).
+    """
+
+    def __init__(self, app: Any, host: str, port: int) -> None:
+        import uvicorn  # imported here: only `run` needs it
+
+        self._server = uvicorn.Server(
+            uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                           access_log=False)
+        )
+        self._thread = threading.Thread(target=self._server.run, name="tierwatch-local-api",
+                                        daemon=True)
+        self.host = host
+        self.port = port
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start serving and wait until the socket listens.
+
+        Raises:
+            RuntimeError: the server did not start (e.g. the address is in use).
+        """
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"local API could not listen on {self.host}:{self.port} (address in use? "
+                    "pick another with --listen)"
+                )
+            time.sleep(0.01)
+        sockets = [s for srv in self._server.servers for s in srv.sockets]
+        if sockets:
+            self.port = sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        """Stop serving and wait for the thread (up to 5 s)."""
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+
+
+class AgentRuntime:
+    """One running node agent.
+
+    Args:
+        settings: Agent settings (node, server and token must be set).
+        collector: The collector to use; None picks one from ``settings.collector``.
+        reporter: The reporter to use; None creates one from the settings.
+        nvml: A ``pynvml``-compatible module for collector selection (None: nvidia-ml-py).
+        flush_timeout_s: How long shutdown tries to deliver the spool, seconds.
+
+    Raises:
+        SettingsError: node, server or token is missing.
+        CollectorError: the requested collector is not available.
+    """
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        *,
+        collector: GpuCollector | None = None,
+        reporter: Reporter | None = None,
+        nvml: ModuleType | None = None,
+        flush_timeout_s: float = 5.0,
+    ) -> None:
+        settings.check_runnable()
+        self.settings = settings
+        self.collector = collector if collector is not None else make_collector(settings, nvml)
+        self.reporter = reporter if reporter is not None else Reporter(
+            node=settings.node or "",
+            server=settings.server or "",
+            token=settings.token_value or "",
+            spool_dir=settings.resolved_spool_dir(),
+            spool_max_batches=settings.spool_max_batches,
+            collector=self.collector.name,
+            simulated=self.collector.simulated,
+            interval_s=settings.interval,
+            on_commands=self.on_commands,
+        )
+        self.flush_timeout_s = flush_timeout_s
+        self.commands: deque[Command] = deque(maxlen=1000)
+        self._latency: deque[LatencySample] = deque()
+        self._events: list[AgentEvent] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._api: LocalApiServer | None = None
+        self._started = False
+        self._ticks = 0
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self, serve_api: bool = True) -> None:
+        """Start the collector, the reporter and (optionally) the local API.
+
+        Raises:
+            CollectorError: the collector cannot start.
+            RuntimeError: the local API cannot listen.
+        """
+        self.collector.start(self.on_xid)
+        self.reporter.start()
+        if serve_api:
+            from tierwatch.agent.server import create_app
+
+            self._api = LocalApiServer(create_app(self), self.settings.listen_host,
+                                       self.settings.listen_port)
+            self._api.start()
+            log.info("local API on http://%s:%d", self._api.host, self._api.port)
+            if not is_loopback_host(self.settings.listen_host):
+                log.warning("local API listens on a non-loopback address (%s); control "
+                            "endpoints require the agent token from other hosts",
+                            self.settings.listen_host)
+        self._started = True
+        log.info("agent started: node=%s collector=%s%s server=%s interval=%gs epoch=%s",
+                 self.settings.node, self.collector.name,
+                 " (SIMULATED)" if self.collector.simulated else "", self.settings.server,
+                 self.settings.interval, self.reporter.epoch)
+
+    @property
+    def api_port(self) -> int | None:
+        """The port the local API listens on (None when not serving)."""
+        return self._api.port if self._api else None
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to finish (thread- and signal-safe)."""
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        """Make SIGTERM and SIGINT stop the agent gracefully (main thread only)."""
+
+        def handler(signum: int, _frame: FrameType | None) -> None:
+            log.info("received %s; shutting down", signal.Signals(signum).name)
+            self.stop()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def run(self) -> int:
+        """Report every interval until :meth:`stop`, then shut down.
+
+        Returns:
+            0 when the shutdown was clean.
+        """
+        if not self._started:
+            self.start()
+        interval = self.settings.interval
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            self.tick()
+            next_at += interval
+            now = time.monotonic()
+            if next_at < now:  # fell behind (slow collector): do not burst to catch up
+                next_at = now + interval
+            self._stop.wait(next_at - now)
+        return self.shutdown()
+
+    def shutdown(self) -> int:
+        """Stop the API, send a last batch, stop the collector and flush the reporter.
+
+        Returns:
+            0.
+        """
+        if self._api is not None:
+            self._api.stop()
+            self._api = None
+        try:
+            self.tick()
+        except OSError as exc:
+            log.error("could not spool the last batch: %s", exc)
+        self.collector.shutdown()
+        delivered = self.reporter.close(self.flush_timeout_s)
+        log.info("agent stopped (%s)", "all reports delivered" if delivered
+                 else f"{len(self.reporter.spool)} batch(es) left in the spool")
+        return 0
+
+    # -- work ----------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Collect once and hand one batch to the reporter (never raises for collector bugs).
+
+        Raises:
+            OSError: the batch cannot be written to the spool.
+        """
+        self._ticks += 1
+        try:
+            samples = self.collector.collect()
+        except Exception as exc:  # noqa: BLE001 - a collector bug becomes an event
+            log.exception("collector %s failed", self.collector.name)
+            samples = []
+            self.add_event("collector_error", f"{self.collector.name}: {exc!r}")
+        try:
+            own_latency = self.collector.latency()
+        except Exception as exc:  # noqa: BLE001
+            log.exception("collector latency failed")
+            own_latency = []
+            self.add_event("collector_error", f"{self.collector.name} latency: {exc!r}")
+        with self._lock:
+            latency = own_latency[:MAX_PER_BATCH]
+            while self._latency and len(latency) < MAX_PER_BATCH:
+                latency.append(self._latency.popleft())
+        events = self._take_events()
+        self.reporter.report(gpus=self.collector.inventory(), samples=samples[:MAX_PER_BATCH],
+                             latency=latency, events=events)
+
+    def on_xid(self, event: XidEvent) -> None:
+        """Push an XID (from any thread) to the server at once, in its own batch."""
+        try:
+            self.reporter.push_now(gpus=self.collector.inventory(), xids=[event],
+                                   events=self._take_events())
+        except OSError as exc:
+            log.error("could not spool XID %d on GPU %d: %s", event.xid, event.gpu, exc)
+
+    def on_commands(self, commands: list[Command]) -> None:
+        """Keep commands from the server (executing them is a later issue)."""
+        for command in commands:
+            log.info("command %s (%s) received; not executed yet: %s", command.id,
+                     command.kind, command.args)
+            self.commands.append(command)
+
+    def add_latency(self, samples: Iterable[LatencySample]) -> None:
+        """Queue collective-latency samples from local ranks for the next batch."""
+        with self._lock:
+            self._latency.extend(samples)
+            overflow = len(self._latency) - MAX_QUEUED_LATENCY
+            for _ in range(max(0, overflow)):
+                self._latency.popleft()
+        if overflow > 0:
+            self.add_event("latency_dropped", f"trainer latency queue full: dropped {overflow} "
+                           "oldest sample(s)")
+
+    def add_event(self, kind: str, message: str, gpu: int | None = None) -> None:
+        """Queue an agent event for the next batch."""
+        with self._lock:
+            self._events.append(AgentEvent(kind=kind, ts=utcnow(), message=message[:2000],
+                                           gpu=gpu))
+
+    def _take_events(self) -> list[AgentEvent]:
+        collected = self.collector.drain_events()
+        with self._lock:
+            self._events.extend(collected)
+            events = self._events[:MAX_EVENTS_PER_BATCH]
+            self._events = self._events[MAX_EVENTS_PER_BATCH:]
+        return events
+
+    def status(self) -> dict[str, Any]:
+        """The agent's state for ``GET /v1/status``."""
+        rep = self.reporter.status()
+        with self._lock:
+            queued_latency = len(self._latency)
+        return {
+            "node": self.settings.node,
+            "agent_version": __version__,
+            "collector": self.collector.name,
+            "simulated": self.collector.simulated,
+            "gpus": len(self.collector.inventory()),
+            "server": self.settings.server,
+            "interval_s": self.settings.interval,
+            "epoch": rep.epoch,
+            "last_seq": rep.last_seq,
+            "last_seq_sent": rep.last_sent_seq,
+            "last_seq_acked": rep.last_acked_seq,
+            "spool_depth": rep.spool_depth,
+            "spool_dir": str(self.reporter.spool.directory),
+            "dropped_batches": rep.dropped_batches,
+            "rejected_batches": rep.rejected_batches,
+            "delivered_batches": rep.delivered_batches,
+            "consecutive_failures": rep.consecutive_failures,
+            "last_error": rep.last_error,
+            "last_success_at": rep.last_success_at,
+            "queued_latency_samples": queued_latency,
+            "pending_commands": [c.model_dump() for c in self.commands],
+        }

@@ -1,0 +1,329 @@
+"""Test helpers for the agent (imported as ``agent_helpers``): stand-in pynvml, receiver.
+
+The stand-in ``pynvml`` is a module object with nvidia-ml-py's function names and signatures;
+its constants and exception classes are nvidia-ml-py's own (importing pynvml needs no GPU),
+so the collector under test sees the real interface. The report receiver is a real HTTP
+endpoint on 127.0.0.1 (ephemeral port) that stands in for the control plane's ingest route in
+these unit tests only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import queue
+import threading
+import time
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from tierwatch.agent.protocol import ReportAck, ReportBatch
+
+TOKEN = "test-agent-token"
+
+
+def wait_until(condition: Callable[[], Any], timeout: float = 5.0, what: str = "condition"):
+    """Poll ``condition`` until it is truthy; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------------------------
+# stand-in pynvml
+# ---------------------------------------------------------------------------------------
+@dataclass
+class FakeGpu:
+    """State of one stand-in GPU (units as NVML returns them: mW, bytes, °C)."""
+
+    index: int
+    uuid: str = ""
+    name: str = "NVIDIA H100 80GB HBM3"
+    temperature: int = 45
+    slowdown: int = 90
+    shutdown: int = 95
+    power_mw: int = 250_000
+    limit_mw: int = 700_000
+    util: int = 80
+    mem_total: int = 80 * 1024**3
+    mem_used: int = 20 * 1024**3
+    ecc: dict[tuple[int, int], int] = field(default_factory=dict)  # (type, counter) -> n
+    rows: tuple[int, int, int, int] = (0, 0, 0, 0)
+    pcie_replay: int = 3
+    reasons: int = 0
+    nvlink: dict[tuple[int, int], int] = field(default_factory=dict)  # (link, counter) -> n
+    nvlink_links: int = 0  # links 0..n-1 are supported
+    unsupported: set[str] = field(default_factory=set)  # function names -> NotSupported
+    lost: bool = False
+
+
+class FakeHandle:
+    """An opaque device handle (like nvidia-ml-py's ctypes pointer)."""
+
+    def __init__(self, index: int) -> None:
+        self._index = index
+
+    def __repr__(self) -> str:
+        return f"<FakeHandle {self._index}>"
+
+
+class FakeEventData:
+    def __init__(self, device: FakeHandle, event_type: int, event_data: int) -> None:
+        self.device = device
+        self.eventType = event_type
+        self.eventData = event_data
+        self.gpuInstanceId = 0xFFFFFFFF
+        self.computeInstanceId = 0xFFFFFFFF
+
+
+def make_fake_pynvml(
+    gpus: list[FakeGpu],
+    *,
+    init_error: str | None = None,
+    clocks_event_reasons: bool = True,
+) -> types.ModuleType:
+    """Build a stand-in ``pynvml`` module over ``gpus``.
+
+    Args:
+        gpus: The GPUs it reports.
+        init_error: Name of an NVMLError_* class that ``nvmlInit`` raises (no NVML).
+        clocks_event_reasons: Whether ``nvmlDeviceGetCurrentClocksEventReasons`` exists
+            (older nvidia-ml-py has only ...ThrottleReasons).
+    """
+    real = importlib.import_module("pynvml")
+    mod = types.ModuleType("pynvml")
+    for name in dir(real):
+        if name.startswith(("NVML_", "NVMLError", "nvmlEventType", "nvmlClocks")):
+            setattr(mod, name, getattr(real, name))
+    handles = [FakeHandle(g.index) for g in gpus]
+    by_handle = {id(h): g for h, g in zip(handles, gpus, strict=True)}
+    events: queue.Queue[FakeEventData] = queue.Queue()
+    calls: dict[str, int] = {}
+    state = {"initialized": False, "registered": [], "event_sets": 0, "freed": 0}
+    mod.calls = calls
+    mod.state = state
+    mod.handles = handles
+
+    def api(fn):
+        def wrapper(*args):
+            calls[fn.__name__] = calls.get(fn.__name__, 0) + 1
+            if fn.__name__ not in {"nvmlInit", "nvmlShutdown"} and not state["initialized"]:
+                raise real.NVMLError_Uninitialized()
+            if args and isinstance(args[0], FakeHandle):
+                gpu = by_handle[id(args[0])]
+                if gpu.lost:
+                    raise real.NVMLError_GpuIsLost()
+                if fn.__name__ in gpu.unsupported:
+                    raise real.NVMLError_NotSupported()
+                return fn(gpu, *args[1:])
+            return fn(*args)
+
+        wrapper.__name__ = fn.__name__
+        setattr(mod, fn.__name__, wrapper)
+        return wrapper
+
+    @api
+    def nvmlInit():
+        if init_error:
+            raise getattr(real, init_error)()
+        state["initialized"] = True
+
+    @api
+    def nvmlShutdown():
+        state["initialized"] = False
+
+    @api
+    def nvmlDeviceGetCount():
+        return len(gpus)
+
+    @api
+    def nvmlDeviceGetHandleByIndex(index):
+        if not 0 <= index < len(handles):
+            raise real.NVMLError_InvalidArgument()
+        return handles[index]
+
+    @api
+    def nvmlDeviceGetIndex(gpu):
+        return gpu.index
+
+    @api
+    def nvmlDeviceGetUUID(gpu):
+        return gpu.uuid or f"GPU-fake-{gpu.index}"
+
+    @api
+    def nvmlDeviceGetName(gpu):
+        return gpu.name
+
+    @api
+    def nvmlDeviceGetTemperature(gpu, sensor):
+        assert sensor == real.NVML_TEMPERATURE_GPU
+        return gpu.temperature
+
+    @api
+    def nvmlDeviceGetTemperatureThreshold(gpu, threshold):
+        if threshold == real.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN:
+            return gpu.slowdown
+        if threshold == real.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN:
+            return gpu.shutdown
+        raise real.NVMLError_InvalidArgument()
+
+    @api
+    def nvmlDeviceGetPowerUsage(gpu):
+        return gpu.power_mw
+
+    @api
+    def nvmlDeviceGetEnforcedPowerLimit(gpu):
+        return gpu.limit_mw
+
+    @api
+    def nvmlDeviceGetUtilizationRates(gpu):
+        return types.SimpleNamespace(gpu=gpu.util, memory=10)
+
+    @api
+    def nvmlDeviceGetMemoryInfo(gpu, version=None):
+        return types.SimpleNamespace(total=gpu.mem_total, used=gpu.mem_used,
+                                     free=gpu.mem_total - gpu.mem_used)
+
+    @api
+    def nvmlDeviceGetTotalEccErrors(gpu, error_type, counter_type):
+        return gpu.ecc.get((error_type, counter_type), 0)
+
+    @api
+    def nvmlDeviceGetRemappedRows(gpu):
+        return gpu.rows
+
+    @api
+    def nvmlDeviceGetPcieReplayCounter(gpu):
+        return gpu.pcie_replay
+
+    if clocks_event_reasons:
+        @api
+        def nvmlDeviceGetCurrentClocksEventReasons(gpu):
+            return gpu.reasons
+
+    @api
+    def nvmlDeviceGetCurrentClocksThrottleReasons(gpu):
+        return gpu.reasons
+
+    @api
+    def nvmlDeviceGetNvLinkErrorCounter(gpu, link, counter):
+        if link >= gpu.nvlink_links:
+            raise real.NVMLError_NotSupported()
+        return gpu.nvlink.get((link, counter), 0)
+
+    @api
+    def nvmlEventSetCreate():
+        state["event_sets"] += 1
+        return object()
+
+    @api
+    def nvmlDeviceRegisterEvents(gpu, event_types, event_set):
+        state["registered"].append((gpu.index, event_types))
+
+    @api
+    def nvmlEventSetWait_v2(event_set, timeoutms):
+        try:
+            return events.get(timeout=timeoutms / 1000)
+        except queue.Empty:
+            raise real.NVMLError_Timeout() from None
+
+    @api
+    def nvmlEventSetFree(event_set):
+        state["freed"] += 1
+
+    def push_xid(index: int, xid: int) -> None:
+        events.put(FakeEventData(handles[index], real.nvmlEventTypeXidCriticalError, xid))
+
+    mod.push_xid = push_xid
+    return mod
+
+
+# ---------------------------------------------------------------------------------------
+# report receiver
+# ---------------------------------------------------------------------------------------
+class Receiver:
+    """A real HTTP endpoint for ``POST /api/v1/ingest/report`` (unit-test stand-in).
+
+    ``fail_with`` makes it answer that status (e.g. 503, 429, 403) instead of storing.
+    """
+
+    def __init__(self, port: int = 0, token: str = TOKEN) -> None:
+        self.token = token
+        self.lock = threading.Lock()
+        self.batches: list[ReportBatch] = []  # stored, in arrival order
+        self.keys: set[tuple[str, int]] = set()
+        self.attempts = 0
+        self.fail_with: int | None = None
+        self.retry_after: str | None = None
+        self.commands: list[dict[str, Any]] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self, status: int, payload: Any, headers: dict | None = None) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server API
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with receiver.lock:
+                    receiver.attempts += 1
+                    fail, retry_after = receiver.fail_with, receiver.retry_after
+                if self.path != "/api/v1/ingest/report":
+                    return self._answer(404, {"detail": "not found"})
+                if self.headers.get("Authorization") != f"Bearer {receiver.token}":
+                    return self._answer(401, {"detail": "missing or invalid token"})
+                if fail is not None:
+                    headers = {"Retry-After": retry_after} if retry_after else None
+                    return self._answer(fail, {"detail": f"stand-in says {fail}"}, headers)
+                try:
+                    batch = ReportBatch.model_validate_json(body)
+                except ValidationError as exc:
+                    return self._answer(422, {"detail": str(exc)})
+                with receiver.lock:
+                    key = (batch.epoch, batch.seq)
+                    stored = key not in receiver.keys
+                    if stored:
+                        receiver.keys.add(key)
+                        receiver.batches.append(batch)
+                    acked = max(s for e, s in receiver.keys if e == batch.epoch)
+                    commands, receiver.commands = receiver.commands, []
+                ack = ReportAck(epoch=batch.epoch, acked_seq=acked, stored=stored,
+                                commands=commands)
+                return self._answer(200, ack.model_dump(mode="json"))
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,),
+                                        daemon=True)
+        self._thread.start()
+
+    def stored(self) -> list[ReportBatch]:
+        with self.lock:
+            return list(self.batches)
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(5)

@@ -1,0 +1,158 @@
+"""dcgm-exporter parser on a realistic /metrics page, and the collector over real HTTP."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from tierwatch.agent.collectors.dcgm_exporter import DcgmExporterCollector, parse_exposition
+from tierwatch.agent.protocol import (
+    THROTTLE_HW_SLOWDOWN,
+    THROTTLE_HW_THERMAL_SLOWDOWN,
+    XidEvent,
+)
+
+FIXTURE = (Path(__file__).parent / "fixtures" / "dcgm_exporter_metrics.txt").read_text()
+
+
+def test_parse_fixture_maps_fields_and_units():
+    gpus = parse_exposition(FIXTURE)
+    assert sorted(gpus) == [0, 1]
+    g0, g1 = gpus[0], gpus[1]
+    assert g0.uuid == "GPU-9d5e3c1a-7b2f-4e0a-8c61-2f3b4a5c6d70"
+    assert g0.model == "NVIDIA H100 80GB HBM3"
+    assert g0.xid == 0
+    assert g1.xid == 79
+    assert g0.fields == {
+        "temperature_c": 47.0,
+        "power_w": 412.518,
+        "utilization_pct": 98.0,
+        "memory_used_mib": 40712.0,
+        "memory_total_mib": 40712.0 + 40247.0 + 600.0,  # used + free + reserved
+        "ecc_sbe_volatile": 0,
+        "ecc_dbe_volatile": 0,
+        "ecc_sbe_aggregate": 3,
+        "ecc_dbe_aggregate": 0,
+        "remapped_rows_correctable": 1,
+        "remapped_rows_uncorrectable": 0,
+        "row_remap_failure": False,
+        "pcie_replay_count": 0,
+        "throttle_reasons": 0,
+        "nvlink_crc_errors": 0,
+        "nvlink_replay_errors": 0,
+        "nvlink_recovery_errors": 0,
+    }
+    # counters declared with a _TOTAL suffix survive prometheus_client's _total handling
+    assert g1.fields["ecc_dbe_volatile"] == 1
+    assert g1.fields["nvlink_crc_errors"] == 12 + 3  # flit + data
+    assert g1.fields["nvlink_replay_errors"] == 6
+    assert g1.fields["nvlink_recovery_errors"] == 1
+    assert g1.fields["row_remap_failure"] is True
+    assert g1.fields["remapped_rows_uncorrectable"] == 2
+    assert g1.fields["pcie_replay_count"] == 17
+    assert g1.fields["throttle_reasons"] == THROTTLE_HW_SLOWDOWN | THROTTLE_HW_THERMAL_SLOWDOWN
+
+
+def test_lowercase_total_suffix_and_clock_event_reasons():
+    text = (
+        "# TYPE DCGM_FI_DEV_ECC_DBE_VOL counter\n"
+        'DCGM_FI_DEV_ECC_DBE_VOL_total{gpu="0",UUID="GPU-x"} 5\n'
+        "# TYPE DCGM_FI_DEV_CLOCKS_EVENT_REASONS gauge\n"
+        'DCGM_FI_DEV_CLOCKS_EVENT_REASONS{gpu="0",UUID="GPU-x"} 8\n'
+        'DCGM_FI_DEV_GPU_TEMP{gpu="0",UUID="GPU-x"} NaN\n'
+    )
+    fields = parse_exposition(text)[0].fields
+    assert fields == {"ecc_dbe_volatile": 5, "throttle_reasons": 8}
+
+
+def _set_value(text: str, series_prefix: str, value: str) -> str:
+    """Change the value of the series lines starting with ``series_prefix``."""
+    return "\n".join(
+        line.rsplit(" ", 1)[0] + " " + value if line.startswith(series_prefix) else line
+        for line in text.splitlines()
+    ) + "\n"
+
+
+class _Exporter:
+    """A stand-in dcgm-exporter serving mutable text on 127.0.0.1."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.status = 200
+        exporter = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):  # noqa: N802
+                body = exporter.text.encode()
+                self.send_response(exporter.status)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,),
+                                        daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def exporter() -> Iterator[_Exporter]:
+    e = _Exporter(FIXTURE)
+    yield e
+    e.stop()
+
+
+def test_collector_scrapes_and_reports_xid_changes(exporter):
+    xids: list[XidEvent] = []
+    collector = DcgmExporterCollector(exporter.url)
+    try:
+        assert collector.is_available()
+        collector.start(xids.append)
+        inv = collector.inventory()
+        assert [(g.index, g.name) for g in inv] == [(0, "NVIDIA H100 80GB HBM3"),
+                                                    (1, "NVIDIA H100 80GB HBM3")]
+        # GPU 1 already showed XID 79 at start: an agent event, not a (timeless) XidEvent
+        assert [(e.kind, e.gpu) for e in collector.drain_events()] == [("xid_seen_at_start", 1)]
+        samples = collector.collect()
+        assert [s.temperature_c for s in samples] == [47.0, 86.0]
+        assert xids == []
+
+        exporter.text = _set_value(FIXTURE, 'DCGM_FI_DEV_XID_ERRORS{gpu="0"', "48")
+        collector.collect()
+        assert [(e.gpu, e.xid) for e in xids] == [(0, 48)]
+        collector.collect()  # unchanged value: no new event
+        assert len(xids) == 1
+    finally:
+        collector.shutdown()
+
+
+def test_exporter_down_repeats_old_samples(exporter):
+    collector = DcgmExporterCollector(exporter.url, timeout_s=1.0)
+    try:
+        collector.start(lambda e: None)
+        first = collector.collect()
+        collector.drain_events()
+        exporter.status = 503
+        again = collector.collect()
+        assert again == first  # same samples, old ts: stale telemetry
+        assert [e.kind for e in collector.drain_events()] == ["exporter_unreachable"]
+        exporter.status = 200
+        fresh = collector.collect()
+        assert fresh[0].ts > first[0].ts
+        assert [e.kind for e in collector.drain_events()] == ["exporter_recovered"]
+    finally:
+        collector.shutdown()

@@ -1,0 +1,139 @@
+"""The agent's local API and runtime, with a report receiver standing in for the server."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from agent_helpers import TOKEN, FakeGpu, make_fake_pynvml, wait_until
+from fastapi.testclient import TestClient
+
+from tierwatch.agent.collectors.nvml import NvmlCollector
+from tierwatch.agent.collectors.simulated import SimulatedCollector
+from tierwatch.agent.config import AgentSettings
+from tierwatch.agent.runtime import AgentRuntime
+from tierwatch.agent.server import create_app
+
+
+def _settings(receiver, tmp_path, **kw) -> AgentSettings:
+    return AgentSettings(node="node-a", server=receiver.url, token=TOKEN,
+                         spool_dir=tmp_path / "spool", listen="127.0.0.1:0", **kw)
+
+
+@pytest.fixture
+def sim_runtime(receiver, tmp_path):
+    settings = _settings(receiver, tmp_path, interval=0.1)
+    runtime = AgentRuntime(settings, collector=SimulatedCollector("node-a", gpus=4, seed=1),
+                           flush_timeout_s=2.0)
+    runtime.start(serve_api=False)
+    yield runtime
+    runtime.shutdown()
+
+
+@pytest.fixture
+def nvml_runtime(receiver, tmp_path):
+    collector = NvmlCollector(nvml=make_fake_pynvml([FakeGpu(index=0)]), event_wait_ms=50)
+    runtime = AgentRuntime(_settings(receiver, tmp_path), collector=collector,
+                           flush_timeout_s=1.0)
+    runtime.start(serve_api=False)
+    yield runtime
+    runtime.shutdown()
+
+
+def test_status(sim_runtime):
+    sim_runtime.tick()
+    with TestClient(create_app(sim_runtime), client=("127.0.0.1", 5000)) as client:
+        wait_until(lambda: client.get("/v1/status").json()["last_seq_acked"] == 1, what="ack")
+        body = client.get("/v1/status").json()
+    assert body["node"] == "node-a"
+    assert body["collector"] == "simulated"
+    assert body["simulated"] is True
+    assert body["epoch"] == sim_runtime.reporter.epoch
+    assert (body["last_seq_sent"], body["spool_depth"], body["dropped_batches"]) == (1, 0, 0)
+
+
+def test_inject_xid_is_pushed_at_once(sim_runtime, receiver):
+    with TestClient(create_app(sim_runtime), client=("127.0.0.1", 5000)) as client:
+        resp = client.post("/v1/inject", json={"fault": "xid", "gpu": 3, "value": 79})
+    assert resp.status_code == 200, resp.text
+    assert "XID 79 on GPU 3" in resp.json()["message"]
+    batch = wait_until(lambda: [b for b in receiver.stored() if b.xids], what="XID batch")[0]
+    assert [(x.gpu, x.xid) for x in batch.xids] == [(3, 79)]
+    assert batch.simulated is True
+    assert len(batch.gpus) == 4
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"fault": "meltdown"}, "fault"),
+        ({"fault": "thermal", "gpu": 9}, "out of range"),
+        ({"fault": "temp", "gpu": 0}, "needs a value"),
+        ({"fault": "clear", "extra": 1}, "extra"),
+    ],
+)
+def test_inject_bad_input_is_422(sim_runtime, body, needle):
+    with TestClient(create_app(sim_runtime), client=("127.0.0.1", 5000)) as client:
+        resp = client.post("/v1/inject", json=body)
+    assert resp.status_code == 422
+    assert needle in resp.text
+
+
+def test_inject_on_real_collector_is_409(nvml_runtime):
+    with TestClient(create_app(nvml_runtime), client=("127.0.0.1", 5000)) as client:
+        resp = client.post("/v1/inject", json={"fault": "thermal"})
+    assert resp.status_code == 409
+    assert "--collector simulated" in resp.json()["detail"]
+
+
+def test_control_endpoints_need_token_from_other_hosts(sim_runtime):
+    app = create_app(sim_runtime)
+    with TestClient(app, client=("10.1.2.3", 5000)) as remote:
+        assert remote.get("/v1/status").status_code == 200  # read-only
+        resp = remote.post("/v1/inject", json={"fault": "throttle"})
+        assert resp.status_code == 403
+        assert "Authorization: Bearer" in resp.json()["detail"]
+        wrong = remote.post("/v1/inject", json={"fault": "throttle"},
+                            headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 403
+        assert remote.post("/v1/trainer/latency", json=[]).status_code == 403
+        ok = remote.post("/v1/inject", json={"fault": "throttle"},
+                         headers={"Authorization": f"Bearer {TOKEN}"})
+        assert ok.status_code == 200
+    with TestClient(app, client=("::1", 5000)) as local6:
+        assert local6.post("/v1/inject", json={"fault": "clear"}).status_code == 200
+
+
+def test_trainer_latency_goes_into_next_batch(sim_runtime, receiver):
+    samples = [{"job_id": "job-7", "rank": r, "world_size": 2, "ts": "2025-01-01T00:00:00Z",
+                "latency_ms": 2.5 + r} for r in range(2)]
+    with TestClient(create_app(sim_runtime), client=("127.0.0.1", 5000)) as client:
+        resp = client.post("/v1/trainer/latency", json=samples)
+        assert resp.json() == {"queued": 2}
+        assert client.post("/v1/trainer/latency", json=[{"job_id": "j"}]).status_code == 422
+    sim_runtime.tick()
+    batch = wait_until(lambda: [b for b in receiver.stored() if b.latency], what="latency")[0]
+    assert [(s.job_id, s.rank, s.latency_ms) for s in batch.latency] == [
+        ("job-7", 0, 2.5), ("job-7", 1, 3.5)]
+
+
+def test_run_loop_reports_each_interval_and_flushes_on_stop(receiver, tmp_path):
+    settings = _settings(receiver, tmp_path, interval=0.05, sim_job="job-1", sim_rank=0)
+    runtime = AgentRuntime(settings, collector=SimulatedCollector(
+        "node-a", gpus=2, seed=3, job="job-1", rank=0), flush_timeout_s=2.0)
+    runtime.start(serve_api=True)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(runtime.run()))
+    thread.start()
+    try:
+        wait_until(lambda: len(receiver.stored()) >= 3, what="3 interval batches")
+    finally:
+        runtime.stop()
+        thread.join(10)
+    assert result == [0]
+    assert not thread.is_alive()
+    batches = receiver.stored()
+    assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
+    assert all(len(b.samples) == 2 for b in batches)
+    assert all(b.latency[0].job_id == "job-1" for b in batches)
+    assert runtime.reporter.status().spool_depth == 0

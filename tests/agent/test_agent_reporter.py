@@ -1,0 +1,223 @@
+"""Reporter: seq/epoch, spool order and bound, replay after an outage, 4xx handling."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+from agent_helpers import TOKEN, Receiver, wait_until
+
+from tierwatch.agent.protocol import Command, XidEvent, utcnow
+from tierwatch.agent.reporter import Reporter, Spool
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reporter(url: str, spool: Path, token: str = TOKEN, **kw) -> Reporter:
+    kw.setdefault("backoff_initial_s", 0.02)
+    kw.setdefault("backoff_max_s", 0.1)
+    return Reporter(node="node-a", server=url, token=token, spool_dir=spool,
+                    collector="simulated", simulated=True, interval_s=1.0, timeout_s=2.0, **kw)
+
+
+@pytest.fixture
+def closing():
+    """Collects reporters and closes them after the test."""
+    reporters: list[Reporter] = []
+    yield reporters.append
+    for r in reporters:
+        r.close(flush_timeout_s=0.2)
+
+
+def test_seq_and_epoch(receiver, tmp_path, closing):
+    rep = _reporter(receiver.url, tmp_path)
+    closing(rep)
+    rep.start()
+    for _ in range(3):
+        rep.report()
+    wait_until(lambda: len(receiver.stored()) == 3, what="3 batches")
+    batches = receiver.stored()
+    assert [b.seq for b in batches] == [1, 2, 3]
+    assert {b.epoch for b in batches} == {rep.epoch}
+    assert len(rep.epoch) == 32
+    assert all(b.simulated and b.node == "node-a" for b in batches)
+    wait_until(lambda: rep.status().last_acked_seq == 3, what="ack")
+    status = rep.status()
+    assert (status.last_seq, status.last_sent_seq, status.spool_depth) == (3, 3, 0)
+    rep.close(2.0)
+
+    rep2 = _reporter(receiver.url, tmp_path)
+    closing(rep2)
+    assert rep2.epoch != rep.epoch
+    rep2.start()
+    rep2.report()
+    wait_until(lambda: len(receiver.stored()) == 4, what="batch of the new epoch")
+    assert (receiver.stored()[-1].epoch, receiver.stored()[-1].seq) == (rep2.epoch, 1)
+
+
+def test_spool_files_sort_in_order_and_are_complete(tmp_path, closing):
+    (tmp_path / ".tmp-0000000000000001.x.0000000001.json").write_text("{partial")
+    rep = _reporter(f"http://127.0.0.1:{_free_port()}", tmp_path)  # sender not started
+    closing(rep)
+    assert not list(tmp_path.glob(".tmp-*"))  # leftovers of a crash are removed
+    for _ in range(12):
+        rep.report()
+    names = sorted(p.name for p in tmp_path.glob("*.json"))
+    seqs = [json.loads((tmp_path / n).read_text())["seq"] for n in names]
+    assert seqs == list(range(1, 13))
+    assert [i.seq for i in rep.spool.items()] == seqs
+
+
+def test_full_spool_drops_oldest_and_counts(tmp_path, closing):
+    port = _free_port()
+    rep = _reporter(f"http://127.0.0.1:{port}", tmp_path, spool_max_batches=3)
+    closing(rep)
+    for _ in range(5):
+        rep.report()
+    assert [i.seq for i in rep.spool.items()] == [3, 4, 5]
+    assert rep.status().dropped_batches == 2
+    rep.report()  # carries the count and the event
+    receiver = Receiver(port=port)
+    try:
+        rep.start()
+        wait_until(lambda: len(receiver.stored()) == 3, what="replay")
+        batches = receiver.stored()
+        assert [b.seq for b in batches] == [4, 5, 6]
+        assert batches[-1].dropped_batches == 3
+        kinds = [e.kind for b in batches for e in b.events]
+        assert "spool_full" in kinds
+    finally:
+        rep.close(1.0)
+        receiver.stop()
+
+
+def test_outage_replays_in_order_then_new_batches(tmp_path, closing):
+    port = _free_port()
+    rep = _reporter(f"http://127.0.0.1:{port}", tmp_path)
+    closing(rep)
+    rep.start()
+    for _ in range(4):
+        rep.report()
+    wait_until(lambda: rep.status().consecutive_failures >= 2, what="failed attempts")
+    assert "cannot reach" in rep.status().last_error
+    assert len(rep.spool) == 4
+    receiver = Receiver(port=port)  # the server comes back
+    try:
+        wait_until(lambda: len(receiver.stored()) == 4, what="replay after outage")
+        rep.report()
+        wait_until(lambda: len(receiver.stored()) == 5, what="new batch")
+        batches = receiver.stored()
+        assert [b.seq for b in batches] == [1, 2, 3, 4, 5]
+        assert "server_unreachable" in [e.kind for e in batches[-1].events]
+        assert rep.status().consecutive_failures == 0
+    finally:
+        rep.close(1.0)
+        receiver.stop()
+
+
+def test_previous_epoch_batches_go_first(receiver, tmp_path, closing):
+    old = _reporter(receiver.url, tmp_path)  # never started: its batches stay spooled
+    old.report()
+    old.report()
+    old.close(0.1)
+    new = _reporter(receiver.url, tmp_path)
+    closing(new)
+    assert len(new.spool) == 2
+    new.report()
+    new.start()
+    wait_until(lambda: len(receiver.stored()) == 3, what="3 batches")
+    assert [(b.epoch, b.seq) for b in receiver.stored()] == [
+        (old.epoch, 1), (old.epoch, 2), (new.epoch, 1)]
+    wait_until(lambda: new.status().last_sent_seq == 1, what="status of this epoch")
+
+
+@pytest.mark.parametrize("status", [403, 422])
+def test_permanent_error_moves_batch_aside_without_spinning(receiver, tmp_path, closing, status):
+    receiver.fail_with = status
+    rep = _reporter(receiver.url, tmp_path)
+    closing(rep)
+    rep.start()
+    rep.report()
+    rejected = tmp_path / "rejected"
+    wait_until(lambda: rep.status().rejected_batches == 1, what="rejection")
+    assert len(list(rejected.glob("*.json"))) == 1
+    assert len(rep.spool) == 0
+    assert f"HTTP {status}" in rep.status().last_error
+    receiver.fail_with = None
+    rep.report()
+    wait_until(lambda: receiver.stored(), what="next batch")
+    batch = receiver.stored()[0]
+    assert batch.seq == 2
+    assert [e.kind for e in batch.events] == ["report_rejected"]
+    assert receiver.attempts == 2  # the refused batch was tried once
+
+
+def test_wrong_token_is_permanent(receiver, tmp_path, closing):
+    rep = _reporter(receiver.url, tmp_path, token="wrong")
+    closing(rep)
+    rep.start()
+    rep.report()
+    wait_until(lambda: rep.status().rejected_batches == 1, what="rejection")
+    assert "HTTP 401" in rep.status().last_error
+
+
+@pytest.mark.parametrize("status", [503, 429])
+def test_transient_status_is_retried(receiver, tmp_path, closing, status):
+    receiver.fail_with = status
+    receiver.retry_after = "0"
+    rep = _reporter(receiver.url, tmp_path)
+    closing(rep)
+    rep.start()
+    rep.report()
+    wait_until(lambda: receiver.attempts >= 3, what="retries")
+    assert len(rep.spool) == 1
+    receiver.fail_with = None
+    wait_until(lambda: receiver.stored(), what="delivery after retry")
+    wait_until(lambda: len(rep.spool) == 0, what="spool emptied")
+
+
+def test_push_now_cuts_backoff_short(receiver, tmp_path, closing):
+    receiver.fail_with = 503
+    rep = _reporter(receiver.url, tmp_path, backoff_initial_s=30.0, backoff_max_s=30.0)
+    closing(rep)
+    rep.start()
+    rep.report()
+    wait_until(lambda: rep.status().consecutive_failures == 1, what="first failure")
+    receiver.fail_with = None
+    xid = XidEvent(gpu=2, xid=79, ts=utcnow())
+    rep.push_now(xids=[xid])
+    wait_until(lambda: len(receiver.stored()) == 2, timeout=5, what="urgent delivery")
+    assert [len(b.xids) for b in receiver.stored()] == [0, 1]  # order kept
+
+
+def test_commands_reach_the_callback(receiver, tmp_path, closing):
+    got: list[list[Command]] = []
+    lock = threading.Lock()
+
+    def on_commands(commands):
+        with lock:
+            got.append(commands)
+
+    receiver.commands = [{"id": "c1", "kind": "isolate", "args": {"reason": "test"}}]
+    rep = _reporter(receiver.url, tmp_path, on_commands=on_commands)
+    closing(rep)
+    rep.start()
+    rep.report()
+    wait_until(lambda: got, what="commands")
+    assert got[0][0].kind == "isolate"
+
+
+def test_spool_never_drops_the_batch_in_flight(tmp_path):
+    spool = Spool(tmp_path, max_batches=2)
+    spool.put(b"{}", "e", 1)
+    spool.put(b"{}", "e", 2)
+    spool.set_in_flight(spool.oldest())
+    assert spool.put(b"{}", "e", 3) == 1
+    assert [i.seq for i in spool.items()] == [1, 3]
