@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.gzip import GZipMiddleware
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -161,6 +162,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         same_site="lax",
         max_age=12 * 3600,
     )
+    app.add_middleware(GZipMiddleware, minimum_size=1024)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
 
     app.include_router(ingest_api.router)

@@ -79,8 +79,14 @@ def get_samples(
     since: AwareDatetime | None = None,
     until: AwareDatetime | None = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 20_000,
+    step: Annotated[
+        float | None, Query(ge=1, le=3600, description="average into buckets of this many s")
+    ] = None,
 ) -> dict:
-    """Raw samples of a node, oldest first (default: the last 15 minutes).
+    """Samples of a node, oldest first (default: the last 15 minutes).
+
+    With ``step`` the rows are averaged per GPU into ``step``-second buckets (for charts of
+    long ranges); without it they are raw.
 
     Returns ``{"node", "metric", "since", "until", "samples": [{"gpu", "ts", <metrics>…}]}``.
     """
@@ -90,11 +96,19 @@ def get_samples(
         raise HTTPException(status_code=422, detail="since must not be after until")
     try:
         rows = service.query_samples(
-            session, node, gpu=gpu, metric=metric, since=since, until=until, limit=limit
+            session, node, gpu=gpu, metric=metric, since=since, until=until, limit=limit,
+            step_s=step,
         )
     except ValueError as exc:
         raise HTTPException(status_code=422, detail=str(exc)) from exc
-    return {"node": node.name, "metric": metric, "since": since, "until": until, "samples": rows}
+    return {
+        "node": node.name,
+        "metric": metric,
+        "step": step,
+        "since": since,
+        "until": until,
+        "samples": rows,
+    }
 
 
 @router.get("/events", response_model=list[EventOut])

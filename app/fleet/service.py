@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import Integer, cast, delete, func, select
 from sqlalchemy.orm import Session
 
 from tierwatch.agent.protocol import throttle_reason_names
 from tierwatch.server.fleet import rules
 from tierwatch.server.fleet.models import (
+    BOOL_METRICS,
     METRIC_FIELDS,
     Acknowledgement,
     Event,
@@ -162,11 +163,17 @@ def query_samples(
     since: datetime,
     until: datetime,
     limit: int,
+    step_s: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Raw samples of one node in ``[since, until]``, oldest first.
+    """Raw or downsampled samples of one node in ``[since, until]``, oldest first.
 
-    Returns rows ``{"gpu": int, "ts": datetime, <metric>: value, ...}``: every metric, or
-    only ``metric`` when given. At most ``limit`` rows (the newest ones).
+    Args:
+        step_s: when given, rows are averaged per GPU into buckets of this many seconds
+            (``ts`` is the bucket start; boolean metrics are true when any sample was).
+
+    Returns:
+        Rows ``{"gpu": int, "ts": datetime, <metric>: value, ...}``: every metric, or only
+        ``metric`` when given. At most ``limit`` rows (the newest ones).
 
     Raises:
         ValueError: unknown metric name (the message lists the valid ones).
@@ -174,16 +181,52 @@ def query_samples(
     if metric is not None and metric not in METRIC_FIELDS:
         raise ValueError(f"unknown metric {metric!r}; valid: {', '.join(METRIC_FIELDS)}")
     fields = [metric] if metric else list(METRIC_FIELDS)
-    cols = [GpuSampleRow.gpu_index, GpuSampleRow.ts] + [getattr(GpuSampleRow, f) for f in fields]
-    q = select(*cols).where(
-        GpuSampleRow.node_id == node.id, GpuSampleRow.ts >= since, GpuSampleRow.ts <= until
-    )
+    where = [GpuSampleRow.node_id == node.id, GpuSampleRow.ts >= since, GpuSampleRow.ts <= until]
     if gpu is not None:
-        q = q.where(GpuSampleRow.gpu_index == gpu)
-    rows = session.execute(q.order_by(GpuSampleRow.ts.desc()).limit(limit)).all()
-    return [
-        {"gpu": r[0], "ts": r[1], **dict(zip(fields, r[2:], strict=True))} for r in reversed(rows)
-    ]
+        where.append(GpuSampleRow.gpu_index == gpu)
+    if step_s is None:
+        cols = [GpuSampleRow.gpu_index, GpuSampleRow.ts]
+        cols += [getattr(GpuSampleRow, f) for f in fields]
+        q = select(*cols).where(*where).order_by(GpuSampleRow.ts.desc()).limit(limit)
+        rows = [(r[0], r[1], *r[2:]) for r in session.execute(q)]
+    else:
+        epoch = _epoch_seconds(session, GpuSampleRow.ts)
+        bucket = (func.floor(epoch / step_s) * step_s).label("bucket")
+        aggs = [
+            func.max(cast(getattr(GpuSampleRow, f), Integer))
+            if f in BOOL_METRICS
+            else func.avg(getattr(GpuSampleRow, f))
+            for f in fields
+        ]
+        q = (
+            select(GpuSampleRow.gpu_index, bucket, *aggs)
+            .where(*where)
+            .group_by(GpuSampleRow.gpu_index, bucket)
+            .order_by(bucket.desc())
+            .limit(limit)
+        )
+        rows = [
+            (
+                r[0],
+                datetime.fromtimestamp(float(r[1]), UTC),
+                *(
+                    None if v is None else (bool(v) if f in BOOL_METRICS else float(v))
+                    for f, v in zip(fields, r[2:], strict=True)
+                ),
+            )
+            for r in session.execute(q)
+        ]
+    rows.sort(key=lambda r: (r[1], r[0]))
+    return [{"gpu": r[0], "ts": r[1], **dict(zip(fields, r[2:], strict=True))} for r in rows]
+
+
+def _epoch_seconds(session: Session, column: Any) -> Any:
+    """SQL expression: a UTC timestamp column as seconds since the Unix epoch."""
+    if session.get_bind().dialect.name == "postgresql":
+        return func.extract("epoch", column)
+    # SQLite stores naive UTC text; julianday keeps the fraction of a second. Rounded to the
+    # millisecond so float error cannot push a reading on a bucket edge into the bucket before.
+    return func.round((func.julianday(column) - 2440587.5) * 86400.0, 3)
 
 
 def query_events(

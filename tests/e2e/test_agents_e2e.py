@@ -119,5 +119,7 @@ def test_server_outage_loses_no_batch(server, start_agent, tmp_path):
             assert reports["batches"] == reports["last_seq"] - reports["first_seq"] + 1
             assert status["dropped_batches"] == 0
             print(f"{a.node}: spooled {depth[a.node]} batches during the outage; {reports}")
+        for a in agents:  # stop them while the server is up, so their last flush succeeds
+            assert a.stop() == 0
     finally:
         restarted.stop()

@@ -223,3 +223,27 @@ def test_prune_removes_old_raw_history_only(client, make_token, session):
     assert session.scalar(select(func.count()).select_from(GpuSampleRow)) == 2
     assert session.scalar(select(func.count()).select_from(ReportReceipt)) == 2  # received now
     assert node_json(client, viewer, "n1")["gpus"][0]["temperature_c"] == 55.0
+
+
+def test_samples_api_downsamples_with_step(client, make_token):
+    agent, viewer = make_token("agent", "n1"), make_token("viewer")
+    base = utcnow().replace(microsecond=0) - timedelta(seconds=600)
+    base = base - timedelta(seconds=base.timestamp() % 60)  # align to a minute
+    for i in range(6):  # readings every 20 s: buckets of 60 s hold 3 each
+        b = make_batch("n1", i + 1, gpus=2, power_w=100.0 + 10 * i, row_remap_pending=(i == 4))
+        for s in b.samples:
+            s.ts = base + timedelta(seconds=20 * i)
+        b.sent_at = base + timedelta(seconds=20 * i)
+        assert post_batch(client, agent, b).status_code == 200
+    r = client.get(
+        "/api/v1/nodes/n1/samples",
+        params={"gpu": 1, "step": 60, "since": (base - timedelta(seconds=1)).isoformat()},
+        headers=auth(viewer),
+    )
+    assert r.status_code == 200, r.text
+    rows = r.json()["samples"]
+    assert [row["power_w"] for row in rows] == [110.0, 140.0]
+    assert [row["row_remap_pending"] for row in rows] == [False, True]
+    assert rows[0]["ts"].startswith(base.strftime("%Y-%m-%dT%H:%M:%S"))
+    bad = client.get("/api/v1/nodes/n1/samples?step=0.5", headers=auth(viewer))
+    assert bad.status_code == 422
