@@ -162,7 +162,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         same_site="lax",
         max_age=12 * 3600,
     )
-    app.add_middleware(GZipMiddleware, minimum_size=1024)
+    # Level 5: most of level 9's ratio on JSON/HTML at a fraction of its CPU (the node list
+    # of a 2,048-node cluster is ~11 MB before compression).
+    app.add_middleware(GZipMiddleware, minimum_size=1024, compresslevel=5)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
 
     app.include_router(ingest_api.router)

@@ -7,6 +7,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Query
 from pydantic import AwareDatetime
+from pydantic_core import to_json
+from starlette.responses import Response
 
 from tierwatch.agent.protocol import utcnow
 from tierwatch.server.deps import SessionDep, SettingsDep
@@ -53,13 +55,16 @@ def list_nodes(
     settings: SettingsDep,
     state: StateFilter = None,
     name: Annotated[str | None, Query(max_length=128, description="name contains")] = None,
-) -> NodeList:
-    """All nodes with effective state, reasons and their GPUs' latest values."""
-    views = service.list_node_views(session, now=utcnow(), th=settings.health, name_contains=name)
-    counts = service.state_counts(views)
-    return NodeList(
-        counts=counts, nodes=[node_out(v) for v in views if state is None or v.state == state]
+) -> Response:
+    """All nodes with effective state, reasons and their GPUs' latest values.
+
+    ``counts`` has the number of nodes per state (after the name filter, before the state
+    filter). Serialised straight from database rows (the shape is ``NodeList``).
+    """
+    payload = service.node_list_payload(
+        session, now=utcnow(), th=settings.health, state=state, name_contains=name
     )
+    return Response(content=to_json(payload), media_type="application/json")
 
 
 @router.get("/nodes/{name}", response_model=NodeDetailOut)

@@ -65,8 +65,7 @@ def list_node_views(
     """
     query = select(Node).order_by(Node.name)
     if name_contains:
-        escaped = name_contains.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-        query = query.where(Node.name.ilike(f"%{escaped}%", escape="\\"))
+        query = query.where(_name_filter(Node.name, name_contains))
     nodes = list(session.scalars(query))
     reasons: dict[int, list[ReasonRow]] = {}
     for r in session.scalars(select(ReasonRow).order_by(ReasonRow.first_seen)):
@@ -90,6 +89,93 @@ def list_node_views(
             )
         )
     return views
+
+
+def node_list_payload(
+    session: Session,
+    *,
+    now: datetime,
+    th: rules.HealthThresholds,
+    state: str | None = None,
+    name_contains: str | None = None,
+) -> dict[str, Any]:
+    """``GET /api/v1/nodes`` as plain dicts, read with four Core queries.
+
+    The same shape as ``schemas.NodeList`` (a test holds the two together) but built
+    without ORM objects or model validation: with 2,048 nodes x 8 GPUs this response is
+    about 11 MB and is polled by dashboards and automation.
+
+    Returns:
+        ``{"counts": {state: n}, "nodes": [node dict, ...]}``; ``counts`` ignores the
+        ``state`` filter (it counts every state of the name-filtered nodes).
+    """
+    nodes_t, gpus_t, reasons_t = Node.__table__, Gpu.__table__, ReasonRow.__table__
+    q = select(nodes_t).order_by(nodes_t.c.name)
+    if name_contains:
+        q = q.where(_name_filter(nodes_t.c.name, name_contains))
+    nodes = session.execute(q).all()
+    reasons: dict[int, list[dict[str, Any]]] = {}
+    for r in session.execute(select(reasons_t).order_by(reasons_t.c.first_seen)):
+        reasons.setdefault(r.node_id, []).append(
+            {
+                "rule": r.rule,
+                "severity": r.severity,
+                "gpu": None if r.gpu_index < 0 else r.gpu_index,
+                "key": r.key,
+                "message": r.message,
+                "action": r.action,
+                "evidence": r.evidence or {},
+                "first_seen": r.first_seen,
+                "last_seen": r.last_seen,
+            }
+        )
+    xids: dict[tuple[int, int], int] = {}
+    for node_id, gpu, n in session.execute(
+        select(XidCount.node_id, XidCount.gpu_index, func.sum(XidCount.count)).group_by(
+            XidCount.node_id, XidCount.gpu_index
+        )
+    ):
+        xids[(node_id, gpu)] = int(n)
+    gpus: dict[int, list[dict[str, Any]]] = {}
+    for g in session.execute(select(gpus_t).order_by(gpus_t.c.node_id, gpus_t.c.index)):
+        d = {"index": g.index, "uuid": g.uuid, "name": g.name, "ts": g.ts}
+        for f in METRIC_FIELDS:
+            d[f] = getattr(g, f)
+        d["throttle_reason_names"] = throttle_reason_names(g.throttle_reasons)
+        d["xid_count"] = xids.get((g.node_id, g.index), 0)
+        gpus.setdefault(g.node_id, []).append(d)
+    counts = dict.fromkeys(STATES, 0)
+    out = []
+    for n in nodes:
+        unreachable = rules.is_unreachable(n.last_seen, n.interval_s, now, th)
+        eff = "unreachable" if unreachable else n.state
+        counts[eff] += 1
+        if state and eff != state:
+            continue
+        out.append(
+            {
+                "name": n.name,
+                "state": eff,
+                "health_state": n.state,
+                "reasons": reasons.get(n.id, []),
+                "isolated": n.isolated,
+                "simulated": n.simulated,
+                "collector": n.collector,
+                "agent_version": n.agent_version,
+                "interval_s": n.interval_s,
+                "first_seen": n.first_seen,
+                "last_seen": n.last_seen,
+                "state_since": n.state_since,
+                "gpus": gpus.get(n.id, []),
+            }
+        )
+    return {"counts": counts, "nodes": out}
+
+
+def _name_filter(column: Any, text: str) -> Any:
+    """Case-insensitive "name contains ``text``" with LIKE wildcards escaped."""
+    escaped = text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return column.ilike(f"%{escaped}%", escape="\\")
 
 
 def get_node_view(
@@ -348,27 +434,36 @@ def throttle_names(gpu: Gpu) -> list[str]:
     return throttle_reason_names(gpu.throttle_reasons)
 
 
+def state_change_event(
+    node_id: int, old: str, new: str, reasons: list[rules.Reason], at: datetime
+) -> dict[str, Any]:
+    """Column values of the ``state`` event recording a node's change from ``old`` to ``new``.
+
+    The message names up to three of the worst reasons with their recommended actions.
+    """
+    worst = sorted(reasons, key=lambda r: -rules.STATE_ORDER[r.severity])[:3]
+    detail = "; ".join(f"{r.message} → {r.action}" for r in worst)
+    return {
+        "node_id": node_id,
+        "kind": "state",
+        "gpu_index": None,
+        "code": None,
+        "ts": at,
+        "received_at": at,
+        "severity": new,
+        "message": f"{old} → {new}" + (f": {detail}" if detail else ""),
+        "data": {"from": old, "to": new},
+    }
+
+
 def set_state(
     session: Session, node: Node, state: str, reasons: list[rules.Reason], at: datetime
 ) -> None:
-    """Record a health-state change of ``node`` as an event (no-op when unchanged)."""
+    """Set an (ORM-loaded) node's health state, recording a change as an event."""
     if state == node.state and node.state_since is not None:
         return
     old = node.state
     node.state = state
     node.state_since = at
-    if old == state:
-        return
-    worst = sorted(reasons, key=lambda r: -rules.STATE_ORDER[r.severity])[:3]
-    detail = "; ".join(f"{r.message} → {r.action}" for r in worst)
-    session.add(
-        Event(
-            node_id=node.id,
-            kind="state",
-            ts=at,
-            received_at=at,
-            severity=state,
-            message=f"{old} → {state}" + (f": {detail}" if detail else ""),
-            data={"from": old, "to": state},
-        )
-    )
+    if old != state:
+        session.add(Event(**state_change_event(node.id, old, state, reasons, at)))

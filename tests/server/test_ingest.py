@@ -247,3 +247,29 @@ def test_samples_api_downsamples_with_step(client, make_token):
     assert rows[0]["ts"].startswith(base.strftime("%Y-%m-%dT%H:%M:%S"))
     bad = client.get("/api/v1/nodes/n1/samples?step=0.5", headers=auth(viewer))
     assert bad.status_code == 422
+
+
+def test_node_list_fast_path_matches_the_schema(client, make_token, session, settings):
+    """GET /api/v1/nodes is serialised from rows; it must equal the pydantic NodeList."""
+    from tierwatch.server.fleet.schemas import NodeList, node_out
+
+    agent_a, agent_b = make_token("agent", "a-1"), make_token("agent", "b-1")
+    viewer = make_token("viewer")
+    post_batch(client, agent_a, make_batch("a-1", 1, gpus=3, throttle_reasons=0x48))
+    post_batch(client, agent_b, make_batch("b-1", 1, gpus=2, xids=[(1, 79), (1, 79)]))
+    fast = client.get("/api/v1/nodes", headers=auth(viewer)).json()
+    now = utcnow()
+    views = service.list_node_views(session, now=now, th=settings.health)
+    slow = NodeList(counts=service.state_counts(views), nodes=[node_out(v) for v in views])
+    assert fast == slow.model_dump(mode="json")
+    assert fast["nodes"][0]["gpus"][0]["throttle_reason_names"] == [
+        "hw_slowdown",
+        "hw_thermal_slowdown",
+    ]
+    assert fast["nodes"][1]["gpus"][1]["xid_count"] == 2
+    only = client.get("/api/v1/nodes?state=unhealthy&name=B-", headers=auth(viewer)).json()
+    assert [n["name"] for n in only["nodes"]] == ["b-1"]
+    assert only["counts"]["unhealthy"] == 1
+    assert only["counts"]["healthy"] == 0
+    wild = client.get("/api/v1/nodes?name=%25", headers=auth(viewer)).json()
+    assert wild["nodes"] == []  # a LIKE wildcard in the filter is matched literally
