@@ -72,21 +72,30 @@ def _check_node_name(value: str) -> str:
     return value
 
 
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("text must not contain NUL (\\x00) characters")
+    return value
+
+
 NodeName = Annotated[str, AfterValidator(_check_node_name)]
-Count = Annotated[int, Field(ge=0)]
+# Counters are stored as 64-bit signed integers (BIGINT).
+Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
+Text = Annotated[str, AfterValidator(_no_nul)]
 
 
 class _Model(BaseModel):
     # Unknown fields are an error (422 at the API), so a typo never silently drops data.
-    model_config = ConfigDict(extra="forbid")
+    # NaN/Infinity are refused too: they are not JSON and would poison charts and sums.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class GpuInfo(_Model):
     """Static identity of one GPU on a node."""
 
     index: Annotated[int, Field(ge=0, le=255)]
-    uuid: Annotated[str, Field(min_length=1, max_length=96)]
-    name: Annotated[str, Field(max_length=128)] = ""  # model, e.g. "NVIDIA H100 80GB HBM3"
+    uuid: Annotated[Text, Field(min_length=1, max_length=96)]
+    name: Annotated[Text, Field(max_length=128)] = ""  # model, e.g. "NVIDIA H100 80GB HBM3"
     memory_total_mib: Annotated[float, Field(ge=0)] | None = None
 
 
@@ -130,15 +139,15 @@ class XidEvent(_Model):
     gpu: Annotated[int, Field(ge=0, le=255)]
     xid: Annotated[int, Field(ge=0, le=100000)]
     ts: AwareDatetime
-    message: Annotated[str, Field(max_length=2000)] = ""
+    message: Annotated[Text, Field(max_length=2000)] = ""
 
 
 class LatencySample(_Model):
     """Time of one small all_reduce on a job's process group, measured by a rank (ms)."""
 
-    job_id: Annotated[str, Field(min_length=1, max_length=128)]
-    rank: Annotated[int, Field(ge=0)]
-    world_size: Annotated[int, Field(ge=1)] | None = None
+    job_id: Annotated[Text, Field(min_length=1, max_length=128)]
+    rank: Annotated[int, Field(ge=0, le=2**31 - 1)]
+    world_size: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
     ts: AwareDatetime
     latency_ms: Annotated[float, Field(ge=0, le=3_600_000)]
 
@@ -146,9 +155,9 @@ class LatencySample(_Model):
 class AgentEvent(_Model):
     """Something the agent wants an operator to see (a collector error, dropped batches…)."""
 
-    kind: Annotated[str, Field(min_length=1, max_length=64)]
+    kind: Annotated[Text, Field(min_length=1, max_length=64)]
     ts: AwareDatetime
-    message: Annotated[str, Field(max_length=2000)] = ""
+    message: Annotated[Text, Field(max_length=2000)] = ""
     gpu: Annotated[int, Field(ge=0, le=255)] | None = None
 
 
@@ -161,11 +170,11 @@ class ReportBatch(_Model):
 
     protocol: Literal[1] = PROTOCOL_VERSION
     node: NodeName
-    epoch: Annotated[str, Field(min_length=1, max_length=64)]
-    seq: Annotated[int, Field(ge=1)]
+    epoch: Annotated[Text, Field(min_length=1, max_length=64)]
+    seq: Annotated[int, Field(ge=1, le=2**63 - 1)]
     sent_at: AwareDatetime
-    agent_version: Annotated[str, Field(max_length=32)] = ""
-    collector: Annotated[str, Field(max_length=32)] = ""
+    agent_version: Annotated[Text, Field(max_length=32)] = ""
+    collector: Annotated[Text, Field(max_length=32)] = ""
     simulated: bool = False
     interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
     gpus: Annotated[list[GpuInfo], Field(max_length=64)] = []

@@ -27,6 +27,7 @@ from tierwatch.server.db import make_engine, make_sessionmaker
 from tierwatch.server.fleet import api as fleet_api
 from tierwatch.server.fleet import service as fleet_service
 from tierwatch.server.ingest import api as ingest_api
+from tierwatch.server.ingest.writer import IngestWriter
 from tierwatch.server.metrics import make_registry
 from tierwatch.server.resources import resource_dir
 from tierwatch.server.security import optional_principal
@@ -136,7 +137,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         task = None
         if settings.prune_interval_s > 0:
             task = asyncio.create_task(_prune_forever(app, settings))
+        await app.state.ingest_writer.start()
         yield
+        await app.state.ingest_writer.stop()
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -153,6 +156,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.sessionmaker = make_sessionmaker(engine)
     app.state.metrics_registry = make_registry(app.state.sessionmaker, settings.health)
+    app.state.ingest_writer = IngestWriter(app.state.sessionmaker, settings)
 
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_middleware(

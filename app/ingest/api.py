@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, HTTPException, Request
 
-from tierwatch.agent.protocol import ReportAck, ReportBatch, utcnow
-from tierwatch.server.deps import SessionDep, SettingsDep
-from tierwatch.server.ingest import service
+from tierwatch.agent.protocol import ReportAck, ReportBatch
+from tierwatch.server.ingest.writer import IngestUnavailable, IngestWriter
 from tierwatch.server.security import AgentDep
 
 router = APIRouter(prefix="/api/v1/ingest", tags=["ingest"])
 
 
 @router.post("/report", response_model=ReportAck)
-def report(
-    batch: ReportBatch, principal: AgentDep, session: SessionDep, settings: SettingsDep
-) -> ReportAck:
-    """Store one agent batch (idempotent on node + epoch + seq).
+async def report(batch: ReportBatch, principal: AgentDep, request: Request) -> ReportAck:
+    """Store one agent batch (idempotent on node + epoch + seq); answers once it is stored.
 
     Raises:
-        HTTPException: 403 when the token is bound to another node.
+        HTTPException: 403 when the token is bound to another node; 503 (retry) when the
+            server is stopping or could not store the batch.
     """
     if batch.node != principal.node:
         raise HTTPException(
@@ -28,4 +26,8 @@ def report(
             f"for {batch.node!r}: create a token with `tierwatch-server token create "
             f"--role agent --node {batch.node}`",
         )
-    return service.ingest_report(session, batch=batch, settings=settings, now=utcnow())
+    writer: IngestWriter = request.app.state.ingest_writer
+    try:
+        return await writer.submit(batch)
+    except IngestUnavailable as exc:
+        raise HTTPException(status_code=503, detail=str(exc), headers={"Retry-After": "1"}) from exc

@@ -68,6 +68,13 @@ def test_revoked_token_stops_working(client, make_token, app):
         (lambda b: b.update(surprise=1), "body.surprise"),
         (lambda b: b["samples"][0].update(ecc_dbe_volatile=-1), "body.samples.0.ecc_dbe_volatile"),
         (lambda b: b.pop("epoch"), "body.epoch"),
+        # values the database could not store must be refused here, not fail at INSERT
+        (
+            lambda b: b["samples"][0].update(ecc_sbe_volatile=2**64),
+            "body.samples.0.ecc_sbe_volatile",
+        ),
+        (lambda b: b["gpus"][0].update(name="H100\u0000"), "body.gpus.0.name"),
+        (lambda b: b.update(seq=2**63), "body.seq"),
     ],
 )
 def test_junk_report_is_422_with_field_path(client, make_token, mutate, field):
@@ -79,6 +86,17 @@ def test_junk_report_is_422_with_field_path(client, make_token, mutate, field):
     payload = r.json()
     assert field in [e["field"] for e in payload["errors"]]
     assert field in payload["detail"]
+
+
+def test_non_finite_numbers_are_422(client, make_token):
+    token = make_token("agent", "n1")
+    body = make_batch("n1", 1).model_dump_json().replace('"power_w":400.0', '"power_w":Infinity', 1)
+    r = client.post(
+        "/api/v1/ingest/report",
+        content=body,
+        headers={**auth(token), "Content-Type": "application/json"},
+    )
+    assert r.status_code == 422
 
 
 def test_invalid_json_is_422(client, make_token):

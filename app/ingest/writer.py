@@ -1,0 +1,175 @@
+"""Group commit for agent reports.
+
+Every report request hands its validated batch to the :class:`IngestWriter` and waits for
+its ack. The writer takes whatever has queued up (at most ``max_group`` reports, waiting at
+most ``max_delay_s`` after the first one) and stores the whole group in one transaction on a
+worker thread, while the event loop keeps accepting requests for the next group. An agent
+gets its ack only after the transaction that stored its batch has committed, so an ack still
+means "stored".
+
+If a group fails, each of its reports is retried alone, so one report the database refuses
+fails only its own request and never stalls the other nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from anyio import to_thread
+from sqlalchemy.orm import Session, sessionmaker
+
+from tierwatch.agent.protocol import ReportAck, ReportBatch, utcnow
+from tierwatch.server.config import Settings
+from tierwatch.server.ingest.service import ingest_reports
+
+log = logging.getLogger("tierwatch.server.ingest")
+
+
+class IngestUnavailable(RuntimeError):
+    """The writer is stopped or could not store the report; the agent should retry."""
+
+
+@dataclass
+class _Pending:
+    batch: ReportBatch
+    future: asyncio.Future[ReportAck] = field(repr=False)
+
+
+class IngestWriter:
+    """Collects concurrent reports into groups and stores each group in one transaction.
+
+    Args:
+        factory: session factory of the app's database.
+        settings: server settings.
+        max_group: most reports stored in one transaction.
+        max_delay_s: longest a report waits for others to join its group (seconds).
+    """
+
+    def __init__(
+        self,
+        factory: sessionmaker[Session],
+        settings: Settings,
+        *,
+        max_group: int = 256,
+        max_delay_s: float = 0.01,
+    ) -> None:
+        self._factory = factory
+        self._settings = settings
+        self._max_group = max_group
+        self._max_delay_s = max_delay_s
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self.groups_written = 0
+        self.reports_written = 0
+
+    async def start(self) -> None:
+        """Start the writer loop on the running event loop."""
+        self._task = asyncio.create_task(self._run(), name="tierwatch-ingest-writer")
+
+    async def stop(self) -> None:
+        """Store what is queued, then stop; later submissions are refused."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        await self._queue.put(_Pending(None, None))  # type: ignore[arg-type]  # sentinel
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def submit(self, batch: ReportBatch) -> ReportAck:
+        """Queue one report and wait until it is stored.
+
+        Raises:
+            IngestUnavailable: the writer is not running, or storing this report failed.
+        """
+        if self._task is None or self._task.done():
+            raise IngestUnavailable("the server is shutting down; retry shortly")
+        future: asyncio.Future[ReportAck] = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Pending(batch, future))
+        return await future
+
+    async def _run(self) -> None:
+        carry: list[_Pending] = []
+        stopping = False
+        while not stopping or carry:
+            group, carry, stopping = await self._collect(carry, stopping)
+            if group:
+                await self._write(group)
+
+    async def _collect(
+        self, carry: list[_Pending], stopping: bool
+    ) -> tuple[list[_Pending], list[_Pending], bool]:
+        """The next group: reports carried over first, one per node, up to ``max_group``."""
+        group: list[_Pending] = []
+        nodes: set[str] = set()
+        later: list[_Pending] = []
+
+        def take(item: _Pending) -> None:
+            if item.batch.node in nodes or len(group) >= self._max_group:
+                later.append(item)  # a node's second report waits for the next group
+            else:
+                nodes.add(item.batch.node)
+                group.append(item)
+
+        for item in carry:
+            take(item)
+        if not group and not stopping:
+            item = await self._queue.get()
+            if item.batch is None:
+                return [], [], True
+            take(item)
+        deadline = asyncio.get_running_loop().time() + self._max_delay_s
+        while len(group) < self._max_group and not stopping:
+            timeout = deadline - asyncio.get_running_loop().time()
+            try:
+                item = (
+                    self._queue.get_nowait()
+                    if timeout <= 0
+                    else await asyncio.wait_for(self._queue.get(), timeout)
+                )
+            except (TimeoutError, asyncio.QueueEmpty):
+                break
+            if item.batch is None:
+                stopping = True
+                break
+            take(item)
+        return group, later, stopping
+
+    async def _write(self, group: list[_Pending]) -> None:
+        try:
+            acks = await to_thread.run_sync(self._store, [p.batch for p in group])
+        except Exception:
+            log.exception("storing a group of %d reports failed; retrying one by one", len(group))
+            for p in group:
+                try:
+                    [ack] = await to_thread.run_sync(self._store, [p.batch])
+                except Exception as exc:  # this report alone fails; the others go on
+                    log.exception("storing the report of %s failed", p.batch.node)
+                    _resolve(p.future, exc=IngestUnavailable(f"could not store report: {exc}"))
+                else:
+                    _resolve(p.future, ack=ack)
+            return
+        self.groups_written += 1
+        self.reports_written += len(group)
+        for p, ack in zip(group, acks, strict=True):
+            _resolve(p.future, ack=ack)
+
+    def _store(self, batches: list[ReportBatch]) -> list[ReportAck]:
+        with self._factory() as session:
+            return ingest_reports(
+                session, batches=batches, settings=self._settings, now=utcnow()
+            )
+
+
+def _resolve(
+    future: asyncio.Future[Any], *, ack: ReportAck | None = None, exc: Exception | None = None
+) -> None:
+    if future.done():  # the request was cancelled (client went away)
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(ack)

@@ -1,0 +1,113 @@
+"""Group commit: concurrent reports share transactions, keep per-node order, fail alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sqlalchemy import func, select, text
+from support import make_batch
+
+from tierwatch.server.fleet.models import GpuSampleRow, Node, ReportReceipt
+from tierwatch.server.ingest.writer import IngestUnavailable, IngestWriter
+
+
+def run_writer(app, settings, scenario, **kwargs):
+    async def main():
+        writer = IngestWriter(app.state.sessionmaker, settings, **kwargs)
+        await writer.start()
+        try:
+            return await scenario(writer), writer
+        finally:
+            await writer.stop()
+
+    return asyncio.run(main())
+
+
+def test_concurrent_reports_are_stored_in_few_transactions(app, settings, session):
+    async def scenario(writer):
+        return await asyncio.gather(
+            *(writer.submit(make_batch(f"n{i:02d}", 1, gpus=8)) for i in range(40))
+        )
+
+    acks, writer = run_writer(app, settings, scenario, max_delay_s=0.05)
+    assert [a.stored for a in acks] == [True] * 40
+    assert writer.reports_written == 40
+    assert writer.groups_written < 40
+    assert session.scalar(select(func.count()).select_from(GpuSampleRow)) == 40 * 8
+    assert session.scalar(select(func.count()).select_from(Node)) == 40
+
+
+def test_two_reports_of_one_node_are_stored_in_order(app, settings, session):
+    async def scenario(writer):
+        first = make_batch("n1", 1, temperature_c=50.0)
+        second = make_batch("n1", 2, offset_s=1, temperature_c=91.0)
+        return await asyncio.gather(writer.submit(first), writer.submit(second))
+
+    acks, writer = run_writer(app, settings, scenario, max_delay_s=0.05)
+    assert [(a.stored, a.acked_seq) for a in acks] == [(True, 1), (True, 2)]
+    assert writer.groups_written == 2  # the second waited for the next group
+    node = session.scalar(select(Node).where(Node.name == "n1"))
+    assert (node.last_seq, node.state) == (2, "unhealthy")
+
+
+def test_a_report_the_database_refuses_fails_alone(app, settings, session, db_url):
+    """A real database failure (a trigger) for one report: the rest of its group is stored."""
+    with app.state.engine.begin() as conn:
+        if db_url.startswith("sqlite"):
+            conn.execute(
+                text(
+                    "CREATE TRIGGER poison BEFORE INSERT ON report_receipts "
+                    "WHEN NEW.epoch = 'poison' BEGIN SELECT RAISE(ABORT, 'poisoned'); END"
+                )
+            )
+        else:
+            conn.execute(
+                text(
+                    "CREATE FUNCTION poison() RETURNS trigger AS $$ BEGIN "
+                    "IF NEW.epoch = 'poison' THEN RAISE EXCEPTION 'poisoned'; END IF; "
+                    "RETURN NEW; END $$ LANGUAGE plpgsql"
+                )
+            )
+            conn.execute(
+                text(
+                    "CREATE TRIGGER poison BEFORE INSERT ON report_receipts "
+                    "FOR EACH ROW EXECUTE FUNCTION poison()"
+                )
+            )
+    try:
+
+        async def scenario(writer):
+            batches = [make_batch(f"n{i}", 1) for i in range(5)]
+            batches[2] = make_batch("n2", 1, epoch="poison")
+            return await asyncio.gather(
+                *(writer.submit(b) for b in batches), return_exceptions=True
+            )
+
+        results, _ = run_writer(app, settings, scenario, max_delay_s=0.05)
+        assert isinstance(results[2], IngestUnavailable)
+        assert "poisoned" in str(results[2])
+        assert all(r.stored for i, r in enumerate(results) if i != 2)
+        assert session.scalar(select(func.count()).select_from(ReportReceipt)) == 4
+    finally:
+        session.rollback()  # release this session's locks before DROP TRIGGER
+        with app.state.engine.begin() as conn:
+            conn.execute(
+                text(
+                    "DROP TRIGGER poison"
+                    + ("" if db_url.startswith("sqlite") else " ON report_receipts")
+                )
+            )
+            if not db_url.startswith("sqlite"):
+                conn.execute(text("DROP FUNCTION poison()"))
+
+
+def test_submit_after_stop_is_refused(app, settings):
+    async def main():
+        writer = IngestWriter(app.state.sessionmaker, settings)
+        await writer.start()
+        await writer.stop()
+        with pytest.raises(IngestUnavailable, match="shutting down"):
+            await writer.submit(make_batch("n1", 1))
+
+    asyncio.run(main())
