@@ -87,7 +87,9 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(parsed, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=10)
+    # Room for every worker thread (anyio's default limiter: 40) plus the ingest writer, so
+    # threads never queue for a connection behind each other.
+    return create_engine(parsed, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=40)
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

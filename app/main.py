@@ -30,7 +30,7 @@ from tierwatch.server.ingest import api as ingest_api
 from tierwatch.server.ingest.writer import IngestWriter
 from tierwatch.server.metrics import make_registry
 from tierwatch.server.resources import resource_dir
-from tierwatch.server.security import optional_principal
+from tierwatch.server.security import TokenResolver, optional_principal
 from tierwatch.server.web import views as web_views
 
 log = logging.getLogger("tierwatch.server")
@@ -157,6 +157,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessionmaker = make_sessionmaker(engine)
     app.state.metrics_registry = make_registry(app.state.sessionmaker, settings.health)
     app.state.ingest_writer = IngestWriter(app.state.sessionmaker, settings)
+    app.state.token_resolver = TokenResolver(app.state.sessionmaker, settings.token_cache_s)
 
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_middleware(
@@ -183,9 +184,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/metrics", include_in_schema=False)
     def metrics(request: Request) -> Response:
         if settings.metrics_require_token:
-            with app.state.sessionmaker() as session:
-                if optional_principal(request, session) is None:
-                    return PlainTextResponse("authentication required", status_code=401)
+            if optional_principal(request) is None:
+                return PlainTextResponse("authentication required", status_code=401)
         return Response(generate_latest(app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

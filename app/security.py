@@ -6,13 +6,14 @@ Routes declare what they need with the ``Annotated`` aliases at the bottom
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, status
+from sqlalchemy.orm import Session, sessionmaker
 
-from tierwatch.server.deps import SessionDep
-from tierwatch.server.tokens import ApiToken, lookup_token
+from tierwatch.server.tokens import ApiToken, hash_token, lookup_token
 
 ROLE_RANK = {"viewer": 1, "operator": 2, "admin": 3}
 SESSION_TOKEN_KEY = "token"
@@ -62,7 +63,45 @@ def _bearer(request: Request) -> str | None:
     return value.strip()
 
 
-def optional_principal(request: Request, session: SessionDep) -> Principal | None:
+class TokenResolver:
+    """Resolves tokens to principals, remembering live tokens for ``ttl_s`` seconds.
+
+    Each lookup uses its own short session, so a request never holds a pooled database
+    connection while it waits (e.g. for the ingest writer): that is what kept a burst of
+    reports from deadlocking the pool. A revoked token therefore stops working within
+    ``ttl_s`` (0 disables the cache). Unknown tokens are never cached.
+    """
+
+    MAX_ENTRIES = 100_000
+
+    def __init__(self, factory: sessionmaker[Session], ttl_s: float) -> None:
+        self._factory = factory
+        self._ttl_s = ttl_s
+        self._cache: dict[str, tuple[float, ApiToken]] = {}
+
+    def lookup(self, token: str) -> ApiToken | None:
+        """The live token row for ``token``, or None when unknown or revoked."""
+        key = hash_token(token)
+        now = time.monotonic()
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        with self._factory() as session:
+            row = lookup_token(session, token)
+        if row is None:
+            self._cache.pop(key, None)
+        elif self._ttl_s > 0:
+            if len(self._cache) >= self.MAX_ENTRIES:
+                self._cache.clear()
+            self._cache[key] = (now + self._ttl_s, row)
+        return row
+
+    def forget(self) -> None:
+        """Drop every cached token (e.g. after a revocation in this process)."""
+        self._cache.clear()
+
+
+def optional_principal(request: Request) -> Principal | None:
     """The caller from a bearer token or the dashboard session cookie, or None.
 
     Raises:
@@ -75,7 +114,8 @@ def optional_principal(request: Request, session: SessionDep) -> Principal | Non
         via = "session"
         if not token:
             return None
-    row: ApiToken | None = lookup_token(session, token)
+    resolver: TokenResolver = request.app.state.token_resolver
+    row = resolver.lookup(token)
     if row is None:
         if via == "session":
             request.session.clear()

@@ -72,12 +72,11 @@ def _login_form(
 @router.get("/login")
 def login_page(
     request: Request,
-    session: SessionDep,
     next_url: Annotated[str | None, Query(alias="next", max_length=2048)] = None,
 ) -> Response:
     """The sign-in form; a caller already signed in goes straight on to ``next``."""
     target = safe_next(next_url)
-    if optional_principal(request, session) is not None:
+    if optional_principal(request) is not None:
         return RedirectResponse(target, status_code=303)
     return _login_form(request, next_url=target)
 

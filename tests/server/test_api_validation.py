@@ -47,15 +47,45 @@ def test_read_endpoints_need_a_token(client):
         assert client.get(path).status_code == 401, path
 
 
-def test_revoked_token_stops_working(client, make_token, app):
+def _revoke_all(app):
     from tierwatch.server.tokens import list_tokens, revoke_token
 
-    viewer = make_token("viewer")
-    assert client.get("/api/v1/nodes", headers=auth(viewer)).status_code == 200
     with app.state.sessionmaker() as s:
-        revoke_token(s, list_tokens(s)[0].id)
+        for t in list_tokens(s):
+            revoke_token(s, t.id)
         s.commit()
-    assert client.get("/api/v1/nodes", headers=auth(viewer)).status_code == 401
+
+
+def test_revoked_token_stops_working_at_once_without_cache(settings, make_token):
+    from fastapi.testclient import TestClient
+
+    from tierwatch.server.main import create_app
+
+    app = create_app(settings.model_copy(update={"token_cache_s": 0}))
+    with TestClient(app) as c:
+        viewer = make_token("viewer")
+        assert c.get("/api/v1/nodes", headers=auth(viewer)).status_code == 200
+        _revoke_all(app)
+        assert c.get("/api/v1/nodes", headers=auth(viewer)).status_code == 401
+
+
+def test_revoked_token_stops_working_within_the_cache_ttl(settings, make_token):
+    from fastapi.testclient import TestClient
+    from procs import wait_for
+
+    from tierwatch.server.main import create_app
+
+    app = create_app(settings.model_copy(update={"token_cache_s": 0.5}))
+    with TestClient(app) as c:
+        viewer = make_token("viewer")
+        assert c.get("/api/v1/nodes", headers=auth(viewer)).status_code == 200
+        _revoke_all(app)
+        # still remembered for at most 0.5 s, then refused
+        wait_for(
+            lambda: c.get("/api/v1/nodes", headers=auth(viewer)).status_code == 401,
+            timeout=5,
+            what="revoked token refused",
+        )
 
 
 @pytest.mark.parametrize(
