@@ -54,7 +54,7 @@ class Settings(BaseSettings):
     prune_interval_s: Annotated[float, Field(ge=0)] = 300.0
     max_body_bytes: Annotated[int, Field(gt=0)] = 1024 * 1024
     metrics_require_token: bool = False
-    token_cache_s: Annotated[float, Field(ge=0)] = 5.0
+    token_cache_s: Annotated[float, Field(ge=0)] = 30.0
     dashboard_refresh_s: Annotated[float, Field(gt=0)] = 1.5
     health: HealthThresholds = HealthThresholds()
 

@@ -30,7 +30,7 @@ from tierwatch.server.ingest import api as ingest_api
 from tierwatch.server.ingest.writer import IngestWriter
 from tierwatch.server.metrics import make_registry
 from tierwatch.server.resources import resource_dir
-from tierwatch.server.security import TokenResolver, optional_principal
+from tierwatch.server.security import TokenResolver, principal_from_request
 from tierwatch.server.web import views as web_views
 
 log = logging.getLogger("tierwatch.server")
@@ -76,7 +76,12 @@ class BodySizeLimit:
             if not refused:
                 await send(message)
 
-        await self.app(scope, counting_receive, guarded_send)
+        try:
+            await self.app(scope, counting_receive, guarded_send)
+        except Exception:
+            if not refused:
+                raise
+            # The route failed on the disconnect we fed it after answering 413: expected.
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = JSONResponse(
@@ -122,6 +127,29 @@ async def _prune_forever(app: FastAPI, settings: Settings) -> None:
             log.exception("pruning failed")
 
 
+def _register_wire_schemas(app: FastAPI) -> None:
+    """Add the agent wire models to the OpenAPI components (the ingest route parses its
+    body itself, so FastAPI would not list ``ReportBatch`` on its own)."""
+    from fastapi.openapi.utils import get_openapi
+
+    from tierwatch.agent.protocol import ReportBatch
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description,
+                routes=app.routes,
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            defs = ReportBatch.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(defs.pop("$defs", {}))
+            components["ReportBatch"] = defs
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the control-plane app.
 
@@ -157,7 +185,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessionmaker = make_sessionmaker(engine)
     app.state.metrics_registry = make_registry(app.state.sessionmaker, settings.health)
     app.state.ingest_writer = IngestWriter(app.state.sessionmaker, settings)
-    app.state.token_resolver = TokenResolver(app.state.sessionmaker, settings.token_cache_s)
+    app.state.token_resolver = TokenResolver(engine, settings.token_cache_s)
 
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_middleware(
@@ -177,6 +205,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(web_views.router)
     app.mount("/static", StaticFiles(directory=resource_dir("static")), name="static")
 
+    _register_wire_schemas(app)
+
     @app.get("/healthz", include_in_schema=False)
     def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
@@ -184,7 +214,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/metrics", include_in_schema=False)
     def metrics(request: Request) -> Response:
         if settings.metrics_require_token:
-            if optional_principal(request) is None:
+            if principal_from_request(request) is None:
                 return PlainTextResponse("authentication required", status_code=401)
         return Response(generate_latest(app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 

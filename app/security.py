@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request, status
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import Engine, Row, select
+from starlette.concurrency import run_in_threadpool
 
-from tierwatch.server.tokens import ApiToken, hash_token, lookup_token
+from tierwatch.server.tokens import ApiToken, hash_token
 
 ROLE_RANK = {"viewer": 1, "operator": 2, "admin": 3}
 SESSION_TOKEN_KEY = "token"
@@ -64,30 +65,42 @@ def _bearer(request: Request) -> str | None:
 
 
 class TokenResolver:
-    """Resolves tokens to principals, remembering live tokens for ``ttl_s`` seconds.
+    """Resolves tokens to (id, role, node), remembering live tokens for ``ttl_s`` seconds.
 
-    Each lookup uses its own short session, so a request never holds a pooled database
-    connection while it waits (e.g. for the ingest writer): that is what kept a burst of
-    reports from deadlocking the pool. A revoked token therefore stops working within
-    ``ttl_s`` (0 disables the cache). Unknown tokens are never cached.
+    Each lookup is one indexed Core query on a connection held only for that query, so a
+    request never keeps a pooled connection while it waits (e.g. for the ingest writer):
+    that is what kept a burst of reports from deadlocking the pool. A revoked token stops
+    working within ``ttl_s`` (0 disables the cache). Unknown tokens are never cached.
     """
 
     MAX_ENTRIES = 100_000
 
-    def __init__(self, factory: sessionmaker[Session], ttl_s: float) -> None:
-        self._factory = factory
+    def __init__(self, engine: Engine, ttl_s: float) -> None:
+        self._engine = engine
         self._ttl_s = ttl_s
-        self._cache: dict[str, tuple[float, ApiToken]] = {}
+        self._cache: dict[str, tuple[float, Row[Any]]] = {}
 
-    def lookup(self, token: str) -> ApiToken | None:
-        """The live token row for ``token``, or None when unknown or revoked."""
+    def cached(self, token: str) -> Row[Any] | None:
+        """The remembered ``(id, role, node_name)`` of ``token``, or None (not cached)."""
+        hit = self._cache.get(hash_token(token))
+        return hit[1] if hit is not None and hit[0] > time.monotonic() else None
+
+    def lookup(self, token: str) -> Row[Any] | None:
+        """``(id, role, node_name)`` of the live token ``token``, or None (unknown/revoked).
+
+        Blocking (may query the database); the cache answers when it can.
+        """
         key = hash_token(token)
         now = time.monotonic()
         hit = self._cache.get(key)
         if hit is not None and hit[0] > now:
             return hit[1]
-        with self._factory() as session:
-            row = lookup_token(session, token)
+        with self._engine.connect() as conn:
+            row = conn.execute(
+                select(ApiToken.id, ApiToken.role, ApiToken.node_name).where(
+                    ApiToken.token_hash == key, ApiToken.revoked_at.is_(None)
+                )
+            ).first()
         if row is None:
             self._cache.pop(key, None)
         elif self._ttl_s > 0:
@@ -101,21 +114,16 @@ class TokenResolver:
         self._cache.clear()
 
 
-def optional_principal(request: Request) -> Principal | None:
-    """The caller from a bearer token or the dashboard session cookie, or None.
-
-    Raises:
-        HTTPException: 401 for a malformed header or an unknown/revoked bearer token.
-    """
+def _credentials(request: Request) -> tuple[str, str] | None:
+    """(token, "bearer" | "session") from the request, or None when it carries none."""
     token = _bearer(request)
-    via = "bearer"
-    if token is None:
-        token = request.session.get(SESSION_TOKEN_KEY) if "session" in request.scope else None
-        via = "session"
-        if not token:
-            return None
-    resolver: TokenResolver = request.app.state.token_resolver
-    row = resolver.lookup(token)
+    if token is not None:
+        return token, "bearer"
+    token = request.session.get(SESSION_TOKEN_KEY) if "session" in request.scope else None
+    return (token, "session") if token else None
+
+
+def _principal(request: Request, via: str, row: Row[Any] | None) -> Principal | None:
     if row is None:
         if via == "session":
             request.session.clear()
@@ -124,7 +132,37 @@ def optional_principal(request: Request) -> Principal | None:
     return Principal(token_id=row.id, role=row.role, node=row.node_name, via=via)
 
 
-def current_principal(
+def principal_from_request(request: Request) -> Principal | None:
+    """The caller from a bearer token or the dashboard session cookie, or None (blocking).
+
+    Raises:
+        HTTPException: 401 for a malformed header or an unknown/revoked bearer token.
+    """
+    creds = _credentials(request)
+    if creds is None:
+        return None
+    resolver: TokenResolver = request.app.state.token_resolver
+    return _principal(request, creds[1], resolver.lookup(creds[0]))
+
+
+async def optional_principal(request: Request) -> Principal | None:
+    """Dependency form of :func:`principal_from_request`: answered on the event loop when the
+    token is cached, on a worker thread when it must be looked up.
+
+    Raises:
+        HTTPException: 401 for a malformed header or an unknown/revoked bearer token.
+    """
+    creds = _credentials(request)
+    if creds is None:
+        return None
+    resolver: TokenResolver = request.app.state.token_resolver
+    row = resolver.cached(creds[0])
+    if row is None:
+        row = await run_in_threadpool(resolver.lookup, creds[0])
+    return _principal(request, creds[1], row)
+
+
+async def current_principal(
     principal: Annotated[Principal | None, Depends(optional_principal)],
 ) -> Principal:
     """Any authenticated caller.
@@ -147,7 +185,7 @@ def require_role(minimum: str):  # noqa: ANN201 - returns a FastAPI dependency
         HTTPException: 403 when the role is too low.
     """
 
-    def dependency(principal: PrincipalDep) -> Principal:
+    async def dependency(principal: PrincipalDep) -> Principal:
         if not principal.has_role(minimum):
             raise HTTPException(
                 status_code=status.HTTP_403_FORBIDDEN,
@@ -158,7 +196,7 @@ def require_role(minimum: str):  # noqa: ANN201 - returns a FastAPI dependency
     return dependency
 
 
-def require_agent(principal: PrincipalDep) -> Principal:
+async def require_agent(principal: PrincipalDep) -> Principal:
     """The caller must be an agent token (its node is checked against the payload later).
 
     Raises:

@@ -316,13 +316,30 @@ def _apply_batches(
             }
             for ev in b.events
         ]
-    # Chunked so a large group stays under SQLite's bound-parameter limit (32,766).
-    for i in range(0, len(samples_rows), 1000):
-        session.execute(insert(GPU_SAMPLES).values(samples_rows[i : i + 1000]))
+    _insert_samples(session, samples_rows)
     _write_gpu_latest(session, gpus)
     if events_rows:
         session.execute(insert(EVENTS), events_rows)
     _update_reasons(session, batches, nodes, findings, evaluated, changes, th)
+
+
+_SAMPLE_COLUMNS = ("node_id", "gpu_index", "ts", *METRIC_FIELDS)
+_COPY_SAMPLES = f"COPY gpu_samples ({', '.join(_SAMPLE_COLUMNS)}) FROM STDIN"
+
+
+def _insert_samples(session: Session, rows: list[dict[str, Any]]) -> None:
+    """Append raw samples: PostgreSQL's COPY (no SQL to compile or parse per row group),
+    an executemany INSERT elsewhere. Both run in the session's transaction."""
+    if not rows:
+        return
+    connection = session.connection()
+    if connection.dialect.name == "postgresql":
+        dbapi = connection.connection.driver_connection
+        with dbapi.cursor() as cur, cur.copy(_COPY_SAMPLES) as copy:  # type: ignore[union-attr]
+            for row in rows:
+                copy.write_row([row[c] for c in _SAMPLE_COLUMNS])
+    else:
+        session.execute(insert(GPU_SAMPLES), rows)
 
 
 def _sync_inventories(

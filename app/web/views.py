@@ -25,7 +25,7 @@ from tierwatch.agent.protocol import utcnow
 from tierwatch.server.deps import SessionDep, SettingsDep
 from tierwatch.server.fleet import rules
 from tierwatch.server.fleet import service as fleet_service
-from tierwatch.server.security import SESSION_TOKEN_KEY, optional_principal
+from tierwatch.server.security import SESSION_TOKEN_KEY, principal_from_request
 from tierwatch.server.tokens import lookup_token
 from tierwatch.server.web import service
 from tierwatch.server.web.csrf import CsrfDep, rotate_csrf_token
@@ -76,7 +76,7 @@ def login_page(
 ) -> Response:
     """The sign-in form; a caller already signed in goes straight on to ``next``."""
     target = safe_next(next_url)
-    if optional_principal(request) is not None:
+    if principal_from_request(request) is not None:
         return RedirectResponse(target, status_code=303)
     return _login_form(request, next_url=target)
 
