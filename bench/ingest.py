@@ -1379,7 +1379,7 @@ def main() -> int:
                 drop_database()
         if lock is not None:
             lock.close()
-        if ok:
+        if ok and os.environ.get("BENCH_KEEP_LOG") != "1":
             shutil.rmtree(workdir, ignore_errors=True)
         else:
             console.print(f"[red]run failed[/]; server log kept in {workdir / 'server.log'}")

@@ -137,13 +137,20 @@ def node_list_payload(
     ):
         xids[(node_id, gpu)] = int(n)
     gpus: dict[int, list[dict[str, Any]]] = {}
-    for g in session.execute(select(gpus_t).order_by(gpus_t.c.node_id, gpus_t.c.index)):
-        d = {"index": g.index, "uuid": g.uuid, "name": g.name, "ts": g.ts}
-        for f in METRIC_FIELDS:
-            d[f] = getattr(g, f)
-        d["throttle_reason_names"] = throttle_reason_names(g.throttle_reasons)
-        d["xid_count"] = xids.get((g.node_id, g.index), 0)
-        gpus.setdefault(g.node_id, []).append(d)
+    names = ("index", "uuid", "name", "ts", *METRIC_FIELDS)
+    throttle_mask = names.index("throttle_reasons")
+    throttle_cache: dict[int | None, list[str]] = {}
+    gpu_cols = [gpus_t.c[n] for n in names]
+    query = select(gpus_t.c.node_id, *gpu_cols).order_by(gpus_t.c.node_id, gpus_t.c.index)
+    for row in session.execute(query):
+        values = row[1:]
+        d = dict(zip(names, values, strict=True))  # C-speed; 16k rows on a 2,048-node cluster
+        mask = values[throttle_mask]
+        if mask not in throttle_cache:
+            throttle_cache[mask] = throttle_reason_names(mask)
+        d["throttle_reason_names"] = throttle_cache[mask]
+        d["xid_count"] = xids.get((row[0], values[0]), 0)
+        gpus.setdefault(row[0], []).append(d)
     counts = dict.fromkeys(STATES, 0)
     out = []
     for n in nodes:

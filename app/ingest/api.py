@@ -5,6 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
 from tierwatch.agent.protocol import ReportAck, ReportBatch
 from tierwatch.server.ingest.writer import IngestUnavailable, IngestWriter
@@ -20,7 +22,7 @@ _BODY_SCHEMA = {
 
 
 @router.post("/report", response_model=ReportAck, openapi_extra={"requestBody": _BODY_SCHEMA})
-async def report(principal: AgentDep, request: Request) -> ReportAck:
+async def report(principal: AgentDep, request: Request) -> ReportAck | Response:
     """Store one agent batch (idempotent on node + epoch + seq); answers once it is stored.
 
     The body is a ``ReportBatch``, parsed straight from the raw bytes by pydantic (this is
@@ -32,7 +34,12 @@ async def report(principal: AgentDep, request: Request) -> ReportAck:
             server is stopping or could not store the batch.
     """
     try:
-        batch = ReportBatch.model_validate_json(await request.body())
+        body = await request.body()
+    except ClientDisconnect:
+        # The agent gave up before its body was read (it retries from its spool): no error.
+        return Response(status_code=499)
+    try:
+        batch = ReportBatch.model_validate_json(body)
     except ValidationError as exc:
         raise RequestValidationError(
             [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
