@@ -60,7 +60,10 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
-def make_engine(url: str, *, echo: bool = False) -> Engine:
+def make_engine(
+    url: str, *, echo: bool = False, pool_size: int = 10, max_overflow: int = 40,
+    pre_ping: bool = True,
+) -> Engine:
     """Create an engine for a plain SQLAlchemy URL.
 
     SQLite gets WAL mode, foreign keys and a busy timeout, and its parent folder is created;
@@ -89,7 +92,9 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
         return engine
     # Room for every worker thread (anyio's default limiter: 40) plus the ingest writer, so
     # threads never queue for a connection behind each other.
-    return create_engine(parsed, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=40)
+    return create_engine(
+        parsed, echo=echo, pool_pre_ping=pre_ping, pool_size=pool_size, max_overflow=max_overflow
+    )
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

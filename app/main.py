@@ -168,6 +168,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await app.state.ingest_writer.start()
         yield
         await app.state.ingest_writer.stop()
+        writer_engine.dispose()
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -184,7 +185,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.sessionmaker = make_sessionmaker(engine)
     app.state.metrics_registry = make_registry(app.state.sessionmaker, settings.health)
-    app.state.ingest_writer = IngestWriter(app.state.sessionmaker, settings)
+    # The writer stores one group at a time: one connection of its own, no pre-ping round
+    # trip per group (a connection that broke fails that group, is discarded, and the
+    # group's reports are retried one by one on a fresh one).
+    writer_engine = make_engine(settings.database_url, pool_size=1, max_overflow=1, pre_ping=False)
+    app.state.ingest_writer = IngestWriter(make_sessionmaker(writer_engine), settings)
     app.state.token_resolver = TokenResolver(engine, settings.token_cache_s)
 
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]

@@ -566,10 +566,17 @@ def _update_reasons(
     One SELECT for the group; writes only what changed (a healthy node with no findings
     writes nothing here).
     """
-    node_ids = [nodes[b.node].id for b in batches]
+    # A node's state is the worst severity of its reasons, so a healthy node has none:
+    # only nodes that are not healthy, or have new findings, need their reasons read.
+    node_ids = [
+        nodes[b.node].id
+        for b in batches
+        if nodes[b.node].state != "healthy" or findings.get(nodes[b.node].id)
+    ]
     stored: dict[int, list[Row[Any]]] = defaultdict(list)
-    for r in session.execute(select(REASONS).where(REASONS.c.node_id.in_(node_ids))):
-        stored[r.node_id].append(r)
+    if node_ids:
+        for r in session.execute(select(REASONS).where(REASONS.c.node_id.in_(node_ids))):
+            stored[r.node_id].append(r)
     inserts: list[dict[str, Any]] = []
     updates: list[dict[str, Any]] = []
     gone: list[int] = []
