@@ -36,10 +36,10 @@ class NotFoundError(LookupError):
 class NodeView:
     """A node as the API and dashboard show it (effective state includes reachability)."""
 
-    node: Node
+    node: Any  # a Node, or a read-only row with the same attributes
     state: str
     unreachable: bool
-    reasons: list[ReasonRow]
+    reasons: list[Any]  # ReasonRow objects or rows with the same attributes
     gpus: list[Gpu] = field(default_factory=list)
     xid_counts: dict[int, int] = field(default_factory=dict)  # gpu index -> occurrences
 
@@ -62,13 +62,17 @@ def list_node_views(
     """All nodes (optionally filtered by effective state and name substring), by name.
 
     Reads only the latest-value tables (nodes, gpus, reasons, xid_counts): never history.
+    Nodes and reasons come back as read-only Core rows (attribute access like the ORM
+    objects, a fraction of the cost for thousands of nodes); GPUs as ORM objects.
     """
-    query = select(Node).order_by(Node.name)
+    nodes_t = Node.__table__
+    query = select(nodes_t).order_by(nodes_t.c.name)
     if name_contains:
-        query = query.where(_name_filter(Node.name, name_contains))
-    nodes = list(session.scalars(query))
-    reasons: dict[int, list[ReasonRow]] = {}
-    for r in session.scalars(select(ReasonRow).order_by(ReasonRow.first_seen)):
+        query = query.where(_name_filter(nodes_t.c.name, name_contains))
+    nodes = session.execute(query).all()
+    reasons: dict[int, list[Any]] = {}
+    reasons_t = ReasonRow.__table__
+    for r in session.execute(select(reasons_t).order_by(reasons_t.c.first_seen)):
         reasons.setdefault(r.node_id, []).append(r)
     gpus: dict[int, list[Gpu]] = {}
     counts: dict[int, dict[int, int]] = {}
