@@ -328,11 +328,8 @@ def rule_ecc_uncorrectable(prev: GpuSample | None, cur: GpuSample) -> list[Findi
     Raises:
         ValueError: ``prev`` and ``cur`` are samples of different GPUs.
     """
-    _check_pair(prev, cur)
-    if prev is None or prev.ecc_dbe_volatile is None or cur.ecc_dbe_volatile is None:
-        return []
-    increase = cur.ecc_dbe_volatile - prev.ecc_dbe_volatile
-    if increase <= 0:
+    increase = _counter_increase(prev, cur, "ecc_dbe_volatile")
+    if increase is None:
         return []
     return [
         Finding(
@@ -575,6 +572,24 @@ def rule_throttling(cur: GpuSample, th: HealthThresholds | None = None) -> list[
 # --- PCIe replay, NVLink errors -------------------------------------------------------------------
 
 
+def _counter_increase(prev: GpuSample | None, cur: GpuSample, field: str) -> int | None:
+    """How much the cumulative counter ``field`` rose from ``prev`` to ``cur``.
+
+    None when there is no previous reading, either value is unknown, or the counter did not
+    rise (a decrease is a reset: a GPU reset clears volatile counters).
+
+    Raises:
+        ValueError: ``prev`` and ``cur`` are samples of different GPUs.
+    """
+    _check_pair(prev, cur)
+    if prev is None:
+        return None
+    before, after = getattr(prev, field), getattr(cur, field)
+    if before is None or after is None or after <= before:
+        return None
+    return after - before
+
+
 def _per_minute(
     delta: int, prev: GpuSample, cur: GpuSample, min_window_s: float = 0.0
 ) -> float | None:
@@ -609,12 +624,10 @@ def rule_pcie_replay(prev: GpuSample | None, cur: GpuSample, th: HealthThreshold
     Raises:
         ValueError: ``prev`` and ``cur`` are samples of different GPUs.
     """
-    _check_pair(prev, cur)
-    if prev is None or prev.pcie_replay_count is None or cur.pcie_replay_count is None:
+    delta = _counter_increase(prev, cur, "pcie_replay_count")
+    if delta is None:
         return []
-    delta = cur.pcie_replay_count - prev.pcie_replay_count
-    if delta <= 0:
-        return []
+    assert prev is not None  # an increase needs a previous reading
     rate = _per_minute(delta, prev, cur, th.rate_min_window_s)
     if rate is None or rate <= th.pcie_replay_per_min:
         return []
