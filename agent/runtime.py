@@ -118,6 +118,9 @@ class AgentRuntime:
             simulated=self.collector.simulated,
             interval_s=settings.interval,
             on_commands=self.on_commands,
+            # Retry at least once per report interval, so after an outage a node is seen
+            # again within one interval, well before the 3-interval heartbeat window.
+            backoff_max_s=min(30.0, max(1.0, settings.interval)),
         )
         self.flush_timeout_s = flush_timeout_s
         self.commands: deque[Command] = deque(maxlen=1000)

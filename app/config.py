@@ -36,6 +36,8 @@ class Settings(BaseSettings):
         prune_interval_s: how often the pruner runs (seconds; 0 disables it).
         max_body_bytes: request bodies larger than this are refused with 413 (bytes).
         metrics_require_token: require a bearer token for ``GET /metrics``.
+        max_clock_skew_s: reports with a time further than this ahead of the server's
+            clock are refused (seconds): a future reading would pin a GPU's latest value.
         token_cache_s: how long a process remembers a valid token (seconds); a revoked
             token stops working within this time (0: checked on every request).
         dashboard_refresh_s: how often dashboard pages poll for fresh data (seconds).
@@ -55,6 +57,7 @@ class Settings(BaseSettings):
     max_body_bytes: Annotated[int, Field(gt=0)] = 1024 * 1024
     metrics_require_token: bool = False
     token_cache_s: Annotated[float, Field(ge=0)] = 30.0
+    max_clock_skew_s: Annotated[float, Field(gt=0)] = 300.0
     dashboard_refresh_s: Annotated[float, Field(gt=0)] = 1.5
     health: HealthThresholds = HealthThresholds()
 

@@ -147,13 +147,14 @@ def list_events(
 
 @router.post("/nodes/{name}/ack", response_model=AckOut)
 def acknowledge(
-    body: AckIn,
     principal: OperatorDep,
     node: NodeDep,
     session: SessionDep,
     settings: SettingsDep,
+    body: AckIn | None = None,
 ) -> AckOut:
-    """Acknowledge (clear) a node's reasons; needs the operator role."""
+    """Acknowledge (clear) a node's reasons; needs the operator role. No body: all of them."""
+    body = body or AckIn()
     now = utcnow()
     cleared = service.acknowledge(
         session, node, rule=body.rule, gpu=body.gpu, actor=principal.actor, note=body.note, now=now

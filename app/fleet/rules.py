@@ -241,6 +241,9 @@ class Reason:
         return (self.rule, self.gpu, self.key)
 
 
+MAX_EVIDENCE_OCCURRENCES = 20
+
+
 def _check_pair(prev: GpuSample | None, cur: GpuSample) -> None:
     if prev is not None and prev.index != cur.index:
         raise ValueError(f"samples of different GPUs compared: {prev.index} and {cur.index}")
@@ -458,7 +461,8 @@ def rule_xid(
             "count": len(records),
             "count_in_window": in_window[(gpu, code)],
             "window_s": th.xid_repeat_window_s,
-            "occurrences": [t.isoformat() for t in times],
+            # the newest few only: a burst of thousands must not bloat every API answer
+            "occurrences": [t.isoformat() for t in times[-MAX_EVIDENCE_OCCURRENCES:]],
         }
         many = f" ({len(records)} occurrences)" if len(records) > 1 else ""
         info = xid_catalog.lookup(code)

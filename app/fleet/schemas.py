@@ -5,9 +5,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from tierwatch.agent.protocol import Text
 from tierwatch.server.fleet.models import METRIC_FIELDS
+from tierwatch.server.fleet.rules import RULES
 from tierwatch.server.fleet.service import NodeView, throttle_names
 
 
@@ -113,14 +115,23 @@ class EventOut(BaseModel):
     data: dict[str, Any]
 
 
+def _known_rule(value: str) -> str:
+    if value not in RULES:
+        raise ValueError(f"unknown rule {value!r}; rules: {', '.join(RULES)}")
+    return value
+
+
+RuleId = Annotated[str, AfterValidator(_known_rule)]
+
+
 class AckIn(BaseModel):
     """Acknowledge a node's reasons: all of them, or one rule and/or one GPU."""
 
     model_config = ConfigDict(extra="forbid")
 
-    rule: Annotated[str, Field(max_length=32)] | None = None
+    rule: RuleId | None = None
     gpu: Annotated[int, Field(ge=0, le=255)] | None = None
-    note: Annotated[str, Field(max_length=2000)] = ""
+    note: Annotated[Text, Field(max_length=2000)] = ""
 
 
 class AckOut(BaseModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from sqlalchemy import Integer, cast, delete, func, select
 from sqlalchemy.orm import Session
 
-from tierwatch.agent.protocol import throttle_reason_names
+from tierwatch.agent.protocol import NODE_NAME_PATTERN, throttle_reason_names
 from tierwatch.server.fleet import rules
 from tierwatch.server.fleet.models import (
     BOOL_METRICS,
@@ -26,6 +27,7 @@ from tierwatch.server.fleet.models import (
 )
 
 STATES = ("healthy", "degraded", "unhealthy", "unreachable")
+NODE_NAME_RE = re.compile(NODE_NAME_PATTERN)
 
 
 class NotFoundError(LookupError):
@@ -185,6 +187,7 @@ def node_list_payload(
 
 def _name_filter(column: Any, text: str) -> Any:
     """Case-insensitive "name contains ``text``" with LIKE wildcards escaped."""
+    text = text.replace("\x00", "")  # PostgreSQL text cannot hold NUL; no name contains one
     escaped = text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
     return column.ilike(f"%{escaped}%", escape="\\")
 
@@ -217,7 +220,9 @@ def get_node(session: Session, name: str) -> Node:
     Raises:
         NotFoundError: no node has that name.
     """
-    node = session.scalar(select(Node).where(Node.name == name))
+    node = None
+    if NODE_NAME_RE.match(name):  # a name no node can have is never sent to the database
+        node = session.scalar(select(Node).where(Node.name == name))
     if node is None:
         raise NotFoundError(f"no node named {name!r}")
     return node

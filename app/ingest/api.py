@@ -8,7 +8,9 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from tierwatch.agent.protocol import ReportAck, ReportBatch
+from tierwatch.agent.protocol import ReportAck, ReportBatch, utcnow
+from tierwatch.server.config import Settings
+from tierwatch.server.ingest.service import timestamp_errors
 from tierwatch.server.ingest.writer import IngestUnavailable, IngestWriter
 from tierwatch.server.security import AgentDep
 
@@ -44,6 +46,10 @@ async def report(principal: AgentDep, request: Request) -> ReportAck | Response:
         raise RequestValidationError(
             [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
         ) from exc
+    settings: Settings = request.app.state.settings
+    errors = timestamp_errors(batch, now=utcnow(), max_ahead_s=settings.max_clock_skew_s)
+    if errors:
+        raise RequestValidationError(errors)
     if batch.node != principal.node:
         raise HTTPException(
             status_code=403,

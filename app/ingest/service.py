@@ -16,7 +16,7 @@ reachability uses the server's receive time.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Row, bindparam, delete, func, insert, select, update
@@ -106,6 +106,46 @@ def reason_from_row(row: Any) -> rules.Reason:
         first_seen=row.first_seen,
         last_seen=row.last_seen,
     )
+
+
+EARLIEST_TS = datetime(2000, 1, 1, tzinfo=UTC)
+
+
+def timestamp_errors(
+    batch: ReportBatch, *, now: datetime, max_ahead_s: float
+) -> list[dict[str, Any]]:
+    """Times in a batch that cannot be right: later than ``now + max_ahead_s`` or before 2000.
+
+    A reading from the future would become a GPU's latest value and hide every real one
+    until the clock caught up; a time before 2000 is an unset clock. Old but plausible
+    times are fine (a spool replays hours-old batches after an outage).
+
+    Returns:
+        Validation errors (``loc``, ``msg``, ``type``) in FastAPI's shape, empty when all fine.
+    """
+    latest = now + timedelta(seconds=max_ahead_s)
+    items: list[tuple[tuple[Any, ...], datetime]] = [(("sent_at",), batch.sent_at)]
+    items += [(("samples", i, "ts"), s.ts) for i, s in enumerate(batch.samples)]
+    items += [(("xids", i, "ts"), x.ts) for i, x in enumerate(batch.xids)]
+    items += [(("latency", i, "ts"), x.ts) for i, x in enumerate(batch.latency)]
+    items += [(("events", i, "ts"), x.ts) for i, x in enumerate(batch.events)]
+    errors = []
+    for loc, ts in items:
+        try:
+            ok = EARLIEST_TS <= ts <= latest
+        except OverflowError:  # e.g. year 1 with a positive UTC offset
+            ok = False
+        if not ok:
+            errors.append(
+                {
+                    "loc": ("body", *loc),
+                    "msg": f"time {ts.isoformat()} is not between 2000-01-01 and "
+                    f"{max_ahead_s:g} s ahead of the server's clock ({now.isoformat()}): "
+                    "check the node's clock (NTP)",
+                    "type": "clock_skew",
+                }
+            )
+    return errors
 
 
 def ingest_report(

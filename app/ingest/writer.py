@@ -148,7 +148,13 @@ class IngestWriter:
                     [ack] = await to_thread.run_sync(self._store, [p.batch])
                 except Exception as exc:  # this report alone fails; the others go on
                     log.exception("storing the report of %s failed", p.batch.node)
-                    _resolve(p.future, exc=IngestUnavailable(f"could not store report: {exc}"))
+                    _resolve(
+                        p.future,
+                        exc=IngestUnavailable(
+                            f"could not store this report ({type(exc).__name__}); "
+                            "the details are in the server log"
+                        ),
+                    )
                 else:
                     _resolve(p.future, ack=ack)
             return

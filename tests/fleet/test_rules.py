@@ -848,3 +848,14 @@ def test_findings_evidence_is_json_serialisable() -> None:
     assert len(findings) == 6
     for f in findings:
         assert json.loads(json.dumps(f.evidence)) == f.evidence
+
+
+def test_xid_evidence_keeps_only_the_newest_occurrences() -> None:
+    from tierwatch.server.fleet.rules import MAX_EVIDENCE_OCCURRENCES
+
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    burst = [XidRecord(gpu=0, xid=79, ts=t0 + timedelta(milliseconds=i)) for i in range(500)]
+    [finding] = rule_xid(burst, [], HealthThresholds(), t0 + timedelta(seconds=1))
+    assert finding.evidence["count"] == 500
+    assert len(finding.evidence["occurrences"]) == MAX_EVIDENCE_OCCURRENCES
+    assert finding.evidence["occurrences"][-1] == burst[-1].ts.isoformat()

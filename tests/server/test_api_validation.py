@@ -209,3 +209,49 @@ def test_openapi_is_served(client):
 def test_healthz_and_metrics_need_no_token(client):
     assert client.get("/healthz").json()["status"] == "ok"
     assert client.get("/metrics").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda b: b["samples"][0].update(ts="2999-01-01T00:00:00Z"), "body.samples.0.ts"),
+        (lambda b: b.update(sent_at="9999-12-31T23:59:59-14:00"), "body.sent_at"),
+        (lambda b: b["samples"][1].update(ts="0001-01-01T00:00:00+14:00"), "body.samples.1.ts"),
+        (lambda b: b["samples"][0].update(ts="1970-01-01T00:00:00Z"), "body.samples.0.ts"),
+    ],
+)
+def test_impossible_times_are_422_and_store_nothing(client, make_token, mutate, field):
+    """A reading from the future would pin a GPU's latest value; refuse it, naming the field."""
+    token, viewer = make_token("agent", "n1"), make_token("viewer")
+    body = json.loads(make_batch("n1", 1).model_dump_json())
+    mutate(body)
+    r = client.post("/api/v1/ingest/report", json=body, headers=auth(token))
+    assert r.status_code == 422, r.text
+    assert field in [e["field"] for e in r.json()["errors"]]
+    assert "clock" in r.json()["detail"]
+    assert "SELECT" not in r.text
+    assert client.get("/api/v1/nodes", headers=auth(viewer)).json()["nodes"] == []
+
+
+def test_nul_and_impossible_names_never_reach_the_database(client, make_token):
+    viewer, operator = make_token("viewer"), make_token("operator")
+    post_batch(client, make_token("agent", "n1"), make_batch("n1", 1))
+    for path in ("/api/v1/nodes/%00", "/api/v1/nodes/a%00b/samples", "/api/v1/events?node=a%00b"):
+        r = client.get(path, headers=auth(viewer))
+        assert r.status_code == 404, (path, r.text)
+    assert client.get("/api/v1/nodes?name=n%00", headers=auth(viewer)).status_code == 200
+    r = client.post("/api/v1/nodes/n1/ack", json={"note": "a\u0000b"}, headers=auth(operator))
+    assert r.status_code == 422
+    assert "body.note" in [e["field"] for e in r.json()["errors"]]
+
+
+def test_ack_validates_the_rule_and_needs_no_body(client, make_token):
+    operator = make_token("operator")
+    post_batch(client, make_token("agent", "n1"), make_batch("n1", 1, xids=[(0, 79)]))
+    bad = client.post("/api/v1/nodes/n1/ack", json={"rule": "nope"}, headers=auth(operator))
+    assert bad.status_code == 422
+    assert "unknown rule" in bad.json()["detail"]
+    ok = client.post("/api/v1/nodes/n1/ack", headers=auth(operator))
+    assert ok.status_code == 200
+    assert ok.json()["cleared"] == 1
+    assert ok.json()["node"]["state"] == "healthy"
