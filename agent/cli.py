@@ -136,10 +136,16 @@ def inject(
     = "",
     token: Annotated[str | None, typer.Option(
         help="Agent token, needed from non-loopback addresses [TIERWATCH_TOKEN].")] = None,
-    timeout: Annotated[float, typer.Option(help="HTTP timeout, seconds.")] = 5.0,
+    timeout: Annotated[float, typer.Option(help="HTTP timeout, seconds.", min=0.1)] = 5.0,
 ) -> None:
     """Inject a fault into a running agent with the simulated collector."""
+    import math
+
     import httpx
+
+    if value is not None and not math.isfinite(value):
+        _err(f"error: VALUE must be a finite number, not {value}")
+        raise typer.Exit(EXIT_USAGE)
 
     url = (agent or os.environ.get("TIERWATCH_AGENT_URL") or "http://127.0.0.1:9470")
     url = url.rstrip("/") + "/v1/inject"

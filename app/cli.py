@@ -13,7 +13,9 @@ import typer
 
 from tierwatch.server.config import ConfigError, get_settings
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False
+)
 token_app = typer.Typer(no_args_is_help=True, help="Create, list and revoke API tokens.")
 app.add_typer(token_app, name="token")
 
@@ -31,7 +33,7 @@ def _sessionmaker():  # type: ignore[no-untyped-def]
 @app.command()
 def serve(
     host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    port: Annotated[int, typer.Option(help="TCP port", min=1, max=65535)] = 8000,
     migrate_first: Annotated[bool, typer.Option("--migrate/--no-migrate")] = True,
     log_level: Annotated[str, typer.Option()] = "info",
 ) -> None:
@@ -131,8 +133,35 @@ def token_revoke(token_id: Annotated[int, typer.Argument(help="id from `token li
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app(prog_name="tierwatch-server")
+    """Console-script entry point: configuration and database mistakes print one line
+    saying what to fix (exit 2) instead of a traceback."""
+    from pydantic import ValidationError
+    from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
+
+    try:
+        app(prog_name="tierwatch-server", standalone_mode=True)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"TIERWATCH_{'__'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
+            for e in exc.errors()
+        )
+        _err(f"error: invalid setting: {problems}")
+        raise SystemExit(2) from None
+    except (ArgumentError, NoSuchModuleError) as exc:
+        _err(
+            f"error: TIERWATCH_DATABASE_URL is not usable ({exc}); use sqlite:///path/to/file.db "
+            "or postgresql+psycopg://user@host:5432/db"
+        )
+        raise SystemExit(2) from None
+    except DBAPIError as exc:
+        first = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+        hint = (
+            "run `tierwatch-server migrate` first"
+            if "no such table" in first or "does not exist" in first and "relation" in first
+            else "check TIERWATCH_DATABASE_URL and that the database is reachable"
+        )
+        _err(f"error: database: {first}; {hint}")
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import DateTime, Engine, MetaData, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
 
@@ -73,6 +74,11 @@ def make_engine(
         sqlalchemy.exc.ArgumentError: for a malformed URL.
     """
     parsed = make_url(url)
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        raise ArgumentError(
+            f"unsupported database {parsed.get_backend_name()!r}: tierwatch runs on SQLite or "
+            "PostgreSQL"
+        )
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)

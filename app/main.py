@@ -212,6 +212,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     _register_wire_schemas(app)
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    def favicon() -> Response:
+        return Response(status_code=204)
+
     @app.get("/healthz", include_in_schema=False)
     def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}

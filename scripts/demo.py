@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -57,8 +58,11 @@ def main() -> int:
 
     VAR.mkdir(parents=True, exist_ok=True)
     db = VAR / "tierwatch.db"
+    # A fresh database each run, so the spools of a previous run go too (their batches would
+    # replay old readings into it).
     for stale in VAR.glob("tierwatch.db*"):
         stale.unlink()
+    shutil.rmtree(VAR / "spool", ignore_errors=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERWATCH_")}
     env.update(
         TIERWATCH_DATABASE_URL=f"sqlite:///{db}",
@@ -160,16 +164,26 @@ Inject a fault into a node (agent ports {args.agent_port}..{args.agent_port + ar
 
 
 def stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM every child (agents first, server last), then wait; SIGKILL stragglers."""
-    for p in reversed(procs):
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in reversed(procs):
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    """Stop the agents first and wait for them (they flush their last batch to the running
+    server), then the server; SIGKILL what does not stop within 15 s."""
+    server, agents = procs[:1], procs[1:]
+    for group in (agents, server):
+        for p in group:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in group:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (KeyboardInterrupt, subprocess.CalledProcessError) as exc:
+        # Ctrl-C during set-up (the children started so far got the same SIGINT).
+        what = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"set-up failed: {exc}"
+        print(f"demo {what}", file=sys.stderr)
+        sys.exit(130 if isinstance(exc, KeyboardInterrupt) else 1)

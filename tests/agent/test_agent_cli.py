@@ -120,3 +120,11 @@ def test_run_process_reports_and_exits_0_on_sigterm(receiver, tmp_path):
     batches = receiver.stored()
     assert all(b.simulated and b.collector == "simulated" for b in batches)
     assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_inject_refuses_non_finite_values_without_a_traceback(value):
+    result = runner.invoke(app, ["inject", "--agent", "http://127.0.0.1:9", "temp", "--", value])
+    assert result.exit_code == EXIT_USAGE
+    assert "finite number" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)

@@ -90,3 +90,36 @@ def test_serve_refuses_to_start_without_secret_outside_dev(cli_env):
 def test_migrate_is_idempotent(cli_env):
     assert run("migrate", env=cli_env).returncode == 0
     assert run("migrate", env=cli_env).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "message"),
+    [
+        (
+            {"TIERWATCH_DATABASE_URL": "notaurl"},
+            ["migrate"],
+            "TIERWATCH_DATABASE_URL is not usable",
+        ),
+        ({"TIERWATCH_DATABASE_URL": "mysql://x/y"}, ["migrate"], "unsupported database 'mysql'"),
+        ({"TIERWATCH_MAX_BODY_BYTES": "-1"}, ["token", "list"], "TIERWATCH_MAX_BODY_BYTES"),
+        (
+            {"TIERWATCH_HEALTH__STRAGGLER_FACTOR": "abc", "TIERWATCH_DEV": "1"},
+            ["serve"],
+            "TIERWATCH_HEALTH__STRAGGLER_FACTOR",
+        ),
+        ({}, ["serve", "--port", "99999"], "65535"),
+    ],
+)
+def test_configuration_mistakes_are_one_clear_line(cli_env, env, args, message):
+    out = run(*args, env={**cli_env, **env})
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_unmigrated_database_says_to_migrate(cli_env, tmp_path):
+    out = run(
+        "token", "list", env={**cli_env, "TIERWATCH_DATABASE_URL": f"sqlite:///{tmp_path}/new.db"}
+    )
+    assert out.returncode == 2
+    assert "run `tierwatch-server migrate` first" in out.stderr
