@@ -19,7 +19,7 @@ import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, model_validator
 
 PROTOCOL_VERSION = 1
 
@@ -183,6 +183,24 @@ class ReportBatch(_Model):
     latency: Annotated[list[LatencySample], Field(max_length=4096)] = []
     events: Annotated[list[AgentEvent], Field(max_length=1024)] = []
     dropped_batches: Count = 0
+
+    @model_validator(mode="after")
+    def _consistent_gpus(self) -> ReportBatch:
+        """GPU indices are unique in the inventory, and samples and XIDs name a GPU of it."""
+        indices = [g.index for g in self.gpus]
+        if len(set(indices)) != len(indices):
+            raise ValueError("gpus: each GPU index may appear once in the inventory")
+        if self.gpus:
+            known = set(indices)
+            for field, items in (("samples", self.samples), ("xids", self.xids)):
+                for i, item in enumerate(items):
+                    gpu = item.index if isinstance(item, GpuSample) else item.gpu
+                    if gpu not in known:
+                        raise ValueError(
+                            f"{field}[{i}] names GPU {gpu}, which is not in this batch's "
+                            f"inventory (GPUs {sorted(known)})"
+                        )
+        return self
 
 
 class Command(_Model):

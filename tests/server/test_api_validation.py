@@ -255,3 +255,24 @@ def test_ack_validates_the_rule_and_needs_no_body(client, make_token):
     assert ok.status_code == 200
     assert ok.json()["cleared"] == 1
     assert ok.json()["node"]["state"] == "healthy"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda b: b["gpus"].append(dict(b["gpus"][0])), "may appear once"),
+        (lambda b: b["samples"][0].update(index=7), "names GPU 7"),
+        (
+            lambda b: b["xids"].append({"gpu": 99, "xid": 79, "ts": b["sent_at"]}),
+            "names GPU 99",
+        ),
+    ],
+)
+def test_gpus_outside_the_inventory_are_422(client, make_token, mutate, message):
+    token, viewer = make_token("agent", "n1"), make_token("viewer")
+    body = json.loads(make_batch("n1", 1).model_dump_json())
+    mutate(body)
+    r = client.post("/api/v1/ingest/report", json=body, headers=auth(token))
+    assert r.status_code == 422, r.text
+    assert message in r.json()["detail"]
+    assert client.get("/api/v1/nodes", headers=auth(viewer)).json()["nodes"] == []

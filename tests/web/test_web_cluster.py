@@ -33,7 +33,7 @@ def fleet(viewer, agent_token, session):  # type: ignore[no-untyped-def]
     for node, extra in (
         ("ok-1", {}),
         ("hot-1", {"temperature_c": 87.0}),
-        ("xid-1", {"xids": [(3, 79)]}),
+        ("xid-1", {"xids": [(1, 79)]}),
         ("gone-1", {}),
     ):
         r = post_batch(viewer, agent_token(node), make_batch(node, 1, **extra))
@@ -65,7 +65,7 @@ def test_tile_shows_worst_reason_action_gpus_and_badges(fleet, session):
     html = fleet.get("/?name=xid-1").text
     tile = html[html.index('data-node="xid-1"') :]
     tile = tile[: tile.index("</a>")]
-    assert "XID 79 ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS on GPU 3" in tile
+    assert "XID 79 ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS on GPU 1" in tile
     assert "<code>RESTART_BM</code>" in tile
     assert "2 GPU" in tile
     assert "max 55 °C" in tile
