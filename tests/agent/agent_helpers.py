@@ -13,7 +13,6 @@ import importlib
 import json
 import queue
 import threading
-import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from procs import wait_for
 from pydantic import ValidationError
 
 from tierwatch.agent.protocol import ReportAck, ReportBatch
@@ -30,14 +30,10 @@ TOKEN = "test-agent-token"
 
 def wait_until(condition: Callable[[], Any], timeout: float = 5.0, what: str = "condition"):
     """Poll ``condition`` until it is truthy; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
+    try:
+        return wait_for(condition, timeout=timeout, interval=0.01, what=what)
+    except TimeoutError as exc:
+        pytest.fail(str(exc))
 
 
 # ---------------------------------------------------------------------------------------
