@@ -28,6 +28,7 @@ def test_wheel_installs_only_under_tierwatch(tmp_path):
         "tierwatch/server/main.py",
         "tierwatch/agent/protocol.py",
         "tierwatch/server/data/xid_catalog.csv",
+        "tierwatch/server/data/llama3_interruptions.csv",
         "tierwatch/server/templates/base.html",
         "tierwatch/server/migrations/env.py",
         "tierwatch/server/migrations/versions/0001_initial_schema.py",
