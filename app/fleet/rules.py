@@ -376,32 +376,27 @@ def rule_row_remap(cur: GpuSample) -> list[Finding]:
         "remapped_rows_uncorrectable": cur.remapped_rows_uncorrectable,
     }
     if cur.row_remap_failure:
-        return [
-            Finding(
-                rule=RULE_ROW_REMAP,
-                severity="unhealthy",
-                gpu=cur.index,
-                key="",
-                message=f"GPU {cur.index}: row remapping failed (no spare memory rows left)",
-                action=ACTION_REPLACE_GPU,
-                evidence=evidence,
-                at=cur.ts,
-            )
-        ]
-    if cur.row_remap_pending:
-        return [
-            Finding(
-                rule=RULE_ROW_REMAP,
-                severity="degraded",
-                gpu=cur.index,
-                key="",
-                message=f"GPU {cur.index}: row remap pending, applies at the next GPU reset",
-                action=ACTION_RESET_GPU_TO_REMAP,
-                evidence=evidence,
-                at=cur.ts,
-            )
-        ]
-    return []
+        severity: Severity = "unhealthy"
+        message = f"GPU {cur.index}: row remapping failed (no spare memory rows left)"
+        action = ACTION_REPLACE_GPU
+    elif cur.row_remap_pending:
+        severity = "degraded"
+        message = f"GPU {cur.index}: row remap pending, applies at the next GPU reset"
+        action = ACTION_RESET_GPU_TO_REMAP
+    else:
+        return []
+    return [
+        Finding(
+            rule=RULE_ROW_REMAP,
+            severity=severity,
+            gpu=cur.index,
+            key="",
+            message=message,
+            action=action,
+            evidence=evidence,
+            at=cur.ts,
+        )
+    ]
 
 
 # --- XID ---------------------------------------------------------------------------------------
