@@ -161,6 +161,81 @@ class AgentEvent(_Model):
     gpu: Annotated[int, Field(ge=0, le=255)] | None = None
 
 
+TierName = Literal["memory", "peer", "persistent"]
+JobId = Annotated[
+    Text, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+]
+
+
+class CheckpointEvent(_Model):
+    """Something that happened to one step of a job's checkpoint in one tier.
+
+    ``kind``: ``staged`` (a rank's state is captured; ``blocking_s`` is the training thread's
+    time in ``save()`` plus any optimizer pre-hook wait), ``committed`` (the tier holds this
+    rank's files, or with ``rank`` None the whole step), ``failed`` (``message`` says what and
+    names the file), ``evicted`` (retention removed the step from the tier).
+
+    Units: ``bytes`` bytes, ``seconds`` wall time of the tier's work for this step (staging,
+    write, replication or upload), ``blocking_s`` seconds the training thread was blocked.
+    """
+
+    job_id: JobId
+    step: Annotated[int, Field(ge=0, le=2**62)]
+    tier: TierName
+    kind: Literal["staged", "committed", "failed", "evicted"]
+    rank: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    world_size: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
+    ts: AwareDatetime
+    bytes: Count | None = None
+    seconds: Annotated[float, Field(ge=0, le=10**7)] | None = None
+    blocking_s: Annotated[float, Field(ge=0, le=10**7)] | None = None
+    message: Annotated[Text, Field(max_length=2000)] = ""
+
+
+class JobProgress(_Model):
+    """A training rank's progress: the step it completed and how long steps take.
+
+    ``layout`` (node of every rank, index = rank) is sent by rank 0 when it starts and now and
+    then, so the server knows the job's world_size and rank→node placement.
+    """
+
+    job_id: JobId
+    rank: Annotated[int, Field(ge=0, le=2**31 - 1)]
+    world_size: Annotated[int, Field(ge=1, le=2**31 - 1)]
+    step: Annotated[int, Field(ge=0, le=2**62)]
+    step_time_s: Annotated[float, Field(ge=0, le=10**6)] | None = None
+    ts: AwareDatetime
+    layout: Annotated[list[NodeName], Field(max_length=65536)] | None = None
+
+
+class RestoreReport(_Model):
+    """The outcome of one rank's restore.
+
+    Attributes:
+        step: the step loaded (None: nothing to restore, or the restore failed).
+        seconds: wall time of the restore (agreement, staging, load).
+        steps_lost: ``last_step - step``: completed steps that were not recovered (the newest
+            step this rank had reported done before the failure, when known).
+        files_by_tier: how many files came from each tier (memory | peer | persistent).
+        sources: per file name, ``"<tier>:<node>"`` it came from.
+        ok: False when the restore failed (``message`` says why).
+    """
+
+    job_id: JobId
+    rank: Annotated[int, Field(ge=0, le=2**31 - 1)]
+    world_size: Annotated[int, Field(ge=1, le=2**31 - 1)]
+    step: Annotated[int, Field(ge=0, le=2**62)] | None = None
+    ts: AwareDatetime
+    seconds: Annotated[float, Field(ge=0, le=10**7)]
+    steps_lost: Annotated[int, Field(ge=0)] | None = None
+    files_by_tier: dict[TierName, Annotated[int, Field(ge=0)]] = {}
+    sources: Annotated[dict[Annotated[str, Field(max_length=128)],
+                            Annotated[str, Field(max_length=300)]],
+                       Field(max_length=4096)] = {}
+    ok: bool = True
+    message: Annotated[Text, Field(max_length=2000)] = ""
+
+
 class ReportBatch(_Model):
     """One agent report: what the collectors read since the previous batch.
 
@@ -182,6 +257,9 @@ class ReportBatch(_Model):
     xids: Annotated[list[XidEvent], Field(max_length=4096)] = []
     latency: Annotated[list[LatencySample], Field(max_length=4096)] = []
     events: Annotated[list[AgentEvent], Field(max_length=1024)] = []
+    checkpoint_events: Annotated[list[CheckpointEvent], Field(max_length=4096)] = []
+    progress: Annotated[list[JobProgress], Field(max_length=4096)] = []
+    restores: Annotated[list[RestoreReport], Field(max_length=1024)] = []
     dropped_batches: Count = 0
 
     @model_validator(mode="after")

@@ -1,0 +1,265 @@
+"""Per-rank manifests, checksums and atomic file writes (no torch).
+
+A manifest (``manifest-<r>.json``) lists every file rank ``r`` wrote for one step, with its
+size (bytes) and xxh3-64 checksum; rank 0's manifest also lists ``.metadata``. A commit marker
+(``commit-<r>.json``) records what rank 0 decided once every rank's manifest was written: that
+the step is committed, whether it goes to the persistent tier, and which steps each tier keeps.
+
+A step *exists* for restore only when manifests of all ``world_size`` ranks are present and
+every file they list has the listed size and checksum (:func:`missing_ranks`,
+:func:`verify_file`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Annotated, BinaryIO
+
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tierwatch.agent.checkpoint.layout import METADATA, check_file_name
+
+CHUNK = 4 * 1024 * 1024
+CHECKSUM_ALGO = "xxh3_64"
+
+
+class ManifestError(ValueError):
+    """A manifest or commit marker that cannot be read or does not match its step."""
+
+
+class FileEntry(BaseModel):
+    """One file of a step: name, size in bytes, xxh3-64 hex digest."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    size: Annotated[int, Field(ge=0)]
+    xxh3: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+
+
+class Manifest(BaseModel):
+    """What one rank wrote for one step.
+
+    Attributes:
+        job_id, step, rank, world_size: the checkpoint identity.
+        node: the node whose memory tier the rank wrote to.
+        files: the rank's files (rank 0's include ``.metadata``).
+        signature: digest of the saved state's keys and shapes (see ``TieredCheckpointer``).
+        created_at: UTC ISO time.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = 1
+    job_id: str
+    step: Annotated[int, Field(ge=0)]
+    rank: Annotated[int, Field(ge=0)]
+    world_size: Annotated[int, Field(ge=1)]
+    node: str
+    files: list[FileEntry]
+    signature: str = ""
+    checksum: str = CHECKSUM_ALGO
+    created_at: str = ""
+
+    def total_bytes(self) -> int:
+        """Sum of the listed file sizes (bytes)."""
+        return sum(f.size for f in self.files)
+
+    def has_metadata(self) -> bool:
+        """Whether this manifest lists the step's ``.metadata``."""
+        return any(f.name == METADATA for f in self.files)
+
+
+class CommitMarker(BaseModel):
+    """Rank 0's decision for one step, written by every rank once all manifests exist.
+
+    Attributes:
+        step, rank, world_size: identity.
+        persist: whether this step goes to the persistent tier.
+        retain: steps each tier keeps after this commit (``{"memory": [...], "peer": [...],
+            "persistent": [...]}``), decided by rank 0 so tiers never hold mismatched steps.
+        layout: node of every rank (index = rank).
+        peer_urls: agent URL of every node in ``layout``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = 1
+    job_id: str
+    step: Annotated[int, Field(ge=0)]
+    rank: Annotated[int, Field(ge=0)]
+    world_size: Annotated[int, Field(ge=1)]
+    persist: bool
+    retain: dict[str, list[int]]
+    layout: list[str]
+    peer_urls: dict[str, str] = {}
+    created_at: str = ""
+
+
+def xxh3_file(path: Path | str) -> tuple[int, str]:
+    """Size (bytes) and xxh3-64 hex digest of a file.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    h = xxhash.xxh3_64()
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()
+
+
+def xxh3_stream(stream: BinaryIO) -> tuple[int, str]:
+    """Size and xxh3-64 hex digest of what remains in a binary stream."""
+    h = xxhash.xxh3_64()
+    size = 0
+    while chunk := stream.read(CHUNK):
+        h.update(chunk)
+        size += len(chunk)
+    return size, h.hexdigest()
+
+
+def verify_file(path: Path | str, entry: FileEntry) -> str | None:
+    """Check one file against its manifest entry.
+
+    Returns:
+        None when it matches; otherwise what is wrong (missing, size, checksum), naming the
+        file.
+    """
+    try:
+        size, digest = xxh3_file(path)
+    except FileNotFoundError:
+        return f"{entry.name}: missing"
+    except OSError as exc:
+        return f"{entry.name}: unreadable ({exc})"
+    if size != entry.size:
+        return f"{entry.name}: size {size} bytes, manifest says {entry.size}"
+    if digest != entry.xxh3:
+        return f"{entry.name}: checksum {digest} does not match the manifest's {entry.xxh3}"
+    return None
+
+
+def fsync_dir(path: Path | str) -> None:
+    """fsync a directory so a rename in it is durable (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
+    """Write ``data`` to ``path`` under a temporary name, fsync, then rename.
+
+    Raises:
+        OSError: the write, fsync or rename failed (the temporary file is removed).
+    """
+    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if fsync:
+        fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: BaseModel | Mapping[str, object], *,
+                      fsync: bool = True) -> None:
+    """:func:`atomic_write_bytes` of a pydantic model or a mapping as JSON."""
+    data = obj.model_dump_json(indent=1) if isinstance(obj, BaseModel) \
+        else json.dumps(obj, indent=1, default=str)
+    atomic_write_bytes(path, data.encode(), fsync=fsync)
+
+
+def read_manifest(data: bytes | str, *, where: str = "manifest") -> Manifest:
+    """Parse a manifest and check its file names.
+
+    Raises:
+        ManifestError: not JSON, not a manifest, or a file name outside a step's names.
+    """
+    try:
+        manifest = Manifest.model_validate_json(data)
+        for f in manifest.files:
+            check_file_name(f.name)
+    except (ValidationError, ValueError) as exc:
+        raise ManifestError(f"{where}: not a valid manifest ({exc})") from None
+    return manifest
+
+
+def read_commit(data: bytes | str, *, where: str = "commit marker") -> CommitMarker:
+    """Parse a commit marker.
+
+    Raises:
+        ManifestError: not JSON or not a commit marker.
+    """
+    try:
+        return CommitMarker.model_validate_json(data)
+    except ValidationError as exc:
+        raise ManifestError(f"{where}: not a valid commit marker ({exc})") from None
+
+
+def load_manifest(path: Path) -> Manifest:
+    """Read and parse ``path``.
+
+    Raises:
+        ManifestError: unreadable or invalid (the message names the path).
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ManifestError(f"{path}: unreadable ({exc})") from None
+    return read_manifest(data, where=str(path))
+
+
+def load_commit(path: Path) -> CommitMarker:
+    """Read and parse a commit marker.
+
+    Raises:
+        ManifestError: unreadable or invalid.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ManifestError(f"{path}: unreadable ({exc})") from None
+    return read_commit(data, where=str(path))
+
+
+def missing_ranks(manifests: Iterable[Manifest], world_size: int) -> list[int]:
+    """Ranks in ``0..world_size-1`` without a manifest among ``manifests``."""
+    have = {m.rank for m in manifests if m.world_size == world_size}
+    return [r for r in range(world_size) if r not in have]
+
+
+def make_manifest(*, job_id: str, step: int, rank: int, world_size: int, node: str,
+                  directory: Path, names: Iterable[str], signature: str,
+                  created_at: str) -> Manifest:
+    """Build rank ``rank``'s manifest by reading back its files from ``directory``.
+
+    Raises:
+        OSError: a file cannot be read.
+    """
+    files = []
+    for name in sorted(names):
+        size, digest = xxh3_file(directory / name)
+        files.append(FileEntry(name=name, size=size, xxh3=digest))
+    return Manifest(job_id=job_id, step=step, rank=rank, world_size=world_size, node=node,
+                    files=files, signature=signature, created_at=created_at)
