@@ -1,0 +1,214 @@
+"""The training side's HTTP client for its node agent (no torch).
+
+:class:`AgentClient` wraps the agent's checkpoint endpoints (``docs/checkpointing.md``).
+:class:`EventSender` queues checkpoint events, progress and restore reports and posts them
+from its own thread, so the training thread never waits on the network and an agent that is
+down (or restarting) costs nothing but a bounded queue: what could not be sent is retried, the
+oldest dropped beyond ``max_queued`` (and counted).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import httpx
+
+from tierwatch.agent.protocol import CheckpointEvent, JobProgress, RestoreReport
+
+log = logging.getLogger(__name__)
+
+
+class AgentUnavailable(RuntimeError):
+    """The node agent could not be reached or refused the request (message says which)."""
+
+
+class AgentClient:
+    """Calls to one node agent's local API.
+
+    Args:
+        base_url: The agent's URL, e.g. ``http://127.0.0.1:9470``.
+        token: Agent token, needed only when the agent is not on loopback.
+        timeout_s: Per-request timeout for quick calls (seconds).
+        stage_timeout_s: Timeout for ``stage`` (copies whole shards; seconds).
+    """
+
+    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 5.0,
+                 stage_timeout_s: float = 1800.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.base_url, headers=headers,
+                                  timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 2.0)))
+        self._stage_timeout = stage_timeout_s
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            resp = self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise AgentUnavailable(f"agent {self.base_url} unreachable ({exc!r}); is "
+                                   "tierwatch-agent running on this node?") from None
+        if resp.status_code >= 400:
+            try:
+                detail = resp.json().get("detail", resp.text)
+            except ValueError:
+                detail = resp.text
+            raise AgentUnavailable(f"agent {self.base_url} answered {method} {path} with HTTP "
+                                   f"{resp.status_code}: {str(detail)[:500]}")
+        return resp.json() if resp.content else {}
+
+    def info(self) -> dict[str, Any]:
+        """``GET /v1/ckpt/info``: node, memory_dir, peer_url, memory_budget_bytes, ...
+
+        Raises:
+            AgentUnavailable: unreachable or an HTTP error.
+        """
+        return self._request("GET", "/v1/ckpt/info")
+
+    def post_events(self, *, events: list[dict[str, Any]], progress: list[dict[str, Any]],
+                    restores: list[dict[str, Any]]) -> None:
+        """``POST /v1/ckpt/events``.
+
+        Raises:
+            AgentUnavailable: unreachable or an HTTP error.
+        """
+        self._request("POST", "/v1/ckpt/events",
+                      json={"events": events, "progress": progress, "restores": restores})
+
+    def notify(self, job_id: str, step: int) -> None:
+        """``POST /v1/ckpt/notify``: a local rank committed ``step``.
+
+        Raises:
+            AgentUnavailable: unreachable or an HTTP error.
+        """
+        self._request("POST", "/v1/ckpt/notify", json={"job_id": job_id, "step": step})
+
+    def available(self, job_id: str, *, persistent: bool) -> dict[str, Any]:
+        """``GET /v1/ckpt/jobs/{job_id}/available``.
+
+        Raises:
+            AgentUnavailable: unreachable or an HTTP error.
+        """
+        return self._request("GET", f"/v1/ckpt/jobs/{job_id}/available",
+                             params={"persistent": int(persistent)})
+
+    def stage(self, job_id: str, step: int, files: list[dict[str, Any]]) -> dict[str, Any]:
+        """``POST /v1/ckpt/jobs/{job_id}/stage``: assemble ``files`` for a restore.
+
+        Raises:
+            AgentUnavailable: unreachable or an HTTP error.
+        """
+        return self._request("POST", f"/v1/ckpt/jobs/{job_id}/stage",
+                             json={"step": step, "files": files}, timeout=self._stage_timeout)
+
+
+class EventSender:
+    """Posts queued events to the agent from a background thread.
+
+    Args:
+        client: The agent client.
+        period_s: How often the queue is flushed (seconds).
+        max_queued: Bound of each queue; the oldest entries are dropped beyond it.
+    """
+
+    def __init__(self, client: AgentClient, *, period_s: float = 1.0,
+                 max_queued: int = 10000) -> None:
+        self.client = client
+        self.period_s = period_s
+        self._events: deque[CheckpointEvent] = deque(maxlen=max_queued)
+        self._progress: deque[JobProgress] = deque(maxlen=max_queued)
+        self._restores: deque[RestoreReport] = deque(maxlen=max_queued)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.sent = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="tierwatch-ckpt-events",
+                                        daemon=True)
+        self._thread.start()
+
+    def event(self, event: CheckpointEvent) -> None:
+        """Queue a checkpoint event (never blocks on the network)."""
+        with self._lock:
+            self._events.append(event)
+
+    def progress(self, progress: JobProgress) -> None:
+        """Queue a progress report, replacing an unsent one of the same rank."""
+        with self._lock:
+            if self._progress and self._progress[-1].rank == progress.rank \
+                    and progress.layout is None and self._progress[-1].layout is None:
+                self._progress[-1] = progress
+            else:
+                self._progress.append(progress)
+
+    def restore(self, report: RestoreReport) -> None:
+        """Queue a restore outcome and send it soon."""
+        with self._lock:
+            self._restores.append(report)
+        self._wake.set()
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Try to send everything queued now; True when the queues are empty."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._send_once():
+                return True
+            time.sleep(0.2)
+        return False
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Stop the thread after a last flush; True when everything was delivered."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s + 1)
+        return self.flush(timeout_s)
+
+    def _take(self) -> tuple[list[CheckpointEvent], list[JobProgress], list[RestoreReport]]:
+        with self._lock:
+            events = [self._events.popleft() for _ in range(min(len(self._events), 1000))]
+            progress = [self._progress.popleft() for _ in range(min(len(self._progress), 1000))]
+            restores = [self._restores.popleft() for _ in range(min(len(self._restores), 200))]
+        return events, progress, restores
+
+    def _put_back(self, events: list[CheckpointEvent], progress: list[JobProgress],
+                  restores: list[RestoreReport]) -> None:
+        with self._lock:
+            self._events.extendleft(reversed(events))
+            self._progress.extendleft(reversed(progress))
+            self._restores.extendleft(reversed(restores))
+
+    def _send_once(self) -> bool:
+        events, progress, restores = self._take()
+        if not (events or progress or restores):
+            return True
+        try:
+            self.client.post_events(
+                events=[e.model_dump(mode="json") for e in events],
+                progress=[p.model_dump(mode="json") for p in progress],
+                restores=[r.model_dump(mode="json") for r in restores],
+            )
+        except AgentUnavailable as exc:
+            self.failures += 1
+            if self.last_error is None or self.failures % 30 == 1:
+                log.warning("checkpoint events not delivered (will retry): %s", exc)
+            self.last_error = str(exc)
+            self._put_back(events, progress, restores)
+            return False
+        self.sent += len(events) + len(progress) + len(restores)
+        self.last_error = None
+        with self._lock:
+            return not (self._events or self._progress or self._restores)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.period_s)
+            self._wake.clear()
+            self._send_once()

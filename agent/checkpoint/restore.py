@@ -1,0 +1,268 @@
+"""Restore: the ranks agree on a step, the agents assemble its files, DCP loads (torch).
+
+1. Every rank asks its agent which manifests it can supply from memory and peer replicas;
+   the ranks exchange the answers on the checkpoint group and each computes the same newest
+   restorable step (:mod:`~tierwatch.agent.checkpoint.agreement`). Only when no step is
+   restorable from memory and peers do they ask again including the persistent tier, so a
+   restore with nothing lost reads no persistent data.
+2. Each rank has its agent stage ``.metadata``, computes from DCP's load plan which files its
+   own load reads, and has them staged (own node first, then other nodes, then persistent;
+   every file verified against its manifest; a bad copy is reported and the next one tried).
+3. The ranks exchange the staging outcome. If any rank failed, the step is excluded and the
+   ranks choose again — a collective decision, never a rank-local fallback, which would
+   leave the others waiting in ``dcp.load``.
+4. ``dcp.load`` from the staged folder, then the values go back into the model, optimizer,
+   scheduler, RNG and sampler. The outcome is reported to the agent (step, files per tier,
+   seconds, steps lost).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tierwatch.agent.checkpoint import agreement
+from tierwatch.agent.checkpoint.client import AgentUnavailable
+from tierwatch.agent.checkpoint.layout import METADATA
+from tierwatch.agent.protocol import RestoreReport, utcnow
+
+if TYPE_CHECKING:
+    from tierwatch.agent.checkpoint.trainer import TieredCheckpointer
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 8
+
+
+class ModelMismatchError(RuntimeError):
+    """The job id's checkpoint holds a different model (other FQNs or shapes)."""
+
+
+def _ask(ckpt: TieredCheckpointer, persistent: bool) -> dict[str, Any] | str:
+    """This rank's agent's ``available`` answer, or the error as text."""
+    last = ""
+    for _ in range(3):
+        try:
+            return ckpt.client.available(ckpt.job_id, persistent=persistent)
+        except AgentUnavailable as exc:
+            last = str(exc)
+            time.sleep(1.0)
+    return last
+
+
+def _gather_views(ckpt: TieredCheckpointer, persistent: bool) -> dict[int, agreement.StepView]:
+    from tierwatch.agent.checkpoint.trainer import CheckpointError
+
+    answers = ckpt._all_gather(_ask(ckpt, persistent))
+    errors = [f"rank {r} ({ckpt.nodes_by_rank[r]}): {a}" for r, a in enumerate(answers)
+              if isinstance(a, str)]
+    if errors:
+        raise CheckpointError("restore needs every node's agent: " + "; ".join(errors[:4]))
+    return agreement.merge_available(answers)
+
+
+def _needed_files(template: dict[str, Any], staged_dir: Path, is_coordinator: bool,
+                  view: agreement.StepView) -> list[str]:
+    """Files this rank's ``dcp.load`` reads, from DCP's own load plan (all files if the plan
+    cannot be computed)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    try:
+        metadata = FileSystemReader(staged_dir).read_metadata()
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner(dict(template), metadata, is_coordinator)
+        plan = planner.create_local_plan()
+        storage = metadata.storage_data
+        names = sorted({storage[item.storage_index].relative_path for item in plan.items})
+        known = agreement.file_owner(view)
+        if all(n in known for n in names):
+            return names
+    except Exception as exc:  # noqa: BLE001 - fall back to every file of the step
+        log.info("load plan not computed (%s); staging every file", exc)
+    return [n for n in agreement.all_file_names(view) if n != METADATA]
+
+
+def _check_model(template: dict[str, Any], staged_dir: Path, modules: list[str],
+                 job_id: str, step: int) -> str | None:
+    """Differences between the saved model and ours (None when they match)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        md = FileSystemReader(staged_dir).read_metadata().state_dict_metadata
+    except Exception as exc:  # noqa: BLE001
+        return f"cannot read .metadata of step {step}: {exc}"
+    problems: list[str] = []
+    for key in modules:
+        ours = {f"{key}.{k}": tuple(v.shape) for k, v in template[key].items()
+                if isinstance(v, torch.Tensor)}
+        saved = {k: tuple(v.size) for k, v in md.items()
+                 if k.startswith(f"{key}.") and isinstance(v, TensorStorageMetadata)}
+        for k in sorted(set(ours) - set(saved))[:3]:
+            problems.append(f"{k} is not in the checkpoint")
+        for k in sorted(set(saved) - set(ours))[:3]:
+            problems.append(f"checkpoint has {k}, this model does not")
+        for k in sorted(set(ours) & set(saved)):
+            if ours[k] != saved[k] and len(problems) < 6:
+                problems.append(f"{k}: checkpoint shape {list(saved[k])}, model {list(ours[k])}")
+    if problems:
+        return (f"job_id {job_id!r} step {step} holds a different model: "
+                + "; ".join(problems[:6])
+                + ". Use another job_id, or free this one with `tierwatch-agent ckpt gc --job "
+                f"{job_id}` on every node")
+    return None
+
+
+def _stage(ckpt: TieredCheckpointer, step: int, files: list[dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return ckpt.client.stage(ckpt.job_id, step, files)
+    except AgentUnavailable as exc:
+        return {"ok": False, "errors": [str(exc)], "files": []}
+
+
+def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
+                  wanted: int | None) -> int | None:
+    """Run the restore protocol for ``ckpt`` into ``state`` (see the module docstring).
+
+    Returns:
+        The step loaded, or None when nothing is restorable and no step was asked for.
+
+    Raises:
+        CheckpointError: ``wanted`` is not restorable, or an agent is unreachable.
+        ModelMismatchError: the job's checkpoint holds a different model.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    from tierwatch.agent.checkpoint.trainer import CheckpointError
+
+    t0 = time.monotonic()
+    excluded: set[int] = set()
+    persistent = False
+    views = _gather_views(ckpt, persistent)
+    chosen: int | None = None
+    staged_dir: Path | None = None
+    sources: dict[str, str] = {}
+    template: dict[str, Any] | None = None
+    for _attempt in range(MAX_ATTEMPTS):
+        chosen, reasons = agreement.choose_step(views, ckpt.world_size, excluded=excluded,
+                                                wanted=wanted)
+        if chosen is None and not persistent:
+            persistent = True
+            views = _gather_views(ckpt, persistent)
+            continue
+        if chosen is None:
+            if wanted is None:
+                log.info("rank %d: nothing to restore for %s", ckpt.rank, ckpt.job_id)
+                _report(ckpt, None, t0, {}, ok=True, message="no complete step in any tier")
+                return None
+            steps = agreement.restorable_steps(views, ckpt.world_size)
+            steps = [s for s in steps if s not in excluded]
+            why = reasons.get(wanted, "no tier holds any file of it")
+            raise CheckpointError(f"step {wanted} of {ckpt.job_id} cannot be restored ({why});"
+                                  f" restorable steps: {steps or 'none'}")
+        view = views[chosen]
+        signature = next(iter(view.manifests.values())).signature
+        if template is None:
+            template = _template(ckpt, state)
+        ours = ckpt._signature_of(template, state)
+
+        meta = agreement.stage_request(view, [METADATA], node=ckpt.node)
+        answer = _stage(ckpt, chosen, meta)
+        problem = None if answer.get("ok") else "; ".join(answer.get("errors", []))[:1000]
+        mismatch = None
+        if problem is None:
+            staged_dir = Path(answer["dir"])
+            if signature != ours:
+                mismatch = _check_model(template, staged_dir, sorted(ckpt._modules(state)),
+                                        ckpt.job_id, chosen) or (
+                    f"job_id {ckpt.job_id!r} step {chosen} was saved from a different state "
+                    "(its signature differs); use another job_id")
+        mismatches = [m for m in ckpt._all_gather(mismatch) if m]
+        if mismatches:
+            _report(ckpt, None, t0, {}, ok=False, message=mismatches[0][:2000])
+            raise ModelMismatchError(mismatches[0])
+        files: list[str] = []
+        if problem is None and staged_dir is not None:
+            files = _needed_files(template, staged_dir, ckpt.rank == 0, view)
+            answer2 = _stage(ckpt, chosen, agreement.stage_request(view, files, node=ckpt.node))
+            if not answer2.get("ok"):
+                problem = "; ".join(answer2.get("errors", []))[:1000]
+            else:
+                sources = {f["name"]: f"{f.get('tier')}:{f.get('holder')}"
+                           for f in [*answer.get("files", []), *answer2.get("files", [])]}
+        outcomes = ckpt._all_gather(problem)
+        failed = [f"rank {r}: {p}" for r, p in enumerate(outcomes) if p]
+        if not failed:
+            break
+        log.warning("rank %d: step %d could not be staged (%s); choosing again", ckpt.rank,
+                    chosen, "; ".join(failed)[:500])
+        excluded.add(chosen)
+        if not persistent:
+            persistent = True
+            views = _gather_views(ckpt, persistent)
+    else:
+        raise CheckpointError(f"restore of {ckpt.job_id} gave up after {MAX_ATTEMPTS} attempts")
+
+    assert chosen is not None
+    assert staged_dir is not None
+    assert template is not None
+    dcp_load(template, storage_reader=FileSystemReader(staged_dir),
+             process_group=ckpt._group, no_dist=not ckpt.distributed)
+    _apply(ckpt, state, template)
+
+    if ckpt.rank == 0:
+        complete = agreement.restorable_steps(views, ckpt.world_size)
+        persisted = sorted({s for s in complete for src in views[s].sources.get(0, [])
+                            if src.tier == "persistent"})
+        ckpt.seed_history([s for s in complete if s <= chosen], persisted)
+    ckpt._last_step = chosen
+    last_done = max([s for s in views if views[s].manifests] + [chosen])
+    _report(ckpt, chosen, t0, sources, ok=True, steps_lost=last_done - chosen)
+    return chosen
+
+
+def _template(ckpt: TieredCheckpointer, state: dict[str, Any]) -> dict[str, Any]:
+    """A state dict of the right structure to load into (optimizer state initialised)."""
+    live, _, _ = ckpt._live_state(state)
+    return live
+
+
+def _apply(ckpt: TieredCheckpointer, state: dict[str, Any], loaded: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    modules = ckpt._modules(state)
+    for key, value in state.items():
+        if isinstance(value, nn.Module):
+            set_model_state_dict(value, loaded[key])
+        elif isinstance(value, torch.optim.Optimizer):
+            set_optimizer_state_dict(ckpt._owner(value, key, modules), value, loaded[key])
+        elif hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
+            value.load_state_dict(loaded[key])
+        else:
+            state[key] = loaded[key]
+
+
+def _report(ckpt: TieredCheckpointer, step: int | None, t0: float, sources: dict[str, str], *,
+            ok: bool, message: str = "", steps_lost: int | None = None) -> None:
+    by_tier = Counter(v.split(":", 1)[0] for v in sources.values())
+    report = RestoreReport(
+        job_id=ckpt.job_id, rank=ckpt.rank, world_size=ckpt.world_size, step=step,
+        ts=utcnow(), seconds=time.monotonic() - t0, steps_lost=steps_lost,
+        files_by_tier={k: v for k, v in by_tier.items()  # type: ignore[misc]
+                       if k in ("memory", "peer", "persistent")},
+        sources=dict(list(sources.items())[:4096]), ok=ok, message=message[:2000])
+    ckpt.last_restore = report
+    ckpt.events.restore(report)
+    log.info("rank %d restore: %s", ckpt.rank, json.dumps(report.model_dump(mode="json"))[:500])

@@ -1,0 +1,655 @@
+"""``TieredCheckpointer``: the training side of tierwatch's tiered checkpoint store (torch).
+
+Usage::
+
+    ckpt = TieredCheckpointer(job_id="gpt-small", agent_url="http://127.0.0.1:9470",
+                              persist_every=10)
+    state = {"model": model, "optim": optimizer, "sched": scheduler, "rng": RNGState(),
+             "data": sampler}
+    last = ckpt.restore(state)            # the step whose state was loaded, or None
+    for step in range(0 if last is None else last + 1, total):
+        train_step(); ckpt.save(step, state)   # state after `step` completed
+    ckpt.close()
+
+Design notes:
+
+- **Identity and groups.** rank/world_size come from torch.distributed when it is
+  initialised, else a single process. The checkpointer creates its own gloo group: the save
+  collectives run in a background thread, and on the training group they would interleave
+  with the training loop's own collectives and deadlock; gloo also serves NCCL jobs.
+- **What is saved.** The user's top-level keys are kept. An ``nn.Module`` is saved through
+  ``get_model_state_dict`` (FQNs without DDP's ``module.`` prefix, so ``{"model":
+  model.state_dict()}`` loads the step with plain DCP); an optimizer through
+  ``get_optimizer_state_dict`` with the module whose parameters it updates (so a fresh
+  optimizer restores fully); objects with ``state_dict``/``load_state_dict`` (schedulers,
+  :class:`RNGState`, :class:`ResumableDistributedSampler`) through those; anything else as is.
+- **Staging.** ``save()`` waits until the previous step is committed in the memory tier (at
+  most one save in flight), copies buffers, RNG, sampler, scheduler and scalars into reused
+  CPU buffers, and returns. Parameters and optimizer state are copied by the background thread
+  while the next forward/backward runs; a step pre-hook on every optimizer in ``state`` waits
+  for that copy, so a snapshot is never torn. Without an optimizer, staging is synchronous.
+- **Commit.** The background thread writes the step with ``dcp.save`` into the node's memory
+  folder under a temporary name, renames, checksums and writes the rank's manifest; the ranks
+  then exchange their outcome and rank 0 decides commit, persistence (every
+  ``persist_every``-th step) and retention for all tiers, which every rank records in its
+  commit marker. The node agent replicates and uploads from there; training never waits for
+  it and keeps committing to memory while the agent is down.
+- **Restore.** See :mod:`tierwatch.agent.checkpoint.restore`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import queue
+import shutil
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tierwatch.agent.checkpoint.client import AgentClient, AgentUnavailable, EventSender
+from tierwatch.agent.checkpoint.layout import (
+    METADATA,
+    MemoryLayout,
+    check_job_id,
+    commit_name,
+    manifest_name,
+    parse_step_dirname,
+    shard_name,
+)
+from tierwatch.agent.checkpoint.manifest import (
+    CommitMarker,
+    atomic_write_json,
+    make_manifest,
+)
+from tierwatch.agent.checkpoint.staging import PendingCopies, Stager
+from tierwatch.agent.protocol import CheckpointEvent, JobProgress, LatencySample, utcnow
+
+log = logging.getLogger(__name__)
+
+DEFAULT_AGENT_URL = "http://127.0.0.1:9470"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint operation that cannot proceed (the message says what to fix)."""
+
+
+@dataclass
+class _SaveJob:
+    step: int
+    staged: dict[str, Any]
+    pending: PendingCopies
+    staged_bytes: int
+    started: float
+    done: threading.Event = field(default_factory=threading.Event)
+    copy_done: threading.Event = field(default_factory=threading.Event)
+    committed: bool = False
+    error: str | None = None
+    write_s: float = 0.0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+class TieredCheckpointer:
+    """Save every step to node memory, a peer's memory and persistent storage; restore from
+    the fastest tier that holds a complete step.
+
+    Args:
+        job_id: The job's name (1-128 letters, digits, ``.``, ``_``, ``-``); one job id per
+            model.
+        agent_url: This node's agent (default ``$TIERWATCH_AGENT_URL`` or
+            ``http://127.0.0.1:9470``).
+        persist_every: A step goes to the persistent tier when it is the first committed step
+            at or after a multiple of this many steps.
+        keep_memory, keep_peer, keep_persistent: newest committed steps each tier keeps
+            (defaults 2, 2, 3).
+        memory_dir: The node's memory folder; default: what the agent reports
+            (``GET /v1/ckpt/info``), else ``$TIERWATCH_MEMORY_DIR``.
+        node: This node's name; default: the agent's, else ``$TIERWATCH_NODE`` or the host.
+        latency_every: Time a small all_reduce on the job's process group every this many
+            saves and report it as collective latency (0: never).
+        process_group: The job's training group (for the latency probe; default: WORLD).
+        timeout_s: Timeout of the checkpoint group's collectives (seconds).
+        agent_token: Agent token when the agent is not on loopback (``$TIERWATCH_TOKEN``).
+
+    Raises:
+        CheckpointError: a bad job id or argument, or no memory folder can be found (agent
+            unreachable and no ``memory_dir``).
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        agent_url: str | None = None,
+        *,
+        persist_every: int = 10,
+        keep_memory: int = 2,
+        keep_peer: int = 2,
+        keep_persistent: int = 3,
+        memory_dir: str | os.PathLike[str] | None = None,
+        node: str | None = None,
+        latency_every: int = 50,
+        process_group: Any = None,
+        timeout_s: float = 600.0,
+        agent_token: str | None = None,
+    ) -> None:
+        try:
+            self.job_id = check_job_id(job_id)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+        for name, value in (("persist_every", persist_every), ("keep_memory", keep_memory),
+                            ("keep_peer", keep_peer), ("keep_persistent", keep_persistent)):
+            if not isinstance(value, int) or value < 1:
+                raise CheckpointError(f"{name} must be an integer ≥ 1, not {value!r}")
+        self.persist_every = persist_every
+        self.keep = {"memory": keep_memory, "peer": keep_peer, "persistent": keep_persistent}
+        self.latency_every = latency_every
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self._train_group = process_group
+        self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+                       if self.distributed else None)
+
+        self.agent_url = (agent_url or os.environ.get("TIERWATCH_AGENT_URL")
+                          or DEFAULT_AGENT_URL).rstrip("/")
+        self.client = AgentClient(self.agent_url,
+                                  token=agent_token or os.environ.get("TIERWATCH_TOKEN"))
+        info: dict[str, Any] = {}
+        try:
+            info = self.client.info()
+        except AgentUnavailable as exc:
+            log.warning("rank %d: %s; using the memory folder without the agent", self.rank,
+                        exc)
+        chosen_dir = memory_dir or info.get("memory_dir") or os.environ.get(
+            "TIERWATCH_MEMORY_DIR")
+        if not chosen_dir:
+            raise CheckpointError(
+                f"no memory folder for the checkpoint: the agent at {self.agent_url} is "
+                "unreachable and neither memory_dir= nor TIERWATCH_MEMORY_DIR is set")
+        self.node = node or info.get("node") or os.environ.get("TIERWATCH_NODE") \
+            or socket.gethostname()
+        self.peer_url = str(info.get("peer_url") or self.agent_url)
+        self.memory_budget = int(info.get("memory_budget_bytes") or 0)
+        self.layout = MemoryLayout(chosen_dir)
+        self.job_dir = self.layout.job_dir(self.job_id)
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+
+        nodes = self._all_gather((self.node, self.peer_url))
+        self.nodes_by_rank: list[str] = [n for n, _ in nodes]
+        self.peer_urls: dict[str, str] = dict(nodes)
+        self._clean_torn_writes()
+
+        self.events = EventSender(self.client)
+        self._stager = Stager()
+        self._queue: queue.Queue[_SaveJob | None] = queue.Queue()
+        self._inflight: _SaveJob | None = None
+        self._hook_wait = 0.0
+        self._hooks: list[Any] = []
+        self._hooked: set[int] = set()
+        self._last_step: int | None = None
+        self._last_save_at: float | None = None
+        self._saves = 0
+        self._signature: str | None = None
+        # Rank 0's view of what each tier holds (seeded by restore).
+        self._committed: list[int] = []
+        self._persisted: list[int] = []
+        self.closed = False
+        self._worker = threading.Thread(target=self._work, name="tierwatch-ckpt-writer",
+                                        daemon=True)
+        self._worker.start()
+        if self.rank == 0:
+            self.events.progress(JobProgress(job_id=self.job_id, rank=0,
+                                             world_size=self.world_size, step=0, ts=utcnow(),
+                                             layout=self.nodes_by_rank))
+        self._write_job_file()
+
+    # -- collectives -----------------------------------------------------------------------
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def _broadcast_from_0(self, obj: Any) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    # -- files -----------------------------------------------------------------------------
+    def _write_job_file(self) -> None:
+        data = {"job_id": self.job_id, "world_size": self.world_size,
+                "layout": self.nodes_by_rank, "peer_urls": self.peer_urls,
+                "persist_every": self.persist_every, "keep": self.keep,
+                "updated_at": utcnow().isoformat(), "finished": False}
+        try:
+            atomic_write_json(self.layout.job_file(self.job_id), data, fsync=False)
+        except OSError as exc:
+            log.warning("cannot write %s: %s", self.layout.job_file(self.job_id), exc)
+
+    def _clean_torn_writes(self) -> None:
+        """Remove this rank's leftover temporary step folders (a crash mid-write)."""
+        suffix = f"-{self.rank}"
+        for p in self.job_dir.glob(".tmp-step-*"):
+            if p.name.endswith(suffix):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _own_names(self, step_dir: Path) -> list[str]:
+        names = [shard_name(self.rank), manifest_name(self.rank), commit_name(self.rank),
+                 f".tier-{self.rank}.json"]
+        if self.rank == 0:
+            names.append(METADATA)
+        return [n for n in names if (step_dir / n).exists()]
+
+    def _remove_own(self, step: int) -> bool:
+        """Delete this rank's files of ``step`` (manifest first); True if any existed."""
+        d = self.layout.step_dir(self.job_id, step)
+        if not d.is_dir():
+            return False
+        names = self._own_names(d)
+        for n in sorted(names, key=lambda n: 0 if n.startswith(("manifest", "commit")) else 1):
+            with contextlib.suppress(FileNotFoundError):
+                (d / n).unlink()
+        with contextlib.suppress(OSError):
+            d.rmdir()  # only when no other local rank's files remain
+        return bool(names)
+
+    # -- state dicts -------------------------------------------------------------------------
+    def _modules(self, state: dict[str, Any]) -> dict[str, nn.Module]:
+        return {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+
+    def _optimizers(self, state: dict[str, Any]) -> dict[str, torch.optim.Optimizer]:
+        return {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
+
+    def _owner(self, optim: torch.optim.Optimizer, key: str,
+               modules: dict[str, nn.Module]) -> nn.Module:
+        ptrs = {p.data_ptr() for g in optim.param_groups for p in g["params"]}
+        for module in modules.values():
+            if ptrs & {p.data_ptr() for p in module.parameters()}:
+                return module
+        raise CheckpointError(
+            f"state[{key!r}] is an optimizer whose parameters belong to no nn.Module in state; "
+            "put the model it trains in the same state dict")
+
+    def _live_state(self, state: dict[str, Any]) -> tuple[dict[str, Any], set[int], set[str]]:
+        """The state dict to save, the data pointers of parameters, and optimizer keys."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        if not isinstance(state, dict) or not state:
+            raise CheckpointError("state must be a non-empty dict of name → model, optimizer, "
+                                  "scheduler, Stateful or value")
+        modules = self._modules(state)
+        live: dict[str, Any] = {}
+        param_ptrs: set[int] = set()
+        optim_keys: set[str] = set()
+        for key, value in state.items():
+            if not isinstance(key, str) or not key or "." in key:
+                raise CheckpointError(f"state key {key!r}: use a non-empty string without '.'")
+            if isinstance(value, nn.Module):
+                live[key] = get_model_state_dict(value)
+                param_ptrs |= {p.data_ptr() for p in value.parameters()}
+            elif isinstance(value, torch.optim.Optimizer):
+                live[key] = get_optimizer_state_dict(self._owner(value, key, modules), value)
+                optim_keys.add(key)
+            elif hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
+                live[key] = value.state_dict()
+            else:
+                live[key] = value
+        return live, param_ptrs, optim_keys
+
+    def _signature_of(self, live: dict[str, Any], state: dict[str, Any]) -> str:
+        """Digest of every module's FQNs, shapes and dtypes (a different model differs)."""
+        h = hashlib.sha256()
+        for key in sorted(self._modules(state)):
+            for fqn, t in sorted(live[key].items()):
+                if isinstance(t, torch.Tensor):
+                    h.update(f"{key}.{fqn}:{tuple(t.shape)}:{t.dtype}\n".encode())
+        return h.hexdigest()[:32]
+
+    def _hook_optimizers(self, state: dict[str, Any]) -> None:
+        for optim in self._optimizers(state).values():
+            if id(optim) not in self._hooked:
+                self._hooks.append(optim.register_step_pre_hook(self._before_optimizer_step))
+                self._hooked.add(id(optim))
+
+    def _before_optimizer_step(self, *_args: Any) -> None:
+        job = self._inflight
+        if job is not None and not job.copy_done.is_set():
+            t0 = time.monotonic()
+            job.copy_done.wait()
+            self._hook_wait += time.monotonic() - t0
+
+    # -- save --------------------------------------------------------------------------------
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        """Checkpoint ``state`` as it is after ``step`` completed.
+
+        Returns once the state is staged (see the class notes); the write, checksums,
+        replication and upload happen in the background.
+
+        Args:
+            step: The step just completed (an int ≥ 0, larger than the previous save's).
+            state: name → model / optimizer / scheduler / Stateful / value.
+
+        Raises:
+            CheckpointError: a bad step or state, or the checkpointer is closed.
+        """
+        t0 = time.monotonic()
+        if self.closed:
+            raise CheckpointError("save() after close()")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be an integer ≥ 0, not {step!r}")
+        if self._last_step is not None and step <= self._last_step:
+            raise CheckpointError(f"step {step} is not after the previous save's step "
+                                  f"{self._last_step}: steps must increase")
+        self._finish_inflight()
+        wait_s = time.monotonic() - t0
+
+        live, param_ptrs, optim_keys = self._live_state(state)
+        if self._signature is None:
+            self._signature = self._signature_of(live, state)
+        lazy_allowed = bool(optim_keys)
+        self._hook_optimizers(state)
+
+        def lazy(path: tuple[Any, ...], t: torch.Tensor) -> bool:
+            if not lazy_allowed:
+                return False
+            return path[0] in optim_keys or t.data_ptr() in param_ptrs
+
+        staged, pending = self._stager.stage(live, lazy)
+        job = _SaveJob(step=step, staged=staged, pending=pending,
+                       staged_bytes=self._stager.staged_bytes, started=t0)
+        if not pending.pairs:
+            job.copy_done.set()
+        self._hook_wait = 0.0
+        self._inflight = job
+        self._queue.put(job)
+
+        step_time = None
+        if self._last_save_at is not None and self._last_step is not None:
+            step_time = (t0 - self._last_save_at) / max(1, step - self._last_step)
+        self._last_step, self._last_save_at = step, t0
+        self._saves += 1
+        job.blocking_s = time.monotonic() - t0  # type: ignore[attr-defined]
+        job.wait_s = wait_s  # type: ignore[attr-defined]
+        self.events.progress(JobProgress(
+            job_id=self.job_id, rank=self.rank, world_size=self.world_size, step=step,
+            step_time_s=step_time, ts=utcnow(),
+            layout=self.nodes_by_rank if self.rank == 0 and self._saves % 100 == 1 else None))
+        if self.latency_every and self.distributed and self._saves % self.latency_every == 0:
+            self._probe_latency()
+
+    def _probe_latency(self) -> None:
+        """Time a 1-element all_reduce on the training group and report it (ms)."""
+        group = self._train_group
+        backend = dist.get_backend(group)
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if backend == "nccl" and torch.cuda.is_available() else torch.device("cpu")
+        x = torch.zeros(1, device=device)
+        t0 = time.perf_counter()
+        dist.all_reduce(x, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        ms = (time.perf_counter() - t0) * 1000.0
+        sample = LatencySample(job_id=self.job_id, rank=self.rank, world_size=self.world_size,
+                               ts=utcnow(), latency_ms=ms)
+        threading.Thread(target=self._post_latency, args=(sample,), daemon=True).start()
+
+    def _post_latency(self, sample: LatencySample) -> None:
+        with contextlib.suppress(Exception):
+            self.client._http.post("/v1/trainer/latency", json=[sample.model_dump(mode="json")])
+
+    def _finish_inflight(self) -> None:
+        """Wait for the in-flight save to commit in memory and report its staging."""
+        job = self._inflight
+        if job is None:
+            return
+        job.done.wait()
+        blocking = getattr(job, "blocking_s", 0.0) + self._hook_wait
+        self._hook_wait = 0.0
+        self._inflight = None
+        self.events.event(CheckpointEvent(
+            job_id=self.job_id, step=job.step, tier="memory", kind="staged", rank=self.rank,
+            world_size=self.world_size, ts=utcnow(), bytes=job.staged_bytes,
+            blocking_s=blocking, seconds=job.write_s))
+        self.last_blocking_s = blocking
+
+    def wait(self) -> bool:
+        """Wait for the in-flight save; True when it committed in the memory tier."""
+        job = self._inflight
+        if job is None:
+            return True
+        self._finish_inflight()
+        return job.committed
+
+    # -- background writer --------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._write(job)
+            except Exception as exc:  # noqa: BLE001 - becomes an event; training goes on
+                log.exception("rank %d: checkpoint of step %d failed", self.rank, job.step)
+                job.error = f"{type(exc).__name__}: {exc}"
+                self._event(job.step, "memory", "failed", message=job.error[:2000])
+            finally:
+                job.copy_done.set()
+                job.done.set()
+
+    def _event(self, step: int, tier: str, kind: str, **kw: Any) -> None:
+        self.events.event(CheckpointEvent(job_id=self.job_id, step=step, tier=tier,  # type: ignore[arg-type]
+                                          kind=kind, rank=self.rank,  # type: ignore[arg-type]
+                                          world_size=self.world_size, ts=utcnow(), **kw))
+
+    def _write(self, job: _SaveJob) -> None:
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint import save as dcp_save
+
+        t0 = time.monotonic()
+        job.pending.run()
+        job.copy_done.set()
+
+        # 1. Agree that every rank can write (a rank that skipped dcp.save alone would
+        #    leave the others waiting in its collectives).
+        reason = self._budget_problem(job.staged_bytes)
+        verdicts = self._all_gather(reason)
+        problems = [f"rank {r}: {v}" for r, v in enumerate(verdicts) if v]
+        if problems:
+            job.error = "; ".join(problems)[:2000]
+            self._event(job.step, "memory", "failed", bytes=job.staged_bytes,
+                        message=f"step {job.step} not written: {job.error}")
+            return
+
+        # 2. Write under a temporary name, then move into step-<N>/ and checksum.
+        tmp = self.layout.tmp_step_dir(self.job_id, job.step, self.rank)
+        step_dir = self.layout.step_dir(self.job_id, job.step)
+        error: str | None = None
+        names: list[str] = []
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            dcp_save(job.staged, storage_writer=FileSystemWriter(tmp, sync_files=False),
+                     process_group=self._group, no_dist=not self.distributed)
+            step_dir.mkdir(parents=True, exist_ok=True)
+            self._remove_stale(step_dir)
+            names = sorted(p.name for p in tmp.iterdir()
+                           if p.name == METADATA or p.name.endswith(".distcp"))
+            for name in names:
+                os.replace(tmp / name, step_dir / name)
+            shutil.rmtree(tmp, ignore_errors=True)
+            manifest = make_manifest(job_id=self.job_id, step=job.step, rank=self.rank,
+                                     world_size=self.world_size, node=self.node,
+                                     directory=step_dir, names=names,
+                                     signature=self._signature or "",
+                                     created_at=utcnow().isoformat())
+            atomic_write_json(step_dir / manifest_name(self.rank), manifest, fsync=False)
+            nbytes = manifest.total_bytes()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = f"{type(exc).__name__}: {exc}"[:1500]
+            nbytes = 0
+            shutil.rmtree(tmp, ignore_errors=True)
+        job.write_s = time.monotonic() - t0
+
+        # 3. Every rank's outcome; rank 0 decides commit, persistence and retention.
+        outcomes = self._all_gather(error)
+        decision = None
+        if self.rank == 0:
+            decision = self._decide(job.step, outcomes)
+        decision = self._broadcast_from_0(decision)
+        if not decision["committed"]:
+            self._remove_own(job.step)
+            job.error = decision["why"]
+            self._event(job.step, "memory", "failed", bytes=nbytes, seconds=job.write_s,
+                        message=f"step {job.step} not committed: {decision['why']}")
+            return
+        marker = CommitMarker(job_id=self.job_id, step=job.step, rank=self.rank,
+                              world_size=self.world_size, persist=decision["persist"],
+                              retain=decision["retain"], layout=self.nodes_by_rank,
+                              peer_urls=self.peer_urls, created_at=utcnow().isoformat())
+        atomic_write_json(step_dir / commit_name(self.rank), marker, fsync=False)
+        job.committed = True
+        self._event(job.step, "memory", "committed", bytes=nbytes, seconds=job.write_s)
+        self._retain_memory(decision["retain"]["memory"], job.step)
+        try:
+            self.client.notify(self.job_id, job.step)
+        except AgentUnavailable as exc:
+            log.debug("notify failed (the agent scans on its own): %s", exc)
+
+    def _remove_stale(self, step_dir: Path) -> None:
+        """Remove files this rank left in ``step_dir`` from an earlier run of the same step."""
+        for n in sorted(self._own_names(step_dir),
+                        key=lambda n: 0 if n.startswith(("manifest", "commit")) else 1):
+            with contextlib.suppress(FileNotFoundError):
+                (step_dir / n).unlink()
+
+    def _budget_problem(self, nbytes: int) -> str | None:
+        if self.memory_budget <= 0:
+            return None
+        used = _dir_bytes(self.layout.root)
+        if used + nbytes > self.memory_budget:
+            return (f"node {self.node} memory budget exceeded: {_human(used)} in use + "
+                    f"{_human(nbytes)} for this step > budget {_human(self.memory_budget)}; "
+                    "raise the agent's --memory-budget or keep fewer steps (keep_memory)")
+        return None
+
+    def _decide(self, step: int, outcomes: list[str | None]) -> dict[str, Any]:
+        failed = [f"rank {r}: {e}" for r, e in enumerate(outcomes) if e]
+        if failed:
+            return {"committed": False, "why": "; ".join(failed)[:1800]}
+        last_persisted = self._persisted[-1] if self._persisted else None
+        persist = last_persisted is None or \
+            step // self.persist_every > last_persisted // self.persist_every
+        self._committed = [s for s in self._committed if s < step] + [step]
+        if persist:
+            self._persisted = [s for s in self._persisted if s < step] + [step]
+        retain = {
+            "memory": self._committed[-self.keep["memory"]:],
+            "peer": self._committed[-self.keep["peer"]:],
+            "persistent": self._persisted[-self.keep["persistent"]:],
+        }
+        self._committed = self._committed[-max(self.keep["memory"], self.keep["peer"]):]
+        return {"committed": True, "persist": persist, "retain": retain}
+
+    def _retain_memory(self, keep: list[int], newest: int) -> None:
+        keep_set = set(keep) | {newest}
+        for step in self.layout.steps(self.job_id):
+            if step not in keep_set and step < newest and self._remove_own(step):
+                self._event(step, "memory", "evicted")
+
+    def seed_history(self, committed: list[int], persisted: list[int]) -> None:
+        """Tell rank 0 which steps the tiers already hold (called by restore)."""
+        self._committed = sorted(set(committed))
+        self._persisted = sorted(set(persisted))
+
+    # -- restore -------------------------------------------------------------------------------
+    def restore(self, state: dict[str, Any], step: int | None = None) -> int | None:
+        """Load the newest step that is complete across the reachable tiers into ``state``.
+
+        Args:
+            state: The same structure that is passed to :meth:`save`.
+            step: Load exactly this step instead of the newest.
+
+        Returns:
+            The step loaded, or None when no tier holds a complete step of this job.
+
+        Raises:
+            CheckpointError: ``step`` is not restorable (the message lists the steps that
+                are), the job id holds a different model, or an agent cannot be reached.
+        """
+        from tierwatch.agent.checkpoint.restore import restore_state
+
+        if self.closed:
+            raise CheckpointError("restore() after close()")
+        self._finish_inflight()
+        return restore_state(self, state, wanted=step)
+
+    def finish(self) -> None:
+        """Mark the job finished in the node's memory folder (``tierwatch-agent ckpt gc
+        --finished`` then frees it)."""
+        data_path = self.layout.job_file(self.job_id)
+        self._write_job_file()
+        try:
+            import json
+
+            data = json.loads(data_path.read_text())
+            data["finished"] = True
+            atomic_write_json(data_path, data, fsync=False)
+        except (OSError, ValueError) as exc:
+            log.warning("cannot mark %s finished: %s", self.job_id, exc)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Wait for pending work, deliver queued events, stop the background threads."""
+        if self.closed:
+            return
+        self._finish_inflight()
+        self.closed = True
+        self._queue.put(None)
+        self._worker.join(timeout_s)
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.events.close(min(timeout_s, 5.0))
+        self.client.close()
+
+    def __enter__(self) -> TieredCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def steps_in_memory(layout: MemoryLayout, job_id: str) -> list[int]:
+    """Step folders of ``job_id`` in a memory folder (ascending)."""
+    return sorted(s for p in layout.job_dir(job_id).glob("step-*")
+                  if (s := parse_step_dirname(p.name)) is not None)
