@@ -1,0 +1,93 @@
+"""Start a training script on several simulated nodes of one machine, one process per rank.
+
+Each simulated node is a tierwatch agent with its own URL; its ranks get
+``TIERWATCH_AGENT_URL`` pointing at it, and the usual torch.distributed environment
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``)::
+
+    python examples/launch.py --node node-a=http://127.0.0.1:9471 \\
+        --node node-b=http://127.0.0.1:9472 --ranks-per-node 2 -- \\
+        examples/train_gpt.py --job-id gpt-small --steps 200
+
+On a real cluster use ``torchrun`` (or Slurm's ``srun``) and set ``TIERWATCH_AGENT_URL`` per
+node instead. When one rank exits with an error, the launcher stops the others (they would
+wait in a collective until it times out) and exits with that rank's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="one process per rank over simulated nodes")
+    p.add_argument("--node", action="append", required=True, metavar="NAME=AGENT_URL",
+                   help="a simulated node and its agent's URL (repeat per node)")
+    p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--master-port", type=int, default=0, help="default: a free port")
+    p.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
+    args = p.parse_args(argv)
+    script = [a for a in args.script if a != "--"] if args.script[:1] == ["--"] \
+        else args.script
+    if not script:
+        p.error("give the training script after --")
+    nodes = []
+    for spec in args.node:
+        name, sep, url = spec.partition("=")
+        if not sep or not url.startswith(("http://", "https://")):
+            p.error(f"--node {spec!r}: use NAME=http://HOST:PORT")
+        nodes.append((name, url))
+    if args.ranks_per_node < 1:
+        p.error("--ranks-per-node must be ≥ 1")
+    world = len(nodes) * args.ranks_per_node
+    port = args.master_port or free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    for n, (name, url) in enumerate(nodes):
+        for local in range(args.ranks_per_node):
+            rank = n * args.ranks_per_node + local
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
+                       LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(args.ranks_per_node),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       TIERWATCH_AGENT_URL=url, TIERWATCH_NODE=name)
+            procs.append(subprocess.Popen([sys.executable, *script], env=env))
+
+    def stop_all(sig: int = signal.SIGTERM) -> None:
+        for q in procs:
+            if q.poll() is None:
+                q.send_signal(sig)
+
+    signal.signal(signal.SIGTERM, lambda *_: stop_all())
+    code = 0
+    try:
+        while any(q.poll() is None for q in procs):
+            bad = [q.returncode for q in procs if q.returncode not in (None, 0)]
+            if bad:
+                code = bad[0]
+                stop_all()
+                break
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        stop_all(signal.SIGINT)
+        code = 130
+    for q in procs:
+        try:
+            q.wait(30)
+        except subprocess.TimeoutExpired:
+            q.kill()
+    return code or next((q.returncode for q in procs if q.returncode), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

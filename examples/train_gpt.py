@@ -1,0 +1,251 @@
+"""Train a small character-level GPT with tierwatch's TieredCheckpointer.
+
+The corpus is text every machine with Python has: the standard library's own ``.py`` files
+(read in sorted order, as bytes, so the vocabulary is the 256 byte values). The model is a
+GPT-style decoder (token + position embeddings, pre-norm blocks with causal self-attention
+and an MLP). Training is data parallel (DDP) over torch.distributed (gloo on CPU, NCCL when
+``--device cuda``), with AdamW and a linear-warmup + cosine learning-rate schedule. Every
+step is checkpointed through the node's tierwatch agent (memory tier every save, peer
+replicas by the agents, persistent every ``--persist-every`` steps), and a restarted job
+resumes from the newest complete step in the fastest tier.
+
+Launch one process per rank with the usual torch.distributed environment (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; ``torchrun`` sets them, so does
+``examples/launch.py``) and ``TIERWATCH_AGENT_URL`` pointing at the node's agent::
+
+    TIERWATCH_AGENT_URL=http://127.0.0.1:9470 torchrun --nproc-per-node 2 \\
+        examples/train_gpt.py --job-id gpt-small --steps 200
+
+Each rank appends ``{"step", "loss", "lr", "rank", "restored_from"}`` lines to
+``--log-dir/rank-<r>.jsonl``; with ``--final`` rank 0 writes digests of the final model,
+optimizer, scheduler, RNG and sampler state there (used by the bit-exact resume test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
+
+from tierwatch import ResumableDistributedSampler, RNGState, TieredCheckpointer
+
+
+def load_corpus(max_bytes: int) -> torch.Tensor:
+    """The standard library's ``.py`` files, concatenated in sorted order, as uint8 tokens.
+
+    Raises:
+        RuntimeError: the standard library folder holds too little text.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks: list[bytes] = []
+    total = 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts:
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    blob = b"".join(chunks)[:max_bytes]
+    if len(blob) < 10_000:
+        raise RuntimeError(f"only {len(blob)} bytes of text under {root}")
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).long()
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention + MLP."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A small decoder-only language model over bytes.
+
+    Args:
+        vocab: vocabulary size (256 for bytes).
+        block: context length (tokens).
+        d: embedding width; heads: attention heads; layers: transformer blocks.
+    """
+
+    def __init__(self, vocab: int = 256, block: int = 64, d: int = 128, heads: int = 4,
+                 layers: int = 2) -> None:
+        super().__init__()
+        self.block = block
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(block, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.register_buffer("mask", torch.triu(torch.ones(block, block, dtype=torch.bool), 1),
+                             persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for b in self.blocks:
+            x = b(x, self.mask[:t, :t])
+        return self.head(self.ln(x))
+
+
+def lr_lambda(warmup: int, total: int):  # noqa: ANN201 - a LambdaLR factor
+    """Linear warmup to 1 over ``warmup`` steps, then cosine decay to 0.1 at ``total``."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return factor
+
+
+def digest(obj: object) -> str:
+    """sha256 of every tensor and value in a (nested) state dict, in key order."""
+    h = hashlib.sha256()
+
+    def walk(v: object) -> None:
+        if isinstance(v, dict):
+            for k in sorted(v, key=str):
+                h.update(str(k).encode())
+                walk(v[k])
+        elif isinstance(v, list | tuple):
+            for x in v:
+                walk(x)
+        elif isinstance(v, torch.Tensor):
+            h.update(v.detach().cpu().contiguous().numpy().tobytes())
+        else:
+            h.update(repr(v).encode())
+
+    walk(obj)
+    return h.hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--job-id", default="gpt-small")
+    p.add_argument("--steps", type=int, default=200, help="total training steps")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--corpus-bytes", type=int, default=2_000_000)
+    p.add_argument("--persist-every", type=int, default=10)
+    p.add_argument("--save-every", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="extra seconds per step (to slow a demo down)")
+    p.add_argument("--log-dir", type=Path, default=Path("var/train"))
+    p.add_argument("--final", action="store_true", help="write final state digests")
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(1)
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
+        if args.device == "cuda" else torch.device("cpu")
+
+    data = load_corpus(args.corpus_bytes)
+    windows = (len(data) - 1) // args.block - 1
+    torch.manual_seed(args.seed)  # same initial weights on every rank
+    model = GPT(block=args.block, d=args.width, layers=args.layers).to(device)
+    ddp = DDP(model) if distributed else model
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(args.warmup, args.steps))
+    sampler = ResumableDistributedSampler(windows, shuffle=True, seed=args.seed)
+    torch.manual_seed(args.seed + rank)  # per-rank stream (draws the sequence shifts)
+    rng = RNGState()
+    state = {"model": model, "optim": optim, "sched": sched, "rng": rng, "data": sampler}
+
+    ckpt = TieredCheckpointer(args.job_id, persist_every=args.persist_every,
+                              process_group=None)
+    last = ckpt.restore(state)
+    start = 0 if last is None else last + 1
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    log = open(args.log_dir / f"rank-{rank}.jsonl", "a")  # noqa: SIM115 - closed below
+    if rank == 0:
+        print(f"[train] job={args.job_id} world_size={world} windows={windows} "
+              f"restored_from={last} start={start}", flush=True)
+
+    it = iter(sampler)
+
+    def next_batch() -> torch.Tensor:
+        nonlocal it
+        rows = []
+        while len(rows) < args.batch_size:
+            try:
+                i = next(it)
+            except StopIteration:
+                it = iter(sampler)  # the sampler moved to the next epoch
+                continue
+            # A random shift per sequence, drawn from this rank's torch generator: the
+            # data then depends on the per-rank RNG state the checkpoint must restore.
+            off = i * args.block + int(torch.randint(0, args.block, (1,)))
+            rows.append(data[off: off + args.block + 1])
+        return torch.stack(rows).to(device)
+
+    for step in range(start, args.steps):
+        t0 = time.monotonic()
+        batch = next_batch()
+        logits = ddp(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        sched.step()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        if (step + 1) % args.save_every == 0 or step == args.steps - 1:
+            ckpt.save(step, state)
+        log.write(json.dumps({"step": step, "loss": loss.item(), "lr": sched.get_last_lr()[0],
+                              "rank": rank, "restored_from": last,
+                              "step_s": round(time.monotonic() - t0, 4)}) + "\n")
+        log.flush()
+        if rank == 0 and step % 20 == 0:
+            print(f"[train] step {step} loss {loss.item():.4f}", flush=True)
+
+    ckpt.wait()
+    if args.final:
+        final = {"model": digest(model.state_dict()), "optim": digest(optim.state_dict()),
+                 "sched": digest(sched.state_dict()), "rng": digest(rng.state_dict()),
+                 "data": digest(sampler.state_dict()), "step": args.steps - 1}
+        (args.log_dir / f"final-{rank}.json").write_text(json.dumps(final))
+    ckpt.close()
+    log.close()
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
