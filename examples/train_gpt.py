@@ -192,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     start = 0 if last is None else last + 1
     args.log_dir.mkdir(parents=True, exist_ok=True)
     log = open(args.log_dir / f"rank-{rank}.jsonl", "a")  # noqa: SIM115 - closed below
+    report = getattr(ckpt, "last_restore", None)
+    if report is not None:
+        with open(args.log_dir / f"restores-{rank}.jsonl", "a") as f:
+            f.write(report.model_dump_json() + "\n")
     if rank == 0:
         print(f"[train] job={args.job_id} world_size={world} windows={windows} "
               f"restored_from={last} start={start}", flush=True)

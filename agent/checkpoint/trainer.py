@@ -106,6 +106,12 @@ def _human(n: float) -> str:
     return f"{n} B"
 
 
+def _ptr(t: torch.Tensor) -> int:
+    """Data pointer of a tensor, or of a DTensor's local shard."""
+    local = getattr(t, "_local_tensor", None)
+    return (local if local is not None else t).data_ptr()
+
+
 def _dir_bytes(path: Path) -> int:
     total = 0
     for root, _dirs, files in os.walk(path):
@@ -291,9 +297,9 @@ class TieredCheckpointer:
 
     def _owner(self, optim: torch.optim.Optimizer, key: str,
                modules: dict[str, nn.Module]) -> nn.Module:
-        ptrs = {p.data_ptr() for g in optim.param_groups for p in g["params"]}
+        ptrs = {_ptr(p) for g in optim.param_groups for p in g["params"]}
         for module in modules.values():
-            if ptrs & {p.data_ptr() for p in module.parameters()}:
+            if ptrs & {_ptr(p) for p in module.parameters()}:
                 return module
         raise CheckpointError(
             f"state[{key!r}] is an optimizer whose parameters belong to no nn.Module in state; "
@@ -318,7 +324,7 @@ class TieredCheckpointer:
                 raise CheckpointError(f"state key {key!r}: use a non-empty string without '.'")
             if isinstance(value, nn.Module):
                 live[key] = get_model_state_dict(value)
-                param_ptrs |= {p.data_ptr() for p in value.parameters()}
+                param_ptrs |= {_ptr(p) for p in value.parameters()}
             elif isinstance(value, torch.optim.Optimizer):
                 live[key] = get_optimizer_state_dict(self._owner(value, key, modules), value)
                 optim_keys.add(key)
@@ -384,7 +390,7 @@ class TieredCheckpointer:
         def lazy(path: tuple[Any, ...], t: torch.Tensor) -> bool:
             if not lazy_allowed:
                 return False
-            return path[0] in optim_keys or t.data_ptr() in param_ptrs
+            return path[0] in optim_keys or _ptr(t) in param_ptrs
 
         staged, pending = self._stager.stage(live, lazy)
         job = _SaveJob(step=step, staged=staged, pending=pending,
