@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tierwatch import __version__
 from tierwatch.agent.protocol import utcnow
+from tierwatch.server.checkpoints import api as checkpoints_api
 from tierwatch.server.config import Settings, get_settings
 from tierwatch.server.db import make_engine, make_sessionmaker
 from tierwatch.server.fleet import api as fleet_api
@@ -207,6 +208,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.include_router(ingest_api.router)
     app.include_router(fleet_api.router)
+    app.include_router(checkpoints_api.router)
     app.include_router(web_views.router)
     app.mount("/static", StaticFiles(directory=resource_dir("static")), name="static")
 

@@ -17,6 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tierwatch.agent.protocol import utcnow
+from tierwatch.server.checkpoints import service as checkpoint_service
 from tierwatch.server.fleet import rules
 from tierwatch.server.fleet.models import Gpu, Node, XidCount
 from tierwatch.server.fleet.service import STATES, effective_state
@@ -103,6 +104,7 @@ class FleetCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         with self._factory() as session:
             yield from collect_fleet(session, self._th)
+            yield from collect_checkpoints(session)
 
 
 def collect_fleet(session: Session, th: rules.HealthThresholds) -> Iterator[Metric]:
@@ -160,8 +162,52 @@ def collect_fleet(session: Session, th: rules.HealthThresholds) -> Iterator[Metr
     yield isolated
 
 
+def collect_checkpoints(session: Session) -> Iterator[Metric]:
+    """Per job: the training step, and per tier the newest committed step and the lag.
+
+    Families (labels ``job``, ``tier``): ``tierwatch_job_step`` (steps),
+    ``tierwatch_checkpoint_newest_step`` (absent while a tier has no committed step),
+    ``tierwatch_checkpoint_lag_steps`` (training step − newest committed step; training
+    step + 1 with none), ``tierwatch_checkpoint_lag_seconds`` (absent while no step time
+    is known). Definitions as in ``checkpoints.service``.
+    """
+    step = GaugeMetricFamily(
+        "tierwatch_job_step", "Training step of the job (highest step reported).", labels=["job"]
+    )
+    newest = GaugeMetricFamily(
+        "tierwatch_checkpoint_newest_step",
+        "Newest step committed (all ranks) and not evicted in the tier.",
+        labels=["job", "tier"],
+    )
+    lag_steps = GaugeMetricFamily(
+        "tierwatch_checkpoint_lag_steps",
+        "Training steps since the tier's newest committed step (step + 1 with none).",
+        labels=["job", "tier"],
+    )
+    lag_seconds = GaugeMetricFamily(
+        "tierwatch_checkpoint_lag_seconds",
+        "Training time since the tier's newest committed step (in seconds).",
+        labels=["job", "tier"],
+    )
+    for job in checkpoint_service.list_jobs(session):
+        name = job["job_id"]
+        if job["step"] is not None:
+            step.add_metric([name], float(job["step"]))
+        for tier, t in job["tiers"].items():
+            if t["newest_step"] is not None:
+                newest.add_metric([name, tier], float(t["newest_step"]))
+            if t["lag_steps"] is not None:
+                lag_steps.add_metric([name, tier], float(t["lag_steps"]))
+            if t["lag_s"] is not None:
+                lag_seconds.add_metric([name, tier], float(t["lag_s"]))
+    yield step
+    yield newest
+    yield lag_steps
+    yield lag_seconds
+
+
 def make_registry(factory: sessionmaker[Session], th: rules.HealthThresholds) -> CollectorRegistry:
-    """A registry holding only the fleet collector (no process/platform metrics)."""
+    """A registry holding only the fleet (and checkpoint) collector (no process metrics)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FleetCollector(factory, th))
     return registry

@@ -424,7 +424,8 @@ def acknowledge(
 def prune(
     session: Session, *, now: datetime, sample_retention_s: float, event_retention_s: float
 ) -> dict[str, int]:
-    """Delete raw history older than the retention windows.
+    """Delete raw history older than the retention windows (checkpoint history too, see
+    ``checkpoints.service.prune``).
 
     Returns:
         Rows deleted per table.
@@ -441,6 +442,12 @@ def prune(
     ):
         result = session.execute(delete(table).where(col < cut))
         deleted[table.__tablename__] = result.rowcount  # type: ignore[attr-defined]
+    from tierwatch.server.checkpoints import service as checkpoint_service  # (cycle-free)
+
+    deleted |= checkpoint_service.prune(
+        session, now=now, sample_retention_s=sample_retention_s,
+        event_retention_s=event_retention_s,
+    )
     session.commit()
     return deleted
 

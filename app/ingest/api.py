@@ -9,6 +9,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from tierwatch.agent.protocol import ReportAck, ReportBatch, utcnow
+from tierwatch.server.checkpoints import ingest as checkpoint_ingest
 from tierwatch.server.config import Settings
 from tierwatch.server.ingest.service import timestamp_errors
 from tierwatch.server.ingest.writer import IngestUnavailable, IngestWriter
@@ -48,6 +49,7 @@ async def report(principal: AgentDep, request: Request) -> ReportAck | Response:
         ) from exc
     settings: Settings = request.app.state.settings
     errors = timestamp_errors(batch, now=utcnow(), max_ahead_s=settings.max_clock_skew_s)
+    errors += checkpoint_ingest.report_errors(batch)
     if errors:
         raise RequestValidationError(errors)
     if batch.node != principal.node:

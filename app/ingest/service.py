@@ -24,6 +24,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from tierwatch.agent.protocol import GpuSample, ReportAck, ReportBatch
+from tierwatch.server.checkpoints import ingest as checkpoint_ingest
 from tierwatch.server.config import Settings
 from tierwatch.server.db import insert_ignore
 from tierwatch.server.fleet import rules
@@ -129,6 +130,9 @@ def timestamp_errors(
     items += [(("xids", i, "ts"), x.ts) for i, x in enumerate(batch.xids)]
     items += [(("latency", i, "ts"), x.ts) for i, x in enumerate(batch.latency)]
     items += [(("events", i, "ts"), x.ts) for i, x in enumerate(batch.events)]
+    items += [(("checkpoint_events", i, "ts"), x.ts) for i, x in enumerate(batch.checkpoint_events)]
+    items += [(("progress", i, "ts"), x.ts) for i, x in enumerate(batch.progress)]
+    items += [(("restores", i, "ts"), x.ts) for i, x in enumerate(batch.restores)]
     errors = []
     for loc, ts in items:
         try:
@@ -187,6 +191,9 @@ def ingest_reports(
     fresh = [b for b in batches if (nodes[b.node].id, b.epoch, b.seq) in stored]
     if fresh:
         _apply_batches(session, fresh, nodes, changes, settings)
+        checkpoint_ingest.store_checkpoint_content(
+            session, batches=fresh, node_ids={b.node: nodes[b.node].id for b in fresh}, now=now
+        )
     acks = []
     for b in batches:
         node = nodes[b.node]

@@ -1,0 +1,406 @@
+"""Storing the checkpoint part of agent reports: jobs, ledger, events, progress, restores.
+
+Called by ``ingest.service.ingest_reports`` inside the group's transaction, so a report's
+checkpoint events are stored with the rest of it or not at all (the group-commit writer
+retries a failed group report by report). SQLAlchemy Core throughout, a fixed number of
+statements per group; a group without checkpoint content costs nothing here.
+
+Ledger updates are idempotent and order-independent: each rank's ``committed`` event is a
+row keyed by (ledger row, rank), so a replayed or late event never counts twice, and
+``evicted`` is sticky. The aggregates of every touched ledger row are recomputed from
+those rows (on PostgreSQL under a row lock, so two server replicas storing ranks of one
+step at once cannot lose each other's commits).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Float, bindparam, cast, func, insert, or_, select, tuple_, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from tierwatch.agent.protocol import ReportBatch
+from tierwatch.server.checkpoints import ledger
+from tierwatch.server.checkpoints.models import (
+    CheckpointEventRow,
+    Job,
+    LedgerRow,
+    ProgressRow,
+    RankCommit,
+    RestoreRow,
+)
+
+JOBS = Job.__table__
+LEDGER = LedgerRow.__table__
+RANKS = RankCommit.__table__
+CKPT_EVENTS = CheckpointEventRow.__table__
+PROGRESS = ProgressRow.__table__
+RESTORES = RestoreRow.__table__
+
+MAX_BIGINT = 2**63 - 1
+WHOLE_STEP_RANK = -1  # RankCommit.rank of a committed event with rank None
+LEDGER_KINDS = ("committed", "evicted", "failed")
+
+
+def _insert_fn(session: Session) -> Any:
+    return postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
+
+
+def report_errors(batch: ReportBatch) -> list[dict[str, Any]]:
+    """Checkpoint content of a batch that is well-formed but impossible, or unstorable.
+
+    Checks: a rank below its world_size (events that name one, progress, restores); a
+    layout with one node per rank; restore counts that fit a 64-bit integer; restore
+    source names without NUL characters.
+
+    Returns:
+        Validation errors (``loc``, ``msg``, ``type``) in FastAPI's shape, empty when fine.
+    """
+    errors: list[dict[str, Any]] = []
+
+    def err(loc: tuple[Any, ...], msg: str) -> None:
+        errors.append({"loc": ("body", *loc), "msg": msg, "type": "value_error"})
+
+    for i, e in enumerate(batch.checkpoint_events):
+        if e.rank is not None and e.world_size is not None and e.rank >= e.world_size:
+            err(("checkpoint_events", i, "rank"),
+                f"rank {e.rank} is not below world_size {e.world_size}")
+    for i, p in enumerate(batch.progress):
+        if p.rank >= p.world_size:
+            err(("progress", i, "rank"), f"rank {p.rank} is not below world_size {p.world_size}")
+        if p.layout is not None and len(p.layout) != p.world_size:
+            err(("progress", i, "layout"),
+                f"layout names {len(p.layout)} node(s) but world_size is {p.world_size}: "
+                "send one node name per rank")
+    for i, r in enumerate(batch.restores):
+        if r.rank >= r.world_size:
+            err(("restores", i, "rank"), f"rank {r.rank} is not below world_size {r.world_size}")
+        if r.steps_lost is not None and r.steps_lost > MAX_BIGINT:
+            err(("restores", i, "steps_lost"), f"steps_lost must be at most {MAX_BIGINT}")
+        for tier, n in r.files_by_tier.items():
+            if n > MAX_BIGINT:
+                err(("restores", i, "files_by_tier", tier), f"a file count must be at most "
+                    f"{MAX_BIGINT}")
+        for name, source in r.sources.items():
+            if "\x00" in name or "\x00" in source:
+                err(("restores", i, "sources", name.replace("\x00", "\\x00")),
+                    "file names and sources must not contain NUL (\\x00) characters")
+    return errors
+
+
+def has_checkpoint_content(batch: ReportBatch) -> bool:
+    """True when the batch carries checkpoint events, progress or restores."""
+    return bool(batch.checkpoint_events or batch.progress or batch.restores)
+
+
+def store_checkpoint_content(
+    session: Session, *, batches: list[ReportBatch], node_ids: dict[str, int], now: datetime
+) -> None:
+    """Store the checkpoint events, progress and restores of freshly stored batches.
+
+    Args:
+        session: the ingest group's session (not committed here).
+        batches: batches stored for the first time (replays are filtered out before).
+        node_ids: node name -> node id of the reporting agents.
+        now: server receive time (UTC).
+    """
+    batches = [b for b in batches if has_checkpoint_content(b)]
+    if not batches:
+        return
+    names = {
+        x.job_id
+        for b in batches
+        for x in (*b.checkpoint_events, *b.progress, *b.restores)
+    }
+    jobs = _load_or_create_jobs(session, sorted(names), now)
+    newly_sized = _update_jobs(session, batches, jobs, now)
+    event_rows: list[dict[str, Any]] = []
+    progress_rows: list[dict[str, Any]] = []
+    restore_rows: list[dict[str, Any]] = []
+    for b in batches:
+        node_id = node_ids[b.node]
+        event_rows += [
+            {
+                "job_pk": jobs[e.job_id]["id"],
+                "node_id": node_id,
+                "step": e.step,
+                "tier": e.tier,
+                "kind": e.kind,
+                "rank": e.rank,
+                "world_size": e.world_size,
+                "ts": e.ts,
+                "received_at": now,
+                "bytes": e.bytes,
+                "seconds": e.seconds,
+                "blocking_s": e.blocking_s,
+                "message": e.message,
+            }
+            for e in b.checkpoint_events
+        ]
+        progress_rows += [
+            {
+                "job_pk": jobs[p.job_id]["id"],
+                "node_id": node_id,
+                "rank": p.rank,
+                "world_size": p.world_size,
+                "step": p.step,
+                "step_time_s": p.step_time_s,
+                "ts": p.ts,
+            }
+            for p in b.progress
+        ]
+        restore_rows += [
+            {
+                "job_pk": jobs[r.job_id]["id"],
+                "node_id": node_id,
+                "rank": r.rank,
+                "world_size": r.world_size,
+                "step": r.step,
+                "ts": r.ts,
+                "seconds": r.seconds,
+                "steps_lost": r.steps_lost,
+                "files_by_tier": dict(r.files_by_tier),
+                "sources": dict(r.sources),
+                "ok": r.ok,
+                "message": r.message,
+            }
+            for r in b.restores
+        ]
+    if event_rows:
+        session.execute(insert(CKPT_EVENTS), event_rows)
+    if progress_rows:
+        session.execute(insert(PROGRESS), progress_rows)
+    if restore_rows:
+        session.execute(insert(RESTORES), restore_rows)
+    _update_ledger(session, batches, jobs, newly_sized, now)
+
+
+def _load_or_create_jobs(
+    session: Session, names: list[str], now: datetime
+) -> dict[str, dict[str, Any]]:
+    """Job rows (as mutable dicts) by job id, creating the ones never seen."""
+    insert_fn = _insert_fn(session)
+    session.execute(
+        insert_fn(JOBS)
+        .values([{"job_id": n, "first_seen": now, "last_seen": now} for n in names])
+        .on_conflict_do_nothing()
+    )
+    rows = session.execute(select(JOBS).where(JOBS.c.job_id.in_(names)))
+    return {r.job_id: dict(r._mapping) for r in rows}
+
+
+_JOB_COLUMNS = (
+    "world_size", "layout", "step", "step_ts", "step_time_s", "progress_ts", "last_seen",
+)
+_UPDATE_JOB = (
+    update(JOBS)
+    .where(JOBS.c.id == bindparam("b_id"))
+    .values(**{c: bindparam(f"b_{c}") for c in _JOB_COLUMNS})
+)
+
+
+def _update_jobs(
+    session: Session, batches: list[ReportBatch], jobs: dict[str, dict[str, Any]], now: datetime
+) -> set[int]:
+    """Apply progress (world_size, layout, step time, current step) and event steps to jobs.
+
+    The newest progress report (by its time) sets world_size, layout and step time; the
+    current step only grows (the highest step of any progress or checkpoint event).
+
+    Returns:
+        Ids of jobs whose world_size is now known (or changed): their ledger rows
+        without a world size are re-evaluated.
+    """
+    before = {j["id"]: j["world_size"] for j in jobs.values()}
+    for b in batches:
+        for p in sorted(b.progress, key=lambda p: p.ts):
+            j = jobs[p.job_id]
+            _raise_step(j, p.step, p.ts)
+            if j["progress_ts"] is None or p.ts >= j["progress_ts"]:
+                if p.world_size != j["world_size"] and p.layout is None:
+                    j["layout"] = None  # a layout of another world size no longer applies
+                j["world_size"] = p.world_size
+                if p.layout is not None:
+                    j["layout"] = list(p.layout)
+                if p.step_time_s is not None:
+                    j["step_time_s"] = p.step_time_s
+                j["progress_ts"] = p.ts
+        for e in b.checkpoint_events:
+            j = jobs[e.job_id]
+            _raise_step(j, e.step, e.ts)
+            if j["world_size"] is None and e.world_size is not None:
+                j["world_size"] = e.world_size
+        for r in b.restores:
+            j = jobs[r.job_id]
+            if j["world_size"] is None:
+                j["world_size"] = r.world_size
+    for j in jobs.values():
+        j["last_seen"] = now
+    session.execute(
+        _UPDATE_JOB,
+        [{"b_id": j["id"], **{f"b_{c}": j[c] for c in _JOB_COLUMNS}} for j in jobs.values()],
+    )
+    return {
+        j["id"] for j in jobs.values() if j["world_size"] is not None
+        and before[j["id"]] != j["world_size"]
+    }
+
+
+def _raise_step(job: dict[str, Any], step: int, ts: datetime) -> None:
+    if job["step"] is None or step > job["step"]:
+        job["step"], job["step_ts"] = step, ts
+
+
+def _update_ledger(
+    session: Session,
+    batches: list[ReportBatch],
+    jobs: dict[str, dict[str, Any]],
+    newly_sized: set[int],
+    now: datetime,
+) -> None:
+    """Create/refresh the ledger rows the batches' committed/evicted/failed events touch."""
+    events = [
+        e for b in batches for e in b.checkpoint_events if e.kind in LEDGER_KINDS
+    ]
+    keys: dict[tuple[int, int, str], int | None] = {}
+    for e in events:
+        key = (jobs[e.job_id]["id"], e.step, e.tier)
+        ws = e.world_size if e.world_size is not None else jobs[e.job_id]["world_size"]
+        keys[key] = keys.get(key) or ws
+    if not keys and not newly_sized:
+        return
+    insert_fn = _insert_fn(session)
+    if keys:
+        session.execute(
+            insert_fn(LEDGER)
+            .values(
+                [
+                    {"job_pk": j, "step": s, "tier": t, "world_size": ws, "ranks_committed": 0,
+                     "whole_step": False, "complete": False, "evicted": False, "failures": 0,
+                     "updated_at": now}
+                    for (j, s, t), ws in keys.items()
+                ]
+            )
+            .on_conflict_do_nothing()
+        )
+    conditions = []
+    if keys:
+        conditions.append(tuple_(LEDGER.c.job_pk, LEDGER.c.step, LEDGER.c.tier).in_(list(keys)))
+    if newly_sized:
+        conditions.append(
+            LEDGER.c.job_pk.in_(newly_sized)
+            & LEDGER.c.world_size.is_(None)
+            & LEDGER.c.complete.is_(False)
+        )
+    query = select(LEDGER).where(or_(*conditions))
+    if session.get_bind().dialect.name == "postgresql":
+        query = query.order_by(LEDGER.c.id).with_for_update()
+    rows = {(r.job_pk, r.step, r.tier): r for r in session.execute(query)}
+    ids = {key: r.id for key, r in rows.items()}
+
+    commits = []
+    evicted: dict[int, datetime] = {}
+    failures: dict[int, int] = defaultdict(int)
+    for e in events:
+        lid = ids[(jobs[e.job_id]["id"], e.step, e.tier)]
+        if e.kind == "committed":
+            commits.append(
+                {
+                    "ledger_id": lid,
+                    "rank": WHOLE_STEP_RANK if e.rank is None else e.rank,
+                    "ts": e.ts,
+                    "bytes": e.bytes,
+                    "seconds": e.seconds,
+                }
+            )
+        elif e.kind == "evicted":
+            evicted[lid] = min(evicted.get(lid, e.ts), e.ts)
+        else:
+            failures[lid] += 1
+    if commits:
+        session.execute(insert_fn(RANKS).values(commits).on_conflict_do_nothing())
+
+    job_ws = {j["id"]: j["world_size"] for j in jobs.values()}
+    updates = []
+    aggregates = _commit_aggregates(session, [r.id for r in rows.values()])
+    for (job_pk, _step, _tier), row in rows.items():
+        ws = row.world_size if row.world_size is not None else job_ws.get(job_pk)
+        agg = aggregates.get(row.id)
+        whole = agg is not None and agg["whole"] is not None
+        source = (agg["whole"] if whole else agg["ranks"]) if agg else None
+        ranks: set[int] = set()
+        # Only a row with at least world_size ranks can be complete: read its ranks then.
+        if not whole and ws is not None and agg is not None and agg["distinct"] >= ws:
+            ranks = set(session.scalars(
+                select(RANKS.c.rank).where(RANKS.c.ledger_id == row.id, RANKS.c.rank >= 0)
+            ))
+        done = ledger.completeness(ws, ranks, whole)
+        updates.append(
+            {
+                "b_id": row.id,
+                "b_world_size": ws,
+                "b_ranks_committed": agg["distinct"] if agg else 0,
+                "b_whole_step": whole,
+                "b_complete": row.complete or done.complete,
+                "b_committed_at": source["ts"] if source else None,
+                "b_bytes": source["bytes"] if source else None,
+                "b_seconds": source["seconds"] if source else None,
+                "b_evicted": row.evicted or row.id in evicted,
+                "b_evicted_at": row.evicted_at or evicted.get(row.id),
+                "b_failures": row.failures + failures.get(row.id, 0),
+                "b_updated_at": now,
+            }
+        )
+    if updates:
+        session.execute(_UPDATE_LEDGER, updates)
+
+
+_LEDGER_COLUMNS = (
+    "world_size", "ranks_committed", "whole_step", "complete", "committed_at", "bytes",
+    "seconds", "evicted", "evicted_at", "failures", "updated_at",
+)
+_UPDATE_LEDGER = (
+    update(LEDGER)
+    .where(LEDGER.c.id == bindparam("b_id"))
+    .values(**{c: bindparam(f"b_{c}") for c in _LEDGER_COLUMNS})
+)
+
+
+def _commit_aggregates(session: Session, ledger_ids: list[int]) -> dict[int, dict[str, Any]]:
+    """Per ledger row: the whole-step commit and the per-rank commits, aggregated in SQL.
+
+    Returns:
+        ledger id -> {"distinct": ranks committed (whole-step commit aside), "whole":
+        {"ts", "bytes", "seconds"} or None, "ranks": {"ts", "bytes" (sum, capped
+        at the BIGINT maximum), "seconds" (max)} or None}.
+    """
+    if not ledger_ids:
+        return {}
+    whole = RANKS.c.rank == WHOLE_STEP_RANK
+    q = (
+        select(
+            RANKS.c.ledger_id,
+            whole.label("whole"),
+            func.count(),
+            func.max(RANKS.c.ts),
+            func.sum(cast(RANKS.c.bytes, Float)),
+            func.count(RANKS.c.bytes),
+            func.max(RANKS.c.seconds),
+        )
+        .where(RANKS.c.ledger_id.in_(ledger_ids))
+        .group_by(RANKS.c.ledger_id, whole)
+    )
+    out: dict[int, dict[str, Any]] = {}
+    for lid, is_whole, n, ts, total, n_bytes, seconds in session.execute(q):
+        entry = out.setdefault(lid, {"distinct": 0, "whole": None, "ranks": None})
+        size = None if not n_bytes else min(MAX_BIGINT, int(total))
+        part = {"ts": ts, "bytes": size, "seconds": seconds}
+        if is_whole:
+            entry["whole"] = part
+        else:
+            entry["ranks"] = part
+            entry["distinct"] = int(n)
+    return out

@@ -1,0 +1,145 @@
+"""Checkpoint ledger logic (pure functions, table-tested): completeness, lag, work at risk.
+
+Rules (docs/checkpointing.md, DESIGN.md "Checkpoint model"):
+
+- A step is **committed** in a tier when every rank ``0 … world_size − 1`` has a
+  ``committed`` event for that (step, tier), or one ``committed`` event with rank None
+  committed the whole step. Ranks outside ``0 … world_size − 1`` never count.
+- The **lag** of a tier is ``training_step − newest committed step`` (steps); a tier with
+  no committed step lags ``training_step + 1`` (every step since step 0 is at risk).
+- **Work at risk** of a failure class is the lag of the fastest tier that survives it and
+  holds the newest committed step among those tiers: a process failure is recovered from
+  memory (or peer, or persistent), a node failure from peer (or persistent), a rack
+  failure and a rollback (silent data corruption) from persistent only.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+
+TIERS: tuple[str, ...] = ("memory", "peer", "persistent")
+
+# Tiers a failure class leaves intact, fastest first (what its recovery may read).
+SURVIVED_BY: dict[str, tuple[str, ...]] = {
+    "process": ("memory", "peer", "persistent"),
+    "node": ("peer", "persistent"),
+    "rack": ("persistent",),
+    "rollback": ("persistent",),
+}
+
+
+@dataclass(frozen=True)
+class Completeness:
+    """Whether a (job, step, tier) is committed.
+
+    Attributes:
+        complete: every rank committed, or the whole step was committed at once.
+        missing: ranks ``0 … world_size − 1`` without a ``committed`` event (empty when
+            complete; None when the world size is unknown and the step is not whole).
+    """
+
+    complete: bool
+    missing: tuple[int, ...] | None
+
+
+def completeness(
+    world_size: int | None, committed_ranks: AbstractSet[int], whole_step: bool
+) -> Completeness:
+    """Completeness of one (job, step, tier) from the ranks that committed it.
+
+    Args:
+        world_size: number of ranks of the job (None: not known yet).
+        committed_ranks: ranks with a ``committed`` event for this step and tier.
+        whole_step: a ``committed`` event with rank None was reported.
+
+    Returns:
+        ``Completeness``; with an unknown world size only ``whole_step`` completes a step.
+    """
+    if whole_step:
+        return Completeness(True, ())
+    if world_size is None or world_size < 1:
+        return Completeness(False, None)
+    missing = tuple(r for r in range(world_size) if r not in committed_ranks)
+    return Completeness(not missing, missing)
+
+
+def lag_steps(training_step: int | None, newest_step: int | None) -> int | None:
+    """Steps at risk in a tier: ``training_step − newest_step`` (never negative).
+
+    ``training_step + 1`` when the tier has no committed step; None when the job has not
+    reported any step.
+    """
+    if training_step is None:
+        return None
+    if newest_step is None:
+        return training_step + 1
+    return max(0, training_step - newest_step)
+
+
+def lag_seconds(
+    steps: int | None, step_time_s: float | None, trained_gap_s: float | None = None
+) -> float | None:
+    """Training time at risk (seconds).
+
+    Args:
+        steps: lag in steps.
+        step_time_s: median step time (seconds per step).
+        trained_gap_s: time between when the newest committed step and the current step
+            were trained, when both are known from progress reports (preferred).
+
+    Returns:
+        ``trained_gap_s`` when known, else ``steps × step_time_s``; 0 for no lag; None when
+        neither is known.
+    """
+    if steps is None:
+        return None
+    if steps == 0:
+        return 0.0
+    if trained_gap_s is not None:
+        return max(0.0, trained_gap_s)
+    if step_time_s is None:
+        return None
+    return steps * step_time_s
+
+
+def recovery_tier(
+    failure_class: str, newest: Mapping[str, int | None]
+) -> tuple[str | None, int | None]:
+    """The tier a failure class is recovered from, and the step it gives back.
+
+    Args:
+        failure_class: process | node | rack | rollback.
+        newest: newest committed step per tier (None: none).
+
+    Returns:
+        ``(tier, step)``: the fastest surviving tier holding the newest committed step
+        among the surviving tiers; ``(None, None)`` when none of them holds a step.
+
+    Raises:
+        ValueError: unknown failure class.
+    """
+    if failure_class not in SURVIVED_BY:
+        raise ValueError(
+            f"unknown failure class {failure_class!r}; classes: {', '.join(SURVIVED_BY)}"
+        )
+    best: tuple[str | None, int | None] = (None, None)
+    for tier in SURVIVED_BY[failure_class]:
+        step = newest.get(tier)
+        if step is not None and (best[1] is None or step > best[1]):
+            best = (tier, step)
+    return best
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    """Median of the values that are not None (None when there are none)."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def newest_committed_step(rows: Sequence[tuple[int, bool, bool]]) -> int | None:
+    """The newest step that is complete and not evicted, from ``(step, complete, evicted)``."""
+    steps = [step for step, complete, evicted in rows if complete and not evicted]
+    return max(steps) if steps else None
