@@ -7,6 +7,8 @@ Examples::
     tierwatch-agent inject xid 79 --gpu 3
     tierwatch-agent inject temp 95 --gpu 1
     tierwatch-agent inject clear
+    tierwatch-agent ckpt ls --job llama-7b --memory-dir /dev/shm/tierwatch/gpu-017
+    tierwatch-agent ckpt export --job llama-7b --to /data/llama-7b-step-1200
 
 Every ``run`` option can also be set as a ``TIERWATCH_*`` environment variable (e.g.
 ``TIERWATCH_SERVER``); a command-line option wins. Messages go to stderr.
@@ -74,6 +76,27 @@ def run(
         help="Rank for simulated latency samples [TIERWATCH_SIM_RANK].")] = None,
     log_level: Annotated[str | None, typer.Option(
         help="DEBUG | INFO | WARNING | ERROR [TIERWATCH_LOG_LEVEL].")] = None,
+    memory_dir: Annotated[Path | None, typer.Option(
+        help="Memory-tier folder shared with local ranks (default /dev/shm/tierwatch/<node>) "
+        "[TIERWATCH_MEMORY_DIR].")] = None,
+    peer_token: Annotated[str | None, typer.Option(
+        help="Token agents present on each other's peer endpoints; without it no peer tier "
+        "[TIERWATCH_PEER_TOKEN].")] = None,
+    advertise_url: Annotated[str | None, typer.Option(
+        help="URL peers use to reach this agent (default http://<listen host>:<port>) "
+        "[TIERWATCH_ADVERTISE_URL].")] = None,
+    persistent_url: Annotated[str | None, typer.Option(
+        help="fsspec URL of the persistent tier (default file://<cwd>/var/checkpoints; "
+        "s3:// needs s3fs) [TIERWATCH_PERSISTENT_URL].")] = None,
+    replication: Annotated[int | None, typer.Option(
+        help="Peer nodes holding a replica of each rank (default 1) "
+        "[TIERWATCH_REPLICATION].")] = None,
+    memory_budget: Annotated[str | None, typer.Option(
+        help="Most bytes the memory folder may hold, e.g. 8GiB (default 50% of its "
+        "filesystem) [TIERWATCH_MEMORY_BUDGET].")] = None,
+    ckpt_scan_interval: Annotated[float | None, typer.Option(
+        help="Seconds between scans for committed steps (default 2) "
+        "[TIERWATCH_CKPT_SCAN_INTERVAL].")] = None,
 ) -> None:
     """Run the agent until SIGTERM/SIGINT."""
     from pydantic import ValidationError
@@ -88,7 +111,10 @@ def run(
             "interval": interval, "listen": listen, "spool_dir": spool_dir,
             "spool_max_batches": spool_max_batches, "dcgm_exporter_url": dcgm_exporter_url,
             "sim_gpus": sim_gpus, "sim_seed": sim_seed, "sim_job": sim_job,
-            "sim_rank": sim_rank, "log_level": log_level,
+            "sim_rank": sim_rank, "log_level": log_level, "memory_dir": memory_dir,
+            "peer_token": peer_token, "advertise_url": advertise_url,
+            "persistent_url": persistent_url, "replication": replication,
+            "memory_budget": memory_budget, "ckpt_scan_interval": ckpt_scan_interval,
         }.items()
         if value is not None
     }
@@ -176,6 +202,15 @@ def _detail(resp: object) -> str:
             for e in detail if isinstance(e, dict)
         ) or str(detail)
     return str(detail)
+
+
+def _add_ckpt() -> None:
+    from tierwatch.agent.checkpoint.ckpt_cli import app as ckpt_app
+
+    app.add_typer(ckpt_app, name="ckpt")
+
+
+_add_ckpt()
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ Every field can be set as ``TIERWATCH_<FIELD>`` (e.g. ``TIERWATCH_NODE=gpu-017``
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -21,6 +22,42 @@ COLLECTOR_NAMES: tuple[str, ...] = ("auto", "nvml", "dcgm-exporter", "simulated"
 DEFAULT_PORT = 9470
 
 _NODE_RE = re.compile(NODE_NAME_PATTERN)
+
+
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?i?B?)?\s*$", re.IGNORECASE)
+_BYTE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2,
+               "G": 1000**3, "GB": 1000**3, "T": 1000**4, "TB": 1000**4, "P": 1000**5,
+               "PB": 1000**5, "KI": 1024, "KIB": 1024, "MI": 1024**2, "MIB": 1024**2,
+               "GI": 1024**3, "GIB": 1024**3, "TI": 1024**4, "TIB": 1024**4,
+               "PI": 1024**5, "PIB": 1024**5}
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse a size in bytes, with an optional unit suffix.
+
+    Args:
+        text: ``123``, ``64KiB``, ``8GiB``, ``1.5G`` (decimal units: kB, MB, GB, TB, PB; binary
+            units: KiB, MiB, GiB, TiB, PiB; a bare K/M/G/T/P is decimal). An int is taken as
+            bytes.
+
+    Returns:
+        The size in bytes (>= 0).
+
+    Raises:
+        ValueError: not a number with a known unit, or negative.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"size {text!r} is not a number of bytes")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size {text} is negative")
+        return text
+    m = _BYTES_RE.match(str(text))
+    unit = (m.group(2) or "").upper() if m else ""
+    if not m or unit not in _BYTE_UNITS:
+        raise ValueError(f"size {text!r}: use bytes or a number with a unit such as 512MiB, "
+                         "8GiB, 2GB")
+    return int(float(m.group(1)) * _BYTE_UNITS[unit])
 
 
 class SettingsError(ValueError):
@@ -96,6 +133,20 @@ class AgentSettings(BaseSettings):
         sim_job: Job id for which the simulator produces collective-latency samples.
         sim_rank: Rank of those latency samples (with ``sim_job``).
         log_level: Python logging level name.
+        memory_dir: The node's memory-tier folder, shared with its training ranks (default
+            ``/dev/shm/tierwatch/<node>``).
+        peer_token: Bearer token that peer agents present on ``/v1/peer/*`` (and that this
+            agent presents to them); without one the agent has no peer tier.
+        advertise_url: URL other agents use to reach this agent (default
+            ``http://<listen host>:<actual port>``).
+        persistent_url: fsspec URL of the persistent tier (default
+            ``file://<cwd>/var/checkpoints``; ``s3://bucket/prefix`` works when s3fs is
+            installed: ``pip install 'tierwatch[s3]'``).
+        replication: Number of peer nodes that hold a replica of each rank's files.
+        memory_budget: Most bytes the memory folder may hold before peer uploads are refused
+            (507): an int or a size such as ``8GiB``; default 50 % of the size of the
+            filesystem that holds ``memory_dir``.
+        ckpt_scan_interval: Seconds between two scans of the memory folder for committed steps.
     """
 
     model_config = SettingsConfigDict(env_prefix="TIERWATCH_", extra="ignore")
@@ -114,6 +165,43 @@ class AgentSettings(BaseSettings):
     sim_job: str | None = Field(None, min_length=1, max_length=128)
     sim_rank: int | None = Field(None, ge=0)
     log_level: str = "INFO"
+    memory_dir: Path | None = None
+    peer_token: SecretStr | None = None
+    advertise_url: str | None = None
+    persistent_url: str | None = None
+    replication: int = Field(1, ge=0, le=64)
+    memory_budget: int | None = None
+    ckpt_scan_interval: float = Field(2.0, gt=0, le=3600)
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _memory_budget(cls, value: object) -> int | None:
+        if value is None or value == "":
+            return None
+        if not isinstance(value, str | int):
+            raise ValueError(f"memory_budget {value!r}: use bytes or a size such as 8GiB")
+        return parse_bytes(value)
+
+    @field_validator("advertise_url")
+    @classmethod
+    def _advertise_url(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        value = value.strip().rstrip("/")
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("advertise_url must be an http:// or https:// URL that other "
+                             "agents can reach, e.g. http://gpu-017:9470")
+        return value
+
+    @field_validator("persistent_url")
+    @classmethod
+    def _persistent_url(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        value = value.strip()
+        if "://" not in value:  # a plain path: make it a file:// URL
+            value = "file://" + str(Path(value).expanduser().absolute())
+        return value.rstrip("/")
 
     @field_validator("node")
     @classmethod
@@ -169,6 +257,43 @@ class AgentSettings(BaseSettings):
     def token_value(self) -> str | None:
         """The token as plain text (None when unset or empty)."""
         return self.token.get_secret_value() if self.token else None
+
+    @property
+    def peer_token_value(self) -> str | None:
+        """The peer token as plain text (None when unset or empty)."""
+        return self.peer_token.get_secret_value() if self.peer_token else None
+
+    def resolved_memory_dir(self) -> Path:
+        """The memory folder: :attr:`memory_dir`, else ``/dev/shm/tierwatch/<node>``.
+
+        Raises:
+            SettingsError: neither ``memory_dir`` nor ``node`` is set.
+        """
+        if self.memory_dir is not None:
+            return self.memory_dir
+        if not self.node:
+            raise SettingsError("set memory_dir or node (--memory-dir / TIERWATCH_MEMORY_DIR, "
+                                "--node / TIERWATCH_NODE)")
+        return Path("/dev/shm/tierwatch") / self.node
+
+    def resolved_persistent_url(self) -> str:
+        """The persistent tier's fsspec URL (default ``file://<cwd>/var/checkpoints``)."""
+        return self.persistent_url or "file://" + str(Path.cwd() / "var" / "checkpoints")
+
+    def resolved_memory_budget(self) -> int:
+        """The memory budget in bytes: :attr:`memory_budget`, else 50 % of the size of the
+        filesystem holding the memory folder (its nearest existing parent).
+
+        Raises:
+            SettingsError: as :meth:`resolved_memory_dir`.
+        """
+        if self.memory_budget is not None:
+            return self.memory_budget
+        path = self.resolved_memory_dir()
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        st = os.statvfs(path)
+        return st.f_frsize * st.f_blocks // 2
 
     def resolved_spool_dir(self) -> Path:
         """The spool folder: :attr:`spool_dir`, else ``var/spool/<node>`` under the cwd.

@@ -48,12 +48,15 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exp
 from tierwatch import __version__
 from tierwatch.agent.protocol import (
     AgentEvent,
+    CheckpointEvent,
     Command,
     GpuInfo,
     GpuSample,
+    JobProgress,
     LatencySample,
     ReportAck,
     ReportBatch,
+    RestoreReport,
     XidEvent,
     utcnow,
 )
@@ -357,6 +360,9 @@ class Reporter:
         xids: Sequence[XidEvent] = (),
         latency: Sequence[LatencySample] = (),
         events: Sequence[AgentEvent] = (),
+        checkpoint_events: Sequence[CheckpointEvent] = (),
+        progress: Sequence[JobProgress] = (),
+        restores: Sequence[RestoreReport] = (),
         urgent: bool = False,
     ) -> ReportBatch:
         """Build the next batch, spool it and wake the sender.
@@ -367,6 +373,9 @@ class Reporter:
             xids: XID events (at most 4096).
             latency: Collective-latency samples (at most 4096).
             events: Agent events; the reporter adds its own (spool drops, rejections).
+            checkpoint_events: Checkpoint events (at most 4096).
+            progress: Training progress of local ranks (at most 4096).
+            restores: Restore outcomes (at most 1024).
             urgent: Cut a running retry backoff short (see :meth:`push_now`).
 
         Returns:
@@ -406,6 +415,9 @@ class Reporter:
                 xids=list(xids),
                 latency=list(latency),
                 events=all_events,
+                checkpoint_events=list(checkpoint_events),
+                progress=list(progress),
+                restores=list(restores),
                 dropped_batches=dropped,
             )
             late_drops = self.spool.put(batch.model_dump_json().encode(), batch.epoch,

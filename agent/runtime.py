@@ -6,9 +6,17 @@ then builds one batch every ``interval`` seconds (samples + collector latency + 
 latency + agent events) until :meth:`~AgentRuntime.stop` (SIGTERM/SIGINT in the CLI). XIDs do
 not wait for the interval: each one is pushed at once in its own batch.
 
-Shutdown: the local API stops, a last batch holds what was collected or queued since the
-previous one, the collector shuts down, and the reporter tries to deliver the spool for up to
-``flush_timeout_s``; what is still unsent stays in the on-disk spool for the next start.
+Checkpoints: with ``checkpoints`` on (the default when the API is served), :meth:`start` also
+starts the tiered checkpoint store (:class:`~tierwatch.agent.checkpoint.api.CheckpointService`):
+it writes ``<memory-dir>/agent.json`` and runs the tier worker. Its checkpoint events, and the
+events, progress and restore reports that local ranks post, go into the next batch. A memory
+folder or persistent URL that cannot be used is logged and reported as an agent event
+(``checkpoint_error``); GPU health reporting goes on without the checkpoint store.
+
+Shutdown: the local API stops, the tier worker stops, a last batch holds what was collected
+or queued since the previous one, the collector shuts down, and the reporter tries to deliver
+the spool for up to ``flush_timeout_s``; what is still unsent stays in the on-disk spool for
+the next start.
 """
 
 from __future__ import annotations
@@ -20,18 +28,32 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from types import FrameType, ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierwatch import __version__
 from tierwatch.agent.collectors import GpuCollector, make_collector
 from tierwatch.agent.config import AgentSettings, is_loopback_host
-from tierwatch.agent.protocol import AgentEvent, Command, LatencySample, XidEvent, utcnow
+from tierwatch.agent.protocol import (
+    AgentEvent,
+    CheckpointEvent,
+    Command,
+    JobProgress,
+    LatencySample,
+    RestoreReport,
+    XidEvent,
+    utcnow,
+)
 from tierwatch.agent.reporter import MAX_EVENTS_PER_BATCH, Reporter
+
+if TYPE_CHECKING:
+    from tierwatch.agent.checkpoint.api import CheckpointService
 
 log = logging.getLogger(__name__)
 
 MAX_PER_BATCH = 4096  # protocol limit on samples / xids / latency per batch
 MAX_QUEUED_LATENCY = 20000
+MAX_RESTORES_PER_BATCH = 1024  # protocol limit on restores per batch
+MAX_QUEUED_CKPT = 20000  # per queue: checkpoint events, progress, restores
 
 
 class LocalApiServer:
@@ -126,6 +148,10 @@ class AgentRuntime:
         self.commands: deque[Command] = deque(maxlen=1000)
         self._latency: deque[LatencySample] = deque()
         self._events: list[AgentEvent] = []
+        self._ckpt_events: deque[CheckpointEvent] = deque()
+        self._progress: deque[JobProgress] = deque()
+        self._restores: deque[RestoreReport] = deque()
+        self.ckpt: CheckpointService | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._api: LocalApiServer | None = None
@@ -133,8 +159,13 @@ class AgentRuntime:
         self._ticks = 0
 
     # -- lifecycle -----------------------------------------------------------------------
-    def start(self, serve_api: bool = True) -> None:
-        """Start the collector, the reporter and (optionally) the local API.
+    def start(self, serve_api: bool = True, checkpoints: bool | None = None) -> None:
+        """Start the collector, the reporter and (optionally) the local API and the
+        checkpoint store.
+
+        Args:
+            serve_api: Serve the local API.
+            checkpoints: Run the checkpoint store (None: when the API is served).
 
         Raises:
             CollectorError: the collector cannot start.
@@ -142,6 +173,10 @@ class AgentRuntime:
         """
         self.collector.start(self.on_xid)
         self.reporter.start()
+        if checkpoints is None:
+            checkpoints = serve_api
+        if checkpoints:
+            self._make_ckpt()
         if serve_api:
             from tierwatch.agent.server import create_app
 
@@ -153,11 +188,30 @@ class AgentRuntime:
                 log.warning("local API listens on a non-loopback address (%s); control "
                             "endpoints require the agent token from other hosts",
                             self.settings.listen_host)
+        if self.ckpt is not None:
+            try:
+                self.ckpt.start(self.settings.listen_host,
+                                self.api_port or self.settings.listen_port)
+            except OSError as exc:
+                log.error("checkpoint store disabled: %s", exc)
+                self.add_event("checkpoint_error", f"checkpoint store disabled: {exc}")
+                self.ckpt = None
         self._started = True
         log.info("agent started: node=%s collector=%s%s server=%s interval=%gs epoch=%s",
                  self.settings.node, self.collector.name,
                  " (SIMULATED)" if self.collector.simulated else "", self.settings.server,
                  self.settings.interval, self.reporter.epoch)
+
+    def _make_ckpt(self) -> None:
+        from tierwatch.agent.checkpoint.api import CheckpointService
+        from tierwatch.agent.checkpoint.persister import PersistentError
+
+        try:
+            self.ckpt = CheckpointService(self.settings, emit=self.add_checkpoint_event)
+        except (OSError, PersistentError, ValueError) as exc:
+            log.error("checkpoint store disabled: %s", exc)
+            self.add_event("checkpoint_error", f"checkpoint store disabled: {exc}")
+            self.ckpt = None
 
     @property
     def api_port(self) -> int | None:
@@ -206,6 +260,8 @@ class AgentRuntime:
         if self._api is not None:
             self._api.stop()
             self._api = None
+        if self.ckpt is not None:
+            self.ckpt.stop()
         try:
             self.tick()
         except OSError as exc:
@@ -241,8 +297,13 @@ class AgentRuntime:
             while self._latency and len(latency) < MAX_PER_BATCH:
                 latency.append(self._latency.popleft())
         events = self._take_events()
+        with self._lock:
+            ckpt_events = _take(self._ckpt_events, MAX_PER_BATCH)
+            progress = _take(self._progress, MAX_PER_BATCH)
+            restores = _take(self._restores, MAX_RESTORES_PER_BATCH)
         self.reporter.report(gpus=self.collector.inventory(), samples=samples[:MAX_PER_BATCH],
-                             latency=latency, events=events)
+                             latency=latency, events=events, checkpoint_events=ckpt_events,
+                             progress=progress, restores=restores)
 
     def on_xid(self, event: XidEvent) -> None:
         """Push an XID (from any thread) to the server at once, in its own batch."""
@@ -269,6 +330,40 @@ class AgentRuntime:
         if overflow > 0:
             self.add_event("latency_dropped", f"trainer latency queue full: dropped {overflow} "
                            "oldest sample(s)")
+
+    def add_checkpoint_event(self, event: CheckpointEvent) -> None:
+        """Queue one checkpoint event (from any thread) for the next batch."""
+        self.add_checkpoint_reports([event], [], [])
+
+    def add_checkpoint_reports(self, events: Iterable[CheckpointEvent],
+                               progress: Iterable[JobProgress],
+                               restores: Iterable[RestoreReport]) -> dict[str, int]:
+        """Queue checkpoint events, progress and restore reports for the next batch(es).
+
+        Each queue holds at most ``MAX_QUEUED_CKPT`` entries; beyond, the oldest are dropped
+        and an agent event says how many.
+
+        Returns:
+            How many of each were queued: ``{events, progress, restores}``.
+        """
+        counts = {}
+        dropped = {}
+        with self._lock:
+            for name, queue, items in (("events", self._ckpt_events, events),
+                                       ("progress", self._progress, progress),
+                                       ("restores", self._restores, restores)):
+                before = len(queue)
+                queue.extend(items)
+                counts[name] = len(queue) - before
+                overflow = len(queue) - MAX_QUEUED_CKPT
+                for _ in range(max(0, overflow)):
+                    queue.popleft()
+                if overflow > 0:
+                    dropped[name] = overflow
+        for name, n in dropped.items():
+            self.add_event("checkpoint_queue_full", f"checkpoint {name} queue full: dropped "
+                           f"{n} oldest entr{'y' if n == 1 else 'ies'}")
+        return counts
 
     def add_event(self, kind: str, message: str, gpu: int | None = None) -> None:
         """Queue an agent event for the next batch."""
@@ -311,4 +406,13 @@ class AgentRuntime:
             "last_success_at": rep.last_success_at,
             "queued_latency_samples": queued_latency,
             "pending_commands": [c.model_dump() for c in self.commands],
+            "checkpoints": self.ckpt is not None,
+            "queued_checkpoint_events": len(self._ckpt_events),
         }
+
+
+def _take(queue: deque[Any], limit: int) -> list[Any]:
+    out = []
+    while queue and len(out) < limit:
+        out.append(queue.popleft())
+    return out

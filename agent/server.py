@@ -11,9 +11,12 @@ Endpoints:
   :class:`~tierwatch.agent.protocol.LatencySample` from local training ranks, queued into the
   next report.
 
-Control endpoints (``/v1/inject``, ``/v1/trainer/*``) answer 403 to clients whose address is
-not loopback unless the request carries ``Authorization: Bearer <the agent's token>``. The
-server binds to loopback by default (``--listen``).
+- Checkpoint endpoints ``/v1/ckpt/*`` (control) and peer endpoints ``/v1/peer/*`` (peer
+  token): see :mod:`tierwatch.agent.checkpoint.api` and docs/checkpointing.md.
+
+Control endpoints (``/v1/inject``, ``/v1/trainer/*``, ``/v1/ckpt/*``) answer 403 to clients
+whose address is not loopback unless the request carries ``Authorization: Bearer <the
+agent's token>``. The server binds to loopback by default (``--listen``).
 """
 
 from __future__ import annotations
@@ -129,4 +132,8 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
         runtime.add_latency(samples)
         return QueuedResponse(queued=len(samples))
 
+    from tierwatch.agent.checkpoint.api import ckpt_router
+
+    app.include_router(ckpt_router(lambda: runtime.ckpt, control=control,
+                                   queue_events=runtime.add_checkpoint_reports))
     return app

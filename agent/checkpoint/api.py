@@ -1,0 +1,353 @@
+"""The agent's checkpoint service and its HTTP endpoints (docs/checkpointing.md).
+
+:class:`CheckpointService` wires the memory store, the persistent tier, the tier worker and
+the stager for one agent. :func:`ckpt_router` exposes them:
+
+Trainer-facing (control endpoints: loopback, or the agent token):
+
+- ``GET /v1/ckpt/info`` → ``{node, memory_dir, peer_url, memory_budget_bytes,
+  memory_used_bytes, persistent_url, replication, peer_tier}``
+- ``POST /v1/ckpt/events`` ``{events, progress, restores}`` → ``{queued: {events, progress,
+  restores}}``: queued into the next report
+- ``POST /v1/ckpt/notify`` ``{job_id, step}`` → ``{ok: true}``: wake the tier worker
+- ``GET /v1/ckpt/jobs/{job_id}/available?persistent=0|1`` → ``{node, peer_url, entries:
+  [{tier, holder, url, src, step, rank, manifest}], errors: [str]}``
+- ``POST /v1/ckpt/jobs/{job_id}/stage`` ``{step, files: [{name, size, xxh3, sources: [{tier,
+  holder, url, src}]}]}`` → ``{ok, dir, files: [{name, tier, holder}], errors: [str]}``
+
+Peer endpoints (always ``Authorization: Bearer <peer token>``; 401 without, 403 wrong or when
+this agent has no peer token):
+
+- ``PUT /v1/peer/replicas/{src_node}/{job_id}/{step}/{name}`` body = bytes, header
+  ``X-Tierwatch-Xxh3`` → ``{ok, name, bytes, xxh3, evicted: [step]}``; 409 size/checksum
+  mismatch, 422 bad names, 507 over the memory budget
+- ``DELETE /v1/peer/replicas/{src_node}/{job_id}/{step}`` → ``{deleted: bool}``
+- ``GET /v1/peer/files/{job_id}/{step}/{name}?tier=memory|peer&src=<node>`` → the bytes
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi.responses import FileResponse, JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from tierwatch.agent.checkpoint.layout import LayoutError, check_job_id, check_step
+from tierwatch.agent.checkpoint.persister import PersistentError, PersistentTier
+from tierwatch.agent.checkpoint.replicator import XXH3_HEADER, PeerClient
+from tierwatch.agent.checkpoint.stage import Stager, StageRequest
+from tierwatch.agent.checkpoint.store import MemoryStore, StoreError
+from tierwatch.agent.checkpoint.worker import TierWorker
+from tierwatch.agent.config import AgentSettings
+from tierwatch.agent.protocol import CheckpointEvent, JobId, JobProgress, RestoreReport, utcnow
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[CheckpointEvent], None]
+UPLOAD_BUFFER = 1024 * 1024
+
+
+class CheckpointService:
+    """The tiered checkpoint store of one agent.
+
+    Args:
+        settings: Agent settings (node, memory_dir, persistent_url, peer_token, replication,
+            memory_budget, ckpt_scan_interval).
+        emit: Receives every checkpoint event (the runtime queues them into the next report).
+
+    Raises:
+        OSError: the memory folder cannot be created.
+        PersistentError: the persistent URL cannot be used (unknown protocol, s3fs missing).
+    """
+
+    def __init__(self, settings: AgentSettings, *, emit: EventSink) -> None:
+        self.settings = settings
+        self.emit = emit
+        self.node = settings.node or ""
+        self.store = MemoryStore(settings.resolved_memory_dir(), node=self.node,
+                                 budget_bytes=settings.resolved_memory_budget())
+        self.persistent = PersistentTier(settings.resolved_persistent_url())
+        self.peer_token = settings.peer_token_value
+        self.peer_url = ""
+        self.worker = TierWorker(self.store, self.persistent, emit=emit,
+                                 peer_token=self.peer_token, replication=settings.replication,
+                                 scan_interval_s=settings.ckpt_scan_interval)
+        self._peer = PeerClient(self.peer_token) if self.peer_token else None
+        self.stager = Stager(self.store.layout, node=self.node, peer=self._peer, emit=emit)
+        self.agent_info: dict[str, Any] = {}
+
+    def start(self, listen_host: str, port: int) -> None:
+        """Write ``agent.json`` and start the tier worker.
+
+        Args:
+            listen_host: The local API's bind host.
+            port: The port it actually listens on.
+
+        Raises:
+            OSError: ``agent.json`` cannot be written.
+        """
+        self.peer_url = self.settings.advertise_url or default_advertise_url(listen_host, port)
+        self.agent_info = self.store.write_agent_file(peer_url=self.peer_url,
+                                                      persistent_url=self.persistent.url)
+        self.worker.start()
+        log.info("checkpoint store: memory %s (budget %d bytes), persistent %s, peer URL %s, "
+                 "replication %d%s", self.store.root, self.store.budget_bytes,
+                 self.persistent.url, self.peer_url, self.settings.replication,
+                 "" if self.peer_token else " (no peer token: no peer tier)")
+
+    def stop(self) -> None:
+        """Stop the tier worker."""
+        self.worker.stop()
+        if self._peer is not None:
+            self._peer.close()
+
+    def info(self) -> dict[str, Any]:
+        """The answer of ``GET /v1/ckpt/info``."""
+        return {
+            "node": self.node,
+            "memory_dir": str(self.store.root),
+            "peer_url": self.peer_url,
+            "memory_budget_bytes": self.store.budget_bytes,
+            "memory_used_bytes": self.store.used_bytes(),
+            "persistent_url": self.persistent.url,
+            "replication": self.settings.replication,
+            "peer_tier": bool(self.peer_token) and self.settings.replication > 0,
+        }
+
+    def available(self, job_id: str, *, persistent: bool) -> dict[str, Any]:
+        """The answer of ``GET /v1/ckpt/jobs/{job_id}/available``.
+
+        Raises:
+            LayoutError: a bad job id.
+        """
+        entries = self.store.available(job_id, self.peer_url)
+        errors: list[str] = []
+        if persistent:
+            try:
+                for step in self.persistent.steps(job_id):
+                    if not self.persistent.has_metadata(job_id, step):
+                        continue
+                    url = self.persistent.step_url(job_id, step)
+                    for m in self.persistent.manifests(job_id, step):
+                        entries.append({"tier": "persistent", "holder": "persistent",
+                                        "url": url, "src": m.node, "step": step,
+                                        "rank": m.rank, "manifest": m.model_dump(mode="json")})
+            except PersistentError as exc:
+                errors.append(str(exc))
+        return {"node": self.node, "peer_url": self.peer_url, "entries": entries,
+                "errors": errors}
+
+    def evicted_events(self, src_node: str, job_id: str, newest: int,
+                       evicted: list[tuple[int, list[int]]]) -> list[int]:
+        """Emit an ``evicted`` peer event per (step, rank) a commit marker evicted."""
+        for step, ranks in evicted:
+            for rank in ranks or [None]:
+                self.emit(CheckpointEvent(
+                    job_id=job_id, step=step, tier="peer", kind="evicted", rank=rank,
+                    ts=utcnow(), message=f"replica of {src_node} on {self.node} evicted by "
+                    f"retention after step {newest}"))
+        return [s for s, _ in evicted]
+
+
+def default_advertise_url(host: str, port: int) -> str:
+    """``http://<host>:<port>``; a wildcard bind host becomes this machine's host name."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.getfqdn() or socket.gethostname()
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+class EventsBody(BaseModel):
+    """Body of ``POST /v1/ckpt/events`` (limits as in a report batch)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    events: Annotated[list[CheckpointEvent], Field(max_length=4096)] = []
+    progress: Annotated[list[JobProgress], Field(max_length=4096)] = []
+    restores: Annotated[list[RestoreReport], Field(max_length=1024)] = []
+
+
+class NotifyBody(BaseModel):
+    """Body of ``POST /v1/ckpt/notify``: a local rank committed ``step`` of ``job_id``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: JobId
+    step: Annotated[int, Field(ge=0, le=2**62)]
+
+
+ServiceGetter = Callable[[], CheckpointService | None]
+EventQueue = Callable[[list[CheckpointEvent], list[JobProgress], list[RestoreReport]],
+                      dict[str, int]]
+
+
+def ckpt_router(get_service: ServiceGetter, *, control: list[Any],
+                queue_events: EventQueue) -> APIRouter:
+    """The checkpoint and peer endpoints.
+
+    Args:
+        get_service: Returns the running service (None: not started, 503).
+        control: Dependencies guarding control endpoints.
+        queue_events: Queues trainer events into the next report; returns counts queued.
+
+    Returns:
+        The router.
+    """
+    router = APIRouter()
+
+    def service() -> CheckpointService:
+        svc = get_service()
+        if svc is None:
+            raise HTTPException(status_code=503, detail="the checkpoint store is not running "
+                                "on this agent (see its log: memory folder or persistent URL "
+                                "problem)")
+        return svc
+
+    Service = Annotated[CheckpointService, Depends(service)]
+
+    def peer_access(request: Request, svc: Service) -> None:
+        token = svc.peer_token
+        if not token:
+            raise HTTPException(status_code=403, detail=f"agent {svc.node} has no peer token, "
+                                "so it has no peer tier; start it with --peer-token "
+                                "(TIERWATCH_PEER_TOKEN)")
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if not header or scheme.lower() != "bearer" or not given.strip():
+            raise HTTPException(status_code=401, detail="peer endpoints need 'Authorization: "
+                                "Bearer <peer token>' (TIERWATCH_PEER_TOKEN of the cluster)",
+                                headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise HTTPException(status_code=403, detail="wrong peer token: every agent of the "
+                                "cluster must use the same --peer-token")
+
+    peer = [Depends(peer_access)]
+
+    def bad_name(exc: Exception) -> HTTPException:
+        return HTTPException(status_code=422, detail=str(exc))
+
+    @router.get("/v1/ckpt/info", dependencies=control)
+    def info(svc: Service) -> dict[str, Any]:
+        """This agent's checkpoint store: node, folders, URLs, budget (bytes)."""
+        return svc.info()
+
+    @router.post("/v1/ckpt/events", dependencies=control)
+    def events(body: EventsBody) -> dict[str, Any]:
+        """Queue trainer checkpoint events, progress and restore reports for the next report."""
+        return {"queued": queue_events(body.events, body.progress, body.restores)}
+
+    @router.post("/v1/ckpt/notify", dependencies=control)
+    def notify(body: NotifyBody, svc: Service) -> dict[str, Any]:
+        """A local rank committed a step: replicate/persist it now."""
+        svc.worker.notify(body.job_id, body.step)
+        return {"ok": True}
+
+    @router.get("/v1/ckpt/jobs/{job_id}/available", dependencies=control)
+    def available(job_id: str, svc: Service,
+                  persistent: Annotated[int, Query(ge=0, le=1)] = 0) -> dict[str, Any]:
+        """Manifests this agent can supply (memory, replicas, persistent with persistent=1)."""
+        try:
+            return svc.available(job_id, persistent=bool(persistent))
+        except LayoutError as exc:
+            raise bad_name(exc) from None
+
+    @router.post("/v1/ckpt/jobs/{job_id}/stage", dependencies=control)
+    def stage(job_id: str, body: StageRequest, svc: Service) -> dict[str, Any]:
+        """Assemble files in restore/<job>/step-<N>/, trying sources in order."""
+        try:
+            return svc.stager.stage(job_id, body)
+        except LayoutError as exc:
+            raise bad_name(exc) from None
+
+    @router.put("/v1/peer/replicas/{src_node}/{job_id}/{step}/{name}", dependencies=peer)
+    async def put_replica(src_node: str, job_id: str, step: int, name: str,
+                          request: Request, svc: Service) -> Any:
+        """Receive one replica file as a stream (verified, then renamed into place)."""
+        length = request.headers.get("content-length")
+        try:
+            size = int(length) if length is not None else None
+        except ValueError:
+            size = None
+        try:
+            upload = svc.store.begin_replica(
+                src_node=src_node, job_id=job_id, step=step, name=name,
+                xxh3=request.headers.get(XXH3_HEADER), size=size)
+        except StoreError as exc:
+            return await _refuse(request, exc, svc, job_id, step, name, src_node)
+        try:
+            buf = bytearray()
+            async for chunk in request.stream():
+                buf += chunk
+                if len(buf) >= UPLOAD_BUFFER:
+                    data, buf = bytes(buf), bytearray()
+                    await run_in_threadpool(upload.write, data)
+            if buf:
+                await run_in_threadpool(upload.write, bytes(buf))
+            got = await run_in_threadpool(upload.finish)
+        except StoreError as exc:
+            return await _refuse(request, exc, svc, job_id, step, name, src_node)
+        finally:
+            upload.abort()
+        evicted = svc.evicted_events(src_node, job_id, step, got.evicted)
+        return {"ok": True, "name": name, "bytes": got.size, "xxh3": got.xxh3,
+                "evicted": evicted}
+
+    @router.delete("/v1/peer/replicas/{src_node}/{job_id}/{step}", dependencies=peer)
+    def delete_replica(src_node: str, job_id: str, step: int, svc: Service) -> dict[str, Any]:
+        """Evict one replica step held for src_node."""
+        try:
+            deleted = svc.store.delete_replica_step(src_node=src_node, job_id=job_id, step=step)
+        except LayoutError as exc:
+            raise bad_name(exc) from None
+        if deleted:
+            svc.emit(CheckpointEvent(job_id=job_id, step=step, tier="peer", kind="evicted",
+                                     ts=utcnow(), message=f"replica of {src_node} on "
+                                     f"{svc.node} deleted on request"))
+        return {"deleted": deleted}
+
+    @router.get("/v1/peer/files/{job_id}/{step}/{name}", dependencies=peer)
+    def get_file(job_id: str, step: int, name: str, svc: Service,
+                 tier: Literal["memory", "peer"] = "memory",
+                 src: str | None = None) -> FileResponse:
+        """Stream one file from this agent's memory tier or from a replica it holds."""
+        try:
+            path = svc.store.file_path(job_id=job_id, step=step, name=name, tier=tier, src=src)
+        except StoreError as exc:
+            raise HTTPException(status_code=exc.status, detail=exc.message) from None
+        if not Path(path).is_file():
+            where = "memory tier" if tier == "memory" else f"replicas of {src}"
+            raise HTTPException(status_code=404, detail=f"{name} of {job_id} step {step} is not "
+                                f"in {svc.node}'s {where}")
+        return FileResponse(path, media_type="application/octet-stream")
+
+    return router
+
+
+async def _refuse(request: Request, exc: StoreError, svc: CheckpointService, job_id: str,
+                  step: int, name: str, src_node: str) -> JSONResponse:
+    """Answer a refused upload after reading (and discarding) the rest of its body, so the
+    sender sees the answer instead of a broken connection."""
+    try:
+        async for _ in request.stream():
+            pass
+    except Exception:  # noqa: BLE001 - the client went away; the answer is moot
+        pass
+    if exc.status == 507:
+        try:
+            check_job_id(job_id)
+            check_step(step)
+            svc.emit(CheckpointEvent(job_id=job_id, step=step, tier="peer", kind="failed",
+                                     ts=utcnow(), message=exc.message[:2000]))
+        except (LayoutError, ValueError):
+            pass
+    log.warning("refused replica %s/%s/%s/%s: %s", src_node, job_id, step, name, exc.message)
+    return JSONResponse(status_code=exc.status, content={"detail": exc.message})
+

@@ -1,0 +1,443 @@
+"""``tierwatch-agent ckpt``: inspect, verify, export and clean up checkpoints on a node.
+
+These commands read the memory folder and the persistent URL directly (no agent needed)::
+
+    tierwatch-agent ckpt ls --job J [--step N]        steps per tier: ranks, bytes, complete
+    tierwatch-agent ckpt verify --job J [--step N]    checksums of every listed file
+    tierwatch-agent ckpt export --job J [--step N] --to DEST   a plain DCP folder
+    tierwatch-agent ckpt gc --job J | --finished      remove memory + replicas on this node
+
+``--memory-dir`` (``TIERWATCH_MEMORY_DIR``) defaults to ``/dev/shm/tierwatch/<node>`` with
+``--node`` (``TIERWATCH_NODE``); ``--persistent-url`` (``TIERWATCH_PERSISTENT_URL``) defaults
+to the one in the memory folder's ``agent.json``, else ``file://<cwd>/var/checkpoints``.
+
+Exit codes: 0 done; 1 ``verify`` found bad files or ``export`` could not copy a file
+correctly; 2 bad input (names, missing options, no such step, a destination in use).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from tierwatch.agent.checkpoint.layout import (
+    METADATA,
+    LayoutError,
+    MemoryLayout,
+    check_job_id,
+    check_node_name,
+    check_step,
+    manifest_name,
+)
+from tierwatch.agent.checkpoint.manifest import CHUNK, Manifest, verify_file
+
+app = typer.Typer(help="Inspect, verify, export and clean up checkpoints on this node.",
+                  no_args_is_help=True, add_completion=False)
+
+EXIT_BAD = 1
+EXIT_USAGE = 2
+
+JobOpt = Annotated[str | None, typer.Option("--job", help="Job id.")]
+StepOpt = Annotated[int | None, typer.Option("--step", help="One step (default: all).")]
+MemOpt = Annotated[Path | None, typer.Option(
+    "--memory-dir", envvar="TIERWATCH_MEMORY_DIR",
+    help="Memory folder (default /dev/shm/tierwatch/<node>) [TIERWATCH_MEMORY_DIR].")]
+NodeOpt = Annotated[str | None, typer.Option(
+    "--node", envvar="TIERWATCH_NODE", help="This node's name [TIERWATCH_NODE].")]
+UrlOpt = Annotated[str | None, typer.Option(
+    "--persistent-url", envvar="TIERWATCH_PERSISTENT_URL",
+    help="Persistent tier fsspec URL (default: agent.json's, else file://<cwd>/var/checkpoints)"
+    " [TIERWATCH_PERSISTENT_URL].")]
+
+
+class Usage(Exception):
+    """Bad input: printed as ``error: …`` and exit 2."""
+
+
+def _die(message: str, code: int = EXIT_USAGE) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+@dataclass
+class StepCopy:
+    """One step of one job in one place (memory, a replica folder, persistent)."""
+
+    tier: str
+    where: str  # memory: this node; peer: "replica of <src>"; persistent: URL
+    step: int
+    manifests: dict[int, Manifest] = field(default_factory=dict)
+    bad_manifests: list[str] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)
+    local_dir: Path | None = None
+
+    @property
+    def world_size(self) -> int | None:
+        sizes = {m.world_size for m in self.manifests.values()}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    @property
+    def bytes(self) -> int:
+        return sum(m.total_bytes() for m in self.manifests.values())
+
+    def complete(self) -> tuple[bool, str]:
+        """All world_size manifests, every listed file present (size not hashed) and, on
+        persistent, .metadata."""
+        world = self.world_size
+        if world is None:
+            return False, "no manifests" if not self.manifests else "manifests disagree on " \
+                "world_size"
+        missing = [r for r in range(world) if r not in self.manifests]
+        if missing:
+            return False, f"ranks {_ranges(missing)} missing"
+        if sum(m.has_metadata() for m in self.manifests.values()) != 1:
+            return False, "no single manifest lists .metadata"
+        absent = [f.name for m in self.manifests.values() for f in m.files
+                  if f.name not in self.names]
+        if absent:
+            return False, f"files missing: {', '.join(sorted(absent)[:4])}"
+        return True, "complete"
+
+
+def _ranges(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    out, start, prev = [], None, None
+    for r in ranks:
+        if start is None:
+            start = prev = r
+        elif prev is not None and r == prev + 1:
+            prev = r
+        else:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = r
+    if start is not None:
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(out)
+
+
+class Place:
+    """Where to look: a memory folder and a persistent URL."""
+
+    def __init__(self, memory_dir: Path | None, node: str | None,
+                 persistent_url: str | None) -> None:
+        if memory_dir is None:
+            if not node:
+                raise Usage("set --memory-dir (TIERWATCH_MEMORY_DIR) or --node "
+                            "(TIERWATCH_NODE) to find the memory folder")
+            try:
+                check_node_name(node)
+            except LayoutError as exc:
+                raise Usage(str(exc)) from None
+            memory_dir = Path("/dev/shm/tierwatch") / node
+        self.layout = MemoryLayout(memory_dir)
+        if persistent_url is None:
+            try:
+                persistent_url = json.loads(self.layout.agent_file.read_text()).get(
+                    "persistent_url")
+            except (OSError, ValueError, AttributeError):
+                persistent_url = None
+        if not persistent_url:
+            persistent_url = "file://" + str(Path.cwd() / "var" / "checkpoints")
+        if "://" not in persistent_url:
+            persistent_url = "file://" + str(Path(persistent_url).absolute())
+        self.persistent_url = persistent_url
+        self._persistent: Any = None
+
+    def persistent(self) -> Any:
+        from tierwatch.agent.checkpoint.persister import PersistentError, PersistentTier
+
+        if self._persistent is None:
+            try:
+                self._persistent = PersistentTier(self.persistent_url)
+            except PersistentError as exc:
+                raise Usage(str(exc)) from None
+        return self._persistent
+
+    def copies(self, job_id: str, step: int | None) -> list[StepCopy]:
+        """Every copy of the job's steps (optionally one step) on this node and persistent."""
+        from tierwatch.agent.checkpoint.manifest import ManifestError, load_manifest, read_manifest
+        from tierwatch.agent.checkpoint.persister import PersistentError
+        from tierwatch.agent.checkpoint.store import steps_in
+
+        out: list[StepCopy] = []
+
+        def local(tier: str, where: str, job_dir: Path) -> None:
+            for s in steps_in(job_dir):
+                if step is not None and s != step:
+                    continue
+                d = job_dir / f"step-{s}"
+                copy = StepCopy(tier, where, s, local_dir=d,
+                                names={p.name for p in d.iterdir() if p.is_file()})
+                for name in sorted(copy.names):
+                    if name.startswith("manifest-") and name.endswith(".json"):
+                        try:
+                            m = load_manifest(d / name)
+                        except ManifestError as exc:
+                            copy.bad_manifests.append(f"{name}: {exc}")
+                            continue
+                        copy.manifests[m.rank] = m
+                out.append(copy)
+
+        local("memory", "this node", self.layout.job_dir(job_id))
+        rdir = self.layout.replicas_dir
+        if rdir.is_dir():
+            for src in sorted(p.name for p in rdir.iterdir() if p.is_dir()):
+                try:
+                    local("peer", f"replica of {src}", self.layout.replica_job_dir(src, job_id))
+                except LayoutError:
+                    continue
+        tier = self.persistent()
+        try:
+            for s in tier.steps(job_id):
+                if step is not None and s != step:
+                    continue
+                names = set(tier.names(job_id, s))
+                copy = StepCopy("persistent", tier.step_url(job_id, s), s, names=names)
+                for name in sorted(names):
+                    if name.startswith("manifest-") and name.endswith(".json"):
+                        try:
+                            with tier.open_read(job_id, s, name) as f:
+                                m = read_manifest(f.read(), where=f"{copy.where}/{name}")
+                        except (OSError, ManifestError) as exc:
+                            copy.bad_manifests.append(f"{name}: {exc}")
+                            continue
+                        copy.manifests[m.rank] = m
+                out.append(copy)
+        except PersistentError as exc:
+            typer.echo(f"warning: {exc}", err=True)
+        return out
+
+    def open_file(self, copy: StepCopy, job_id: str, name: str) -> Any:
+        if copy.local_dir is not None:
+            return open(copy.local_dir / name, "rb")
+        return self.persistent().open_read(job_id, copy.step, name)
+
+
+def _persistent_complete(copy: StepCopy) -> tuple[bool, str]:
+    ok, why = copy.complete()
+    if ok and copy.tier == "persistent" and METADATA not in copy.names:
+        return False, ".metadata not written yet"
+    return ok, why
+
+
+def _place(memory_dir: Path | None, node: str | None, url: str | None) -> Place:
+    try:
+        return Place(memory_dir, node, url)
+    except Usage as exc:
+        raise _die(str(exc)) from None
+
+
+def _job(job: str | None) -> str:
+    if not job:
+        raise _die("--job is required")
+    try:
+        return check_job_id(job)
+    except LayoutError as exc:
+        raise _die(str(exc)) from None
+
+
+def _step(step: int | None) -> int | None:
+    if step is None:
+        return None
+    try:
+        return check_step(step)
+    except LayoutError as exc:
+        raise _die(str(exc)) from None
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 160)
+
+
+@app.command("ls")
+def ls(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
+       node: NodeOpt = None, persistent_url: UrlOpt = None) -> None:
+    """List a job's steps per tier: ranks present, bytes, complete or not."""
+    from rich.table import Table
+
+    job_id, one = _job(job), _step(step)
+    try:
+        copies = _place(memory_dir, node, persistent_url).copies(job_id, one)
+    except Usage as exc:
+        raise _die(str(exc)) from None
+    if not copies:
+        raise _die(f"no {'step ' + str(one) + ' of ' if one is not None else ''}job {job_id} "
+                   "in this node's memory, its replicas or the persistent tier")
+    table = Table(title=f"job {job_id}")
+    for col in ("tier", "where", "step", "ranks", "world_size", "bytes", "complete"):
+        table.add_column(col, justify="right" if col in ("step", "bytes") else "left")
+    for c in sorted(copies, key=lambda c: (("memory", "peer", "persistent").index(c.tier),
+                                           c.where, c.step)):
+        ok, why = _persistent_complete(c)
+        table.add_row(c.tier, c.where, str(c.step), _ranges(list(c.manifests)) or "-",
+                      str(c.world_size or "-"), str(c.bytes), "yes" if ok else f"no ({why})")
+    _console().print(table)
+
+
+@app.command()
+def verify(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
+           node: NodeOpt = None, persistent_url: UrlOpt = None) -> None:
+    """Check the size and xxh3 checksum of every file the manifests list (exit 1 when bad)."""
+    from tierwatch.agent.checkpoint.manifest import FileEntry
+    from tierwatch.agent.checkpoint.manifest import xxh3_stream as hash_stream
+
+    job_id, one = _job(job), _step(step)
+    place = _place(memory_dir, node, persistent_url)
+    try:
+        copies = place.copies(job_id, one)
+    except Usage as exc:
+        raise _die(str(exc)) from None
+    if not copies:
+        raise _die(f"nothing to verify: no {'step ' + str(one) + ' of ' if one is not None else ''}"
+                   f"job {job_id} in this node's memory, replicas or the persistent tier")
+    bad = 0
+    for c in copies:
+        label = f"{c.tier} ({c.where}) step {c.step}"
+        for problem in c.bad_manifests:
+            typer.echo(f"BAD  {label}: {problem}")
+            bad += 1
+        count = 0
+        for m in c.manifests.values():
+            for f in m.files:
+                entry = FileEntry(name=f.name, size=f.size, xxh3=f.xxh3)
+                if c.local_dir is not None:
+                    problem = verify_file(c.local_dir / f.name, entry)
+                else:
+                    try:
+                        with place.open_file(c, job_id, f.name) as fh:
+                            size, digest = hash_stream(fh)
+                        problem = None if (size, digest) == (f.size, f.xxh3) else \
+                            f"{f.name}: {size} bytes with xxh3 {digest}, manifest says " \
+                            f"{f.size} bytes with {f.xxh3}"
+                    except FileNotFoundError:
+                        problem = f"{f.name}: missing"
+                    except OSError as exc:
+                        problem = f"{f.name}: unreadable ({exc})"
+                if problem:
+                    typer.echo(f"BAD  {label}: {problem}")
+                    bad += 1
+                else:
+                    count += 1
+        if not c.bad_manifests:
+            typer.echo(f"ok   {label}: {count} file(s) of rank(s) "
+                       f"{_ranges(list(c.manifests)) or '-'}")
+    if bad:
+        typer.echo(f"{bad} bad file(s)", err=True)
+        raise typer.Exit(EXIT_BAD)
+
+
+@app.command()
+def export(to: Annotated[Path | None, typer.Option("--to", help="Destination folder.")] = None,
+           job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
+           node: NodeOpt = None, persistent_url: UrlOpt = None) -> None:
+    """Copy a complete step (persistent, else this node's memory) to DEST as a DCP folder."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    job_id, one = _job(job), _step(step)
+    if to is None:
+        raise _die("--to DEST is required (a new or empty folder)")
+    if to.exists() and (not to.is_dir() or any(to.iterdir())):
+        raise _die(f"--to {to}: exists and is not an empty folder; pick a new one")
+    place = _place(memory_dir, node, persistent_url)
+    try:
+        copies = place.copies(job_id, one)
+    except Usage as exc:
+        raise _die(str(exc)) from None
+    complete = [c for c in copies if c.tier in ("persistent", "memory")
+                and _persistent_complete(c)[0]]
+    if not complete:
+        seen = ", ".join(f"{c.tier} step {c.step}: {_persistent_complete(c)[1]}"
+                         for c in copies[:6]) or "nothing found"
+        raise _die(f"no complete {'step ' + str(one) + ' of ' if one is not None else 'step of '}"
+                   f"job {job_id} in the persistent tier or this node's memory ({seen})")
+    newest = max(c.step for c in complete)
+    chosen = sorted((c for c in complete if c.step == newest),
+                    key=lambda c: c.tier != "persistent")[0]
+    files = sorted({(f.name, f.size, f.xxh3) for m in chosen.manifests.values()
+                    for f in m.files}, key=lambda t: (t[0] == METADATA, t[0]))
+    manifests = [manifest_name(r) for r in sorted(chosen.manifests)]
+    total = sum(size for _, size, _ in files)
+    to.mkdir(parents=True, exist_ok=True)
+    import xxhash
+
+    failed = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), console=_console()) as progress:
+        overall = progress.add_task(f"step {newest} from {chosen.tier}", total=total)
+        for name, size, digest in [*files, *[(n, None, None) for n in manifests]]:
+            task = progress.add_task(name, total=size)
+            tmp = to / f".tmp-{name}"
+            h = xxhash.xxh3_64()
+            n = 0
+            try:
+                with place.open_file(chosen, job_id, name) as src, open(tmp, "wb") as out:
+                    while chunk := src.read(CHUNK):
+                        out.write(chunk)
+                        h.update(chunk)
+                        n += len(chunk)
+                        progress.advance(task, len(chunk))
+                        if size is not None:
+                            progress.advance(overall, len(chunk))
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                failed.append(f"{name}: cannot copy ({exc})")
+                continue
+            if size is not None and (n != size or h.hexdigest() != digest):
+                tmp.unlink(missing_ok=True)
+                failed.append(f"{name}: {n} bytes with xxh3 {h.hexdigest()}, the manifest says "
+                              f"{size} bytes with {digest}")
+                continue
+            tmp.replace(to / name)
+            progress.remove_task(task)
+    if failed:
+        for line in failed:
+            typer.echo(f"error: {line}", err=True)
+        (to / METADATA).unlink(missing_ok=True)  # never leave a loadable partial copy
+        raise typer.Exit(EXIT_BAD)
+    typer.echo(f"exported step {newest} of {job_id} from {chosen.tier} ({chosen.where}) to "
+               f"{to}: {len(files)} file(s), {total} bytes")
+
+
+@app.command()
+def gc(job: JobOpt = None,
+       finished: Annotated[bool, typer.Option(
+           "--finished", help="Remove every job whose job.json says \"finished\": true.")]
+       = False,
+       memory_dir: MemOpt = None, node: NodeOpt = None) -> None:
+    """Remove a job's memory-tier steps, replicas and restore folders on this node."""
+    if not job and not finished:
+        raise _die("give --job J or --finished")
+    place = _place(memory_dir, node, "file:///")
+    layout = place.layout
+    jobs: list[str] = []
+    if job:
+        jobs.append(_job(job))
+    if finished:
+        for j in layout.jobs():
+            try:
+                info = json.loads(layout.job_file(j).read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(info, dict) and info.get("finished") is True and j not in jobs:
+                jobs.append(j)
+    removed = 0
+    for j in jobs:
+        paths = [layout.job_dir(j), layout.root / "restore" / j]
+        if layout.replicas_dir.is_dir():
+            paths += [p / j for p in layout.replicas_dir.iterdir() if p.is_dir()]
+        for p in paths:
+            if p.is_dir():
+                shutil.rmtree(p)
+                typer.echo(f"removed {p}")
+                removed += 1
+    if not removed:
+        typer.echo("nothing to remove" + (f" for job {job}" if job else
+                                          " (no finished jobs)"))

@@ -1,0 +1,241 @@
+"""Restore staging: assemble the files a rank's load reads in ``restore/<job>/step-<N>/``.
+
+For each requested file the sources are tried in the order given:
+
+- ``holder`` is this node, tier ``memory``: hard link from ``jobs/<job>/step-<N>/`` (a copy
+  when a link is impossible); tier ``peer``: the same from ``replicas/<src>/<job>/step-<N>/``;
+- another holder: ``GET <url>/v1/peer/files/<job>/<N>/<name>?tier=…&src=…`` with the peer token;
+- tier ``persistent``: an fsspec read of ``<url>/<name>`` (``url`` is the step's URL).
+
+Each staged file is checked (size and xxh3-64) before it is renamed into place; a file already
+staged with the right checksum is reused. A mismatch, a missing file or an unreachable source
+becomes a ``failed`` :class:`~tierwatch.agent.protocol.CheckpointEvent` naming the file and the
+source, and the next source is tried. Staging a step first removes the job's other restore
+folders. Two local ranks may stage at once: each target file has its own lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tierwatch.agent.checkpoint.layout import (
+    MemoryLayout,
+    check_file_name,
+    check_job_id,
+    check_node_name,
+    check_step,
+    parse_step_dirname,
+)
+from tierwatch.agent.checkpoint.manifest import CHUNK, FileEntry, verify_file
+from tierwatch.agent.checkpoint.replicator import PeerClient, PeerError
+from tierwatch.agent.protocol import CheckpointEvent, utcnow
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[CheckpointEvent], None]
+
+
+class StageSource(BaseModel):
+    """One place a file can be read from.
+
+    Attributes:
+        tier: ``memory`` | ``peer`` | ``persistent``.
+        holder: The node that holds the copy (``persistent`` for the persistent tier).
+        url: The holder agent's URL, or the persistent step's fsspec URL.
+        src: The node whose rank wrote the file (needed for tier ``peer``: the replica folder).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    tier: Literal["memory", "peer", "persistent"]
+    holder: Annotated[str, Field(min_length=1, max_length=128)]
+    url: Annotated[str, Field(max_length=2000)] = ""
+    src: Annotated[str, Field(max_length=128)] | None = None
+
+
+class StageFile(BaseModel):
+    """One file to stage: name, size (bytes), xxh3-64 and the sources to try in order."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    size: Annotated[int, Field(ge=0)]
+    xxh3: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+    sources: Annotated[list[StageSource], Field(max_length=64)]
+
+
+class StageRequest(BaseModel):
+    """Body of ``POST /v1/ckpt/jobs/{job_id}/stage``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: Annotated[int, Field(ge=0)]
+    files: Annotated[list[StageFile], Field(max_length=65536)]
+
+
+class StageError(Exception):
+    """One source failed for one file (the message names both)."""
+
+
+class Stager:
+    """Stages restore files into this node's memory folder.
+
+    Args:
+        layout: The node's memory folder.
+        node: This node's name.
+        peer: Client for other agents' peer endpoints (None: no peer token, other holders
+            cannot be asked).
+        emit: Receives a ``failed`` event per bad source.
+    """
+
+    def __init__(self, layout: MemoryLayout, *, node: str, peer: PeerClient | None,
+                 emit: EventSink) -> None:
+        self.layout = layout
+        self.node = node
+        self.peer = peer
+        self.emit = emit
+        self._locks: dict[Path, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
+        self._origin: dict[Path, tuple[str, str]] = {}
+
+    def _lock(self, path: Path) -> threading.Lock:
+        with self._locks_lock:
+            return self._locks.setdefault(path, threading.Lock())
+
+    def stage(self, job_id: str, request: StageRequest) -> dict[str, Any]:
+        """Stage every file of ``request``.
+
+        Returns:
+            ``{ok, dir, files: [{name, tier, holder}], errors: [str]}``: ``ok`` when every file
+            is staged and verified; ``errors`` has one line per failed source or file.
+
+        Raises:
+            LayoutError: a bad job id, step, file or node name (nothing staged).
+        """
+        check_job_id(job_id)
+        step = check_step(request.step)
+        for f in request.files:
+            check_file_name(f.name)
+            for s in f.sources:
+                if s.tier != "persistent":
+                    check_node_name(s.holder)
+                if s.src is not None:
+                    check_node_name(s.src)
+        target_dir = self.layout.restore_dir(job_id, step)
+        with self._lock(target_dir.parent):
+            self._remove_other_steps(target_dir.parent, step)
+            target_dir.mkdir(parents=True, exist_ok=True)
+        staged: list[dict[str, str]] = []
+        errors: list[str] = []
+        for f in request.files:
+            with self._lock(target_dir / f.name):
+                got = self._stage_one(job_id, step, f, target_dir, errors)
+            if got is not None:
+                staged.append({"name": f.name, "tier": got[0], "holder": got[1]})
+        return {"ok": len(staged) == len(request.files), "dir": str(target_dir),
+                "files": staged, "errors": errors}
+
+    def _remove_other_steps(self, job_restore: Path, step: int) -> None:
+        if not job_restore.is_dir():
+            return
+        for p in job_restore.iterdir():
+            other = parse_step_dirname(p.name)
+            if other is not None and other != step:
+                shutil.rmtree(p, ignore_errors=True)
+                with self._locks_lock:
+                    for k in [k for k in self._origin if k.parent == p]:
+                        del self._origin[k]
+
+    def _stage_one(self, job_id: str, step: int, f: StageFile, target_dir: Path,
+                   errors: list[str]) -> tuple[str, str] | None:
+        target = target_dir / f.name
+        entry = FileEntry(name=f.name, size=f.size, xxh3=f.xxh3)
+        if target.exists() and verify_file(target, entry) is None:
+            return self._origin.get(target, ("memory", self.node))
+        for source in f.sources:
+            tmp = target_dir / f".tmp-stage-{f.name}.{uuid.uuid4().hex[:12]}"
+            try:
+                self._fetch(job_id, step, f, source, tmp)
+                problem = verify_file(tmp, entry)
+                if problem is not None:
+                    raise StageError(problem)
+                os.replace(tmp, target)
+            except (StageError, PeerError, OSError) as exc:
+                tmp.unlink(missing_ok=True)
+                where = f"{source.tier}:{source.holder}" + (
+                    f" (replica of {source.src})" if source.tier == "peer" and source.src else "")
+                message = f"stage {f.name} of step {step} from {where}: {exc}"
+                errors.append(message)
+                log.warning("%s", message)
+                self.emit(CheckpointEvent(
+                    job_id=job_id, step=step, tier=source.tier, kind="failed",
+                    rank=_rank_of(f.name), ts=utcnow(), message=message[:2000]))
+                continue
+            origin = (source.tier, source.holder)
+            self._origin[target] = origin
+            return origin
+        if not f.sources:
+            errors.append(f"stage {f.name} of step {step}: no sources given")
+        else:
+            errors.append(f"stage {f.name} of step {step}: every source failed")
+        return None
+
+    def _fetch(self, job_id: str, step: int, f: StageFile, source: StageSource,
+               tmp: Path) -> None:
+        if source.tier == "persistent":
+            self._fetch_persistent(f, source, tmp)
+            return
+        if source.holder == self.node:
+            if source.tier == "memory":
+                path = self.layout.step_dir(job_id, step) / f.name
+            else:
+                if not source.src:
+                    raise StageError("a peer source needs src (the node whose rank wrote it)")
+                path = self.layout.replica_step_dir(source.src, job_id, step) / f.name
+            if not path.is_file():
+                raise StageError(f"missing: {path} does not exist")
+            try:
+                os.link(path, tmp)
+            except OSError:
+                shutil.copyfile(path, tmp)
+            return
+        if self.peer is None:
+            raise StageError("this agent has no peer token (--peer-token), so it cannot read "
+                             f"from {source.holder}")
+        if not source.url:
+            raise StageError(f"no URL for holder {source.holder}")
+        with open(tmp, "wb") as out:
+            self.peer.fetch_to(url=source.url, holder=source.holder, job_id=job_id, step=step,
+                               name=f.name, tier=source.tier, src=source.src, out=out)
+
+    def _fetch_persistent(self, f: StageFile, source: StageSource, tmp: Path) -> None:
+        import fsspec
+
+        if not source.url:
+            raise StageError("a persistent source needs url (the step's fsspec URL)")
+        url = f"{source.url.rstrip('/')}/{f.name}"
+        try:
+            with fsspec.open(url, "rb") as src, open(tmp, "wb") as out:
+                while chunk := src.read(CHUNK):
+                    out.write(chunk)
+        except FileNotFoundError:
+            raise StageError(f"missing: {url} does not exist") from None
+        except (ImportError, ValueError) as exc:
+            raise StageError(f"cannot open {url}: {exc}") from None
+
+
+def _rank_of(name: str) -> int | None:
+    if name.startswith("__") and name.endswith(".distcp"):
+        head = name[2:].split("_", 1)[0]
+        return int(head) if head.isdigit() else None
+    return None
+

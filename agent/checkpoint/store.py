@@ -1,0 +1,520 @@
+"""The agent's side of the memory tier: its folder, budget, peer replicas and progress files.
+
+:class:`MemoryStore` owns one node's memory folder (see :mod:`.layout`). It
+
+- writes ``agent.json`` (who hosts this folder, where peers reach it);
+- accounts the bytes the folder holds against the memory budget (hard links counted once,
+  uploads in progress counted by what they announced);
+- receives peer replicas as a stream (:meth:`MemoryStore.receive_replica`): the bytes go to a
+  temporary name while being hashed, the size and xxh3-64 are checked, then the file is
+  renamed into ``replicas/<src>/<job>/step-<N>/``; a commit marker received for step N evicts
+  that source's older replicas of the job that the marker's ``retain["peer"]`` does not keep;
+- lists what it can supply for a restore (:meth:`MemoryStore.available`), from manifests only;
+- keeps the tier worker's progress in ``<step>/.tier-<r>.json``.
+
+No torch here, and nothing that needs the network.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import xxhash
+
+from tierwatch.agent.checkpoint.layout import (
+    MemoryLayout,
+    check_file_name,
+    check_job_id,
+    check_node_name,
+    check_step,
+    parse_commit_name,
+    parse_manifest_name,
+    parse_step_dirname,
+)
+from tierwatch.agent.checkpoint.manifest import (
+    CommitMarker,
+    Manifest,
+    ManifestError,
+    atomic_write_json,
+    load_manifest,
+    read_commit,
+)
+from tierwatch.agent.protocol import utcnow
+
+log = logging.getLogger(__name__)
+
+UPLOAD_TMP_PREFIX = ".tmp-upload-"
+PROGRESS_PREFIX = ".tier-"
+WRITE_CHUNK = 1024 * 1024
+
+
+class StoreError(Exception):
+    """A request the memory store refuses.
+
+    Attributes:
+        status: The HTTP status that fits (409 checksum/size mismatch, 422 bad name,
+            507 over the memory budget, 500 an I/O error).
+        message: What went wrong and what to do about it.
+    """
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def progress_name(rank: int) -> str:
+    """``.tier-<r>.json``: the agent's progress on rank r's files of one step."""
+    return f"{PROGRESS_PREFIX}{rank}.json"
+
+
+@dataclass(frozen=True)
+class ReceivedFile:
+    """A replica file the store accepted.
+
+    Attributes:
+        path: Where it now lives.
+        size: Bytes.
+        xxh3: Its xxh3-64 hex digest.
+        evicted: ``(step, ranks)`` of replica steps evicted because this was a commit marker.
+    """
+
+    path: Path
+    size: int
+    xxh3: str
+    evicted: list[tuple[int, list[int]]]
+
+
+class MemoryStore:
+    """One node's memory folder, as the agent sees it.
+
+    Args:
+        root: The memory folder (``--memory-dir``); created if missing.
+        node: This node's name.
+        budget_bytes: Most bytes the folder may hold before replica uploads are refused (507).
+
+    Raises:
+        OSError: the folder cannot be created.
+    """
+
+    def __init__(self, root: Path, *, node: str, budget_bytes: int) -> None:
+        self.layout = MemoryLayout(root)
+        self.root = self.layout.root
+        self.node = check_node_name(node)
+        self.budget_bytes = budget_bytes
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._reserved: dict[str, int] = {}
+        self._progress_lock = threading.Lock()
+
+    # -- identity ------------------------------------------------------------------------
+    def write_agent_file(self, *, peer_url: str, persistent_url: str,
+                         started_at: str | None = None) -> dict[str, Any]:
+        """Write ``agent.json`` atomically.
+
+        Returns:
+            What was written: ``{node, peer_url, memory_budget_bytes, persistent_url, pid,
+            started_at}``.
+
+        Raises:
+            OSError: the file cannot be written.
+        """
+        info = {
+            "node": self.node,
+            "peer_url": peer_url,
+            "memory_budget_bytes": self.budget_bytes,
+            "persistent_url": persistent_url,
+            "pid": os.getpid(),
+            "started_at": started_at or utcnow().isoformat(),
+        }
+        atomic_write_json(self.layout.agent_file, info)
+        return info
+
+    # -- budget --------------------------------------------------------------------------
+    def used_bytes(self) -> int:
+        """Bytes the memory folder holds (apparent sizes; a hard-linked file counts once;
+        uploads in progress count by the size they announced, not their partial file)."""
+        disk = self._disk_bytes()
+        with self._lock:
+            return disk + sum(self._reserved.values())
+
+    def _disk_bytes(self) -> int:
+        seen: set[tuple[int, int]] = set()
+        total = 0
+        stack = [self.root]
+        while stack:
+            d = stack.pop()
+            try:
+                entries = list(os.scandir(d))
+            except OSError:
+                continue
+            for e in entries:
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(Path(e.path))
+                        continue
+                    if e.name.startswith(UPLOAD_TMP_PREFIX):
+                        continue
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                key = (st.st_dev, st.st_ino)
+                if key in seen:
+                    continue
+                seen.add(key)
+                total += st.st_size
+        return total
+
+    def free_bytes(self) -> int:
+        """``budget - used`` (never below 0)."""
+        return max(0, self.budget_bytes - self.used_bytes())
+
+    def _over_budget(self, what: str, size: int, used: int) -> StoreError:
+        return StoreError(
+            507,
+            f"{what}: {size} bytes do not fit in node {self.node}'s memory budget "
+            f"({used} of {self.budget_bytes} bytes used); raise --memory-budget on {self.node}, "
+            "lower the job's retention, or free its memory folder "
+            "(tierwatch-agent ckpt gc)",
+        )
+
+    # -- replicas ------------------------------------------------------------------------
+    def begin_replica(self, *, src_node: str, job_id: str, step: int, name: str,
+                      xxh3: str | None, size: int | None) -> ReplicaUpload:
+        """Start receiving one replica file (see :class:`ReplicaUpload`).
+
+        Args:
+            src_node: The node whose rank wrote the file.
+            job_id, step, name: Where it belongs (validated with the ``check_*`` rules).
+            xxh3: Expected xxh3-64 hex digest (required).
+            size: Expected size in bytes (the Content-Length), None when unknown.
+
+        Raises:
+            StoreError: 422 bad names or checksum header, 507 ``size`` is over the budget.
+        """
+        self.check_names(src_node=src_node, job_id=job_id, step=step, name=name)
+        if not xxh3 or len(xxh3) != 16 or any(c not in "0123456789abcdef" for c in xxh3):
+            raise StoreError(422, "header X-Tierwatch-Xxh3 must be the file's xxh3-64 digest "
+                             "as 16 lowercase hex digits")
+        what = f"replica {src_node}/{job_id}/step-{step}/{name}"
+        key = uuid.uuid4().hex
+        disk = self._disk_bytes()
+        with self._lock:  # check and reserve at once, so concurrent uploads cannot overbook
+            used = disk + sum(self._reserved.values())
+            limit = self.budget_bytes - used
+            if size is not None and size > limit:
+                raise self._over_budget(what, size, used)
+            self._reserved[key] = size or 0
+        return ReplicaUpload(self, key=key, what=what, src_node=src_node, job_id=job_id,
+                             step=step, name=name, xxh3=xxh3, size=size, limit=limit,
+                             used=used)
+
+    def receive_replica(self, *, src_node: str, job_id: str, step: int, name: str,
+                        chunks: Iterable[bytes], xxh3: str | None,
+                        size: int | None) -> ReceivedFile:
+        """Store one replica file from an iterable of chunks (:meth:`begin_replica`, write
+        every chunk, finish).
+
+        Raises:
+            StoreError: as :meth:`begin_replica` and :meth:`ReplicaUpload.finish`.
+        """
+        upload = self.begin_replica(src_node=src_node, job_id=job_id, step=step, name=name,
+                                    xxh3=xxh3, size=size)
+        try:
+            for chunk in chunks:
+                upload.write(chunk)
+            return upload.finish()
+        finally:
+            upload.abort()
+
+    def _release(self, key: str) -> None:
+        with self._lock:
+            self._reserved.pop(key, None)
+
+    def evict_replicas(self, *, src_node: str, job_id: str, newest: int,
+                       keep: set[int]) -> list[tuple[int, list[int]]]:
+        """Remove replica steps of (src_node, job) older than ``newest`` not in ``keep``.
+
+        Returns:
+            ``(step, ranks whose manifest it held)`` for each removed step.
+        """
+        job_dir = self.layout.replica_job_dir(src_node, job_id)
+        evicted = []
+        for step in _steps_in(job_dir):
+            if step >= newest or step in keep:
+                continue
+            d = job_dir / f"step-{step}"
+            ranks = sorted(r for p in d.iterdir()
+                           if (r := parse_manifest_name(p.name)) is not None)
+            shutil.rmtree(d, ignore_errors=True)
+            evicted.append((step, ranks))
+        return evicted
+
+    def delete_replica_step(self, *, src_node: str, job_id: str, step: int) -> bool:
+        """Remove ``replicas/<src>/<job>/step-<N>``.
+
+        Returns:
+            Whether it existed.
+
+        Raises:
+            LayoutError: a bad name.
+        """
+        d = self.layout.replica_step_dir(src_node, job_id, step)
+        if not d.is_dir():
+            return False
+        shutil.rmtree(d)
+        return True
+
+    def check_names(self, *, job_id: str, step: int, name: str | None = None,
+                    src_node: str | None = None) -> None:
+        """Validate path components (raises StoreError 422 naming the bad one)."""
+        try:
+            check_job_id(job_id)
+            check_step(step)
+            if name is not None:
+                check_file_name(name)
+            if src_node is not None:
+                check_node_name(src_node)
+        except ValueError as exc:
+            raise StoreError(422, str(exc)) from None
+
+    def file_path(self, *, job_id: str, step: int, name: str, tier: str,
+                  src: str | None) -> Path:
+        """Path of a file this agent holds in its memory tier or in a replica.
+
+        Raises:
+            StoreError: 422 bad names or tier, or tier ``peer`` without ``src``.
+        """
+        self.check_names(job_id=job_id, step=step, name=name, src_node=src)
+        if tier == "memory":
+            return self.layout.step_dir(job_id, step) / name
+        if tier == "peer":
+            if not src:
+                raise StoreError(422, "tier=peer needs src=<node whose rank wrote the file>")
+            return self.layout.replica_step_dir(src, job_id, step) / name
+        raise StoreError(422, f"tier must be memory or peer, not {tier!r}")
+
+    # -- restore listing -----------------------------------------------------------------
+    def available(self, job_id: str, url: str) -> list[dict[str, Any]]:
+        """Manifests this node can supply for ``job_id`` (memory and its replicas).
+
+        Args:
+            job_id: The job.
+            url: This agent's advertise URL (the entries' ``url``).
+
+        Returns:
+            ``[{tier, holder, url, src, step, rank, manifest}]``; only manifests that parse,
+            no file data read.
+        """
+        check_job_id(job_id)
+        entries: list[dict[str, Any]] = []
+        job_dir = self.layout.job_dir(job_id)
+        for step in _steps_in(job_dir):
+            for m in _manifests_in(job_dir / f"step-{step}", job_id, step):
+                entries.append({"tier": "memory", "holder": self.node, "url": url,
+                                "src": m.node, "step": step, "rank": m.rank,
+                                "manifest": m.model_dump(mode="json")})
+        rdir = self.layout.replicas_dir
+        srcs = sorted(p.name for p in rdir.iterdir() if p.is_dir()) if rdir.is_dir() else []
+        for src in srcs:
+            try:
+                job_dir = self.layout.replica_job_dir(src, job_id)
+            except ValueError:
+                continue
+            for step in _steps_in(job_dir):
+                for m in _manifests_in(job_dir / f"step-{step}", job_id, step):
+                    entries.append({"tier": "peer", "holder": self.node, "url": url,
+                                    "src": src, "step": step, "rank": m.rank,
+                                    "manifest": m.model_dump(mode="json")})
+        return entries
+
+    # -- progress ------------------------------------------------------------------------
+    def read_progress(self, step_dir: Path, rank: int) -> dict[str, Any]:
+        """The tier worker's progress on rank ``rank`` of one step ({} when none/unreadable)."""
+        try:
+            data = json.loads((step_dir / progress_name(rank)).read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def update_progress(self, step_dir: Path, rank: int,
+                        change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        """Read-modify-write ``.tier-<r>.json`` under a lock (atomic rename, no fsync).
+
+        Returns:
+            The new progress.
+
+        Raises:
+            OSError: it cannot be written (e.g. the trainer removed the step meanwhile).
+        """
+        with self._progress_lock:
+            progress = self.read_progress(step_dir, rank)
+            change(progress)
+            atomic_write_json(step_dir / progress_name(rank), progress, fsync=False)
+            return progress
+
+
+class ReplicaUpload:
+    """One replica file being received: bytes go to ``.tmp-upload-<name>.<id>`` in the
+    replica step folder while being hashed; :meth:`finish` checks size and checksum and renames
+    the file into place. Nothing is left behind on any error or on :meth:`abort`.
+
+    Created by :meth:`MemoryStore.begin_replica`.
+    """
+
+    def __init__(self, store: MemoryStore, *, key: str, what: str, src_node: str, job_id: str,
+                 step: int, name: str, xxh3: str, size: int | None, limit: int,
+                 used: int) -> None:
+        self.store = store
+        self.key = key
+        self.what = what
+        self.src_node, self.job_id, self.step, self.name = src_node, job_id, step, name
+        self.xxh3 = xxh3
+        self.size = size
+        self.limit = limit
+        self.used = used
+        self.written = 0
+        self.dir = store.layout.replica_step_dir(src_node, job_id, step)
+        self.tmp = self.dir / f"{UPLOAD_TMP_PREFIX}{name}.{key}"
+        self._hash = xxhash.xxh3_64()
+        self._file: BinaryIO | None = None
+        self._done = False
+
+    def write(self, chunk: bytes) -> None:
+        """Append one chunk.
+
+        Raises:
+            StoreError: 507 the file grew past the budget or the disk is full, 500 another
+                write error (the temporary file is removed).
+        """
+        try:
+            if self._file is None:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish/abort
+            self.written += len(chunk)
+            if self.written > self.limit:
+                raise self.store._over_budget(self.what, max(self.written, self.size or 0),
+                                              self.used)
+            self._hash.update(chunk)
+            self._file.write(chunk)
+        except OSError as exc:
+            self.abort()
+            raise StoreError(507 if _is_full(exc) else 500,
+                             f"{self.what}: cannot write in {self.dir} ({exc})") from None
+        except StoreError:
+            self.abort()
+            raise
+
+    def finish(self) -> ReceivedFile:
+        """Verify and rename into place; a commit marker evicts older replicas.
+
+        Returns:
+            The stored file and what was evicted.
+
+        Raises:
+            StoreError: 409 size or checksum mismatch or an invalid commit marker, 500 an I/O
+                error.
+        """
+        try:
+            if self._file is None:  # an empty body
+                self.write(b"")
+            assert self._file is not None
+            try:
+                self._file.close()
+            except OSError as exc:
+                raise StoreError(507 if _is_full(exc) else 500,
+                                 f"{self.what}: cannot write in {self.dir} ({exc})") from None
+            digest = self._hash.hexdigest()
+            if self.size is not None and self.written != self.size:
+                raise StoreError(409, f"{self.what}: received {self.written} bytes, "
+                                 f"Content-Length said {self.size}; nothing was stored")
+            if digest != self.xxh3:
+                raise StoreError(409, f"{self.what}: checksum {digest} of the received bytes "
+                                 f"does not match X-Tierwatch-Xxh3 {self.xxh3}; nothing was "
+                                 "stored")
+            marker: CommitMarker | None = None
+            if parse_commit_name(self.name) is not None:
+                try:
+                    marker = read_commit(self.tmp.read_bytes(), where=self.what)
+                except ManifestError as exc:
+                    raise StoreError(409, str(exc)) from None
+                if marker.job_id != self.job_id or marker.step != self.step:
+                    raise StoreError(409, f"{self.what}: the marker is for job "
+                                     f"{marker.job_id} step {marker.step}")
+            target = self.dir / self.name
+            os.replace(self.tmp, target)
+            self._done = True
+        finally:
+            self.abort()
+        evicted: list[tuple[int, list[int]]] = []
+        if marker is not None:
+            evicted = self.store.evict_replicas(src_node=self.src_node, job_id=self.job_id,
+                                                newest=self.step,
+                                                keep=set(marker.retain.get("peer", [])))
+        return ReceivedFile(path=target, size=self.written, xxh3=digest, evicted=evicted)
+
+    def abort(self) -> None:
+        """Close and remove the temporary file and release the reservation (idempotent)."""
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+        self.tmp.unlink(missing_ok=True)
+        self.store._release(self.key)
+        try:  # leave no empty replica folders behind a refused first file
+            if not self._done and not any(self.dir.iterdir()):
+                self.dir.rmdir()
+        except OSError:
+            pass
+
+
+def _is_full(exc: OSError) -> bool:
+    import errno
+
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _steps_in(job_dir: Path) -> list[int]:
+    if not job_dir.is_dir():
+        return []
+    return sorted(s for p in job_dir.iterdir() if (s := parse_step_dirname(p.name)) is not None
+                  and p.is_dir())
+
+
+def _manifests_in(step_dir: Path, job_id: str, step: int) -> list[Manifest]:
+    out = []
+    try:
+        names = sorted(p.name for p in step_dir.iterdir())
+    except OSError:
+        return []
+    for name in names:
+        rank = parse_manifest_name(name)
+        if rank is None:
+            continue
+        try:
+            m = load_manifest(step_dir / name)
+        except ManifestError:
+            continue
+        if m.job_id == job_id and m.step == step and m.rank == rank:
+            out.append(m)
+    return out
+
+
+def steps_in(job_dir: Path) -> list[int]:
+    """Step numbers with a ``step-<N>`` folder in ``job_dir``, ascending."""
+    return _steps_in(job_dir)
+
+
+def manifests_in(step_dir: Path, job_id: str, step: int) -> list[Manifest]:
+    """Manifests in ``step_dir`` that parse and match (job, step, rank in the name)."""
+    return _manifests_in(step_dir, job_id, step)

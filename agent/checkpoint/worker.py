@@ -1,0 +1,482 @@
+"""The agent's tier worker: replicate committed steps to peers and upload them to persistent.
+
+Two threads scan ``<memory-dir>/jobs/*/step-*/commit-<r>.json`` (the commit markers the
+node's own ranks write) every scan interval, and at once after ``POST /v1/ckpt/notify``:
+
+- the **peer** thread pushes the newest committed step of each local rank to the rank's peer
+  targets (:func:`~.replicator.peer_targets`), in the order shards, ``.metadata`` (if the
+  rank's manifest lists it), ``manifest-<r>.json``, ``commit-<r>.json``. The holder evicts its
+  older replicas when the commit marker arrives.
+- the **persistent** thread uploads the rank's files and manifest of the newest committed step
+  with ``persist`` true to ``<persistent-url>/<job>/step-<N>/``. The agent whose rank lists
+  ``.metadata`` then waits (polling each scan, at most ``metadata_wait_s``) until manifests of
+  all ``world_size`` ranks are in the persistent folder, uploads ``.metadata`` last, reports
+  the whole step committed (``rank`` None) and applies persistent retention.
+
+Progress lives in ``<step>/.tier-<r>.json`` (``{"peer": {"targets": {node: "done"},
+"done": bool}, "persistent": {"uploaded": bool, "metadata": "pending"|"done"|"gave_up",
+"wait_since": unix_s}}``), so a restarted agent skips finished work and catches up on the
+newest steps the trainer committed while it was down; steps superseded meanwhile are not
+replicated. Every outcome is a :class:`~tierwatch.agent.protocol.CheckpointEvent`; a failure
+(disk full, unwritable URL, peer unreachable) is a ``failed`` event naming the file, retried
+with a backoff, and the worker goes on with other work.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tierwatch.agent.checkpoint.layout import (
+    METADATA,
+    commit_name,
+    manifest_name,
+    parse_commit_name,
+    parse_step_dirname,
+)
+from tierwatch.agent.checkpoint.manifest import (
+    CommitMarker,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    load_commit,
+    load_manifest,
+    xxh3_file,
+)
+from tierwatch.agent.checkpoint.persister import PersistentError, PersistentTier
+from tierwatch.agent.checkpoint.replicator import PeerClient, PeerError, peer_targets
+from tierwatch.agent.checkpoint.store import PROGRESS_PREFIX, MemoryStore
+from tierwatch.agent.protocol import CheckpointEvent, utcnow
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[CheckpointEvent], None]
+METADATA_WAIT_S = 600.0
+BACKOFF_MAX_S = 60.0
+
+
+@dataclass(frozen=True)
+class LocalCommit:
+    """One local rank's committed step found in the memory folder."""
+
+    job_id: str
+    step: int
+    rank: int
+    step_dir: Path
+    marker: CommitMarker
+
+
+class TierWorker:
+    """Replicates and persists the committed steps of this node's ranks.
+
+    Args:
+        store: The node's memory store.
+        persistent: The persistent tier.
+        emit: Receives every checkpoint event (queued into the next report).
+        peer_token: The peer token (None: no peer tier; one ``failed`` event per job).
+        replication: Peer nodes per rank (0: no peer tier, silently).
+        scan_interval_s: Seconds between scans.
+        metadata_wait_s: How long the ``.metadata`` writer waits for the other ranks'
+            manifests on the persistent tier, seconds.
+        http_timeout_s: Per-request timeout towards peers, seconds.
+    """
+
+    def __init__(self, store: MemoryStore, persistent: PersistentTier, *, emit: EventSink,
+                 peer_token: str | None, replication: int, scan_interval_s: float,
+                 metadata_wait_s: float = METADATA_WAIT_S, http_timeout_s: float = 60.0) -> None:
+        self.store = store
+        self.persistent = persistent
+        self.emit = emit
+        self.peer_token = peer_token
+        self.replication = replication
+        self.scan_interval_s = scan_interval_s
+        self.metadata_wait_s = metadata_wait_s
+        self._peer = PeerClient(peer_token, http_timeout_s) if peer_token else None
+        self._stop = threading.Event()
+        self._wake = {"peer": threading.Event(), "persistent": threading.Event()}
+        self._threads: list[threading.Thread] = []
+        self._backoff: dict[tuple[Any, ...], tuple[int, float]] = {}
+        self._said_once: set[tuple[str, str]] = set()
+        self.scans = {"peer": 0, "persistent": 0}
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the peer and persistent threads."""
+        for tier, fn in (("peer", self.peer_pass), ("persistent", self.persistent_pass)):
+            t = threading.Thread(target=self._loop, args=(tier, fn), daemon=True,
+                                 name=f"tierwatch-{tier}")
+            t.start()
+            self._threads.append(t)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop both threads (a transfer in progress finishes or times out first)."""
+        self._stop.set()
+        for e in self._wake.values():
+            e.set()
+        for t in self._threads:
+            t.join(timeout_s)
+        if self._peer is not None:
+            self._peer.close()
+
+    def notify(self, job_id: str | None = None, step: int | None = None) -> None:
+        """Wake both threads now (a rank committed ``step`` of ``job_id``)."""
+        log.debug("notify job=%s step=%s", job_id, step)
+        for e in self._wake.values():
+            e.set()
+
+    def _loop(self, tier: str, fn: Callable[[], None]) -> None:
+        wake = self._wake[tier]
+        while not self._stop.is_set():
+            wake.clear()
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a bug must not end the worker
+                log.exception("%s tier pass failed", tier)
+            self.scans[tier] += 1
+            wake.wait(self.scan_interval_s)
+
+    # -- scanning ------------------------------------------------------------------------
+    def local_commits(self) -> dict[tuple[str, int], list[LocalCommit]]:
+        """Committed steps of local ranks, per (job, rank), oldest first.
+
+        Also removes progress files whose rank's commit marker is gone (the trainer evicted
+        the step) and then the step folder if it is empty.
+        """
+        out: dict[tuple[str, int], list[LocalCommit]] = {}
+        layout = self.store.layout
+        for job_id in layout.jobs():
+            job_dir = layout.job_dir(job_id)
+            try:
+                step_dirs = [p for p in job_dir.iterdir() if parse_step_dirname(p.name)
+                             is not None]
+            except OSError:
+                continue
+            for step_dir in step_dirs:
+                step = parse_step_dirname(step_dir.name)
+                assert step is not None
+                try:
+                    names = [p.name for p in step_dir.iterdir()]
+                except OSError:
+                    continue
+                for name in names:
+                    rank = parse_commit_name(name)
+                    if rank is None:
+                        continue
+                    try:
+                        marker = load_commit(step_dir / name)
+                    except ManifestError as exc:
+                        self._once("bad-commit", f"{step_dir / name}", job_id, step, "peer",
+                                   f"{name}: unreadable commit marker, skipped ({exc})", rank)
+                        continue
+                    if marker.job_id != job_id or marker.step != step or marker.rank != rank:
+                        continue
+                    out.setdefault((job_id, rank), []).append(
+                        LocalCommit(job_id, step, rank, step_dir, marker))
+                self._clean_progress(step_dir, names)
+        for commits in out.values():
+            commits.sort(key=lambda c: c.step)
+        return out
+
+    def _clean_progress(self, step_dir: Path, names: list[str]) -> None:
+        removed = False
+        for name in names:
+            if not (name.startswith(PROGRESS_PREFIX) and name.endswith(".json")):
+                continue
+            rank_text = name[len(PROGRESS_PREFIX):-len(".json")]
+            if not rank_text.isdigit():
+                continue
+            rank = int(rank_text)
+            if commit_name(rank) not in names and manifest_name(rank) not in names:
+                (step_dir / name).unlink(missing_ok=True)
+                removed = True
+        if removed:
+            try:
+                step_dir.rmdir()
+            except OSError:
+                pass
+
+    # -- peer ----------------------------------------------------------------------------
+    def peer_pass(self) -> None:
+        """Replicate the newest committed step of every local rank (one pass)."""
+        if self.replication <= 0:
+            return
+        for commits in self.local_commits().values():
+            if self._stop.is_set():
+                return
+            self._replicate(commits[-1])
+
+    def _replicate(self, c: LocalCommit) -> None:
+        progress = self.store.read_progress(c.step_dir, c.rank)
+        peer = progress.get("peer", {})
+        if peer.get("done"):
+            return
+        marker = c.marker
+        own = self.store.node
+        if c.rank >= len(marker.layout):
+            self._once("layout", c.job_id, c.job_id, c.step, "peer",
+                       f"{commit_name(c.rank)}: layout has {len(marker.layout)} ranks, no rank "
+                       f"{c.rank}: no peer tier", c.rank)
+            return
+        targets = peer_targets(marker.layout, c.rank, self.replication)
+        if not targets:
+            if self._once("one-node", c.job_id, c.job_id, c.step, "peer",
+                          "job runs on one node: no peer tier", None):
+                self._mark(c, "peer", done=True, none=True)
+            return
+        if self._peer is None:
+            self._once("no-token", c.job_id, c.job_id, c.step, "peer",
+                       f"agent on {own} has no peer token (--peer-token / "
+                       "TIERWATCH_PEER_TOKEN): no peer tier", None)
+            return
+        if marker.layout[c.rank] != own:
+            self._once("wrong-node", c.job_id, c.job_id, c.step, "peer",
+                       f"{commit_name(c.rank)}: the layout places rank {c.rank} on "
+                       f"{marker.layout[c.rank]}, but this agent is {own} (start it with "
+                       f"--node {marker.layout[c.rank]}?)", c.rank)
+            return
+        key = ("peer", c.job_id, c.step, c.rank)
+        if not self._due(key):
+            return
+        try:
+            manifest = load_manifest(c.step_dir / manifest_name(c.rank))
+        except ManifestError as exc:
+            self._fail(key, c, "peer", f"{manifest_name(c.rank)}: {exc}")
+            return
+        files = _push_order(c, manifest)
+        done_targets = dict(peer.get("targets", {}))
+        started = time.monotonic()
+        sent = 0
+        failed = False
+        for target in targets:
+            if done_targets.get(target) == "done":
+                continue
+            url = marker.peer_urls.get(target)
+            if not url:
+                self._fail(key, c, "peer", f"{commit_name(c.rank)}: no peer URL for {target} "
+                           "in the commit marker's peer_urls")
+                failed = True
+                continue
+            try:
+                for name, path, entry in files:
+                    if entry is None:
+                        size, digest = xxh3_file(path)
+                    else:
+                        size, digest = entry.size, entry.xxh3
+                    self._peer_client().push_file(
+                        url=url, peer=target, src_node=own, job_id=c.job_id, step=c.step,
+                        name=name, path=path, size=size, xxh3=digest)
+                    sent += size
+            except (PeerError, OSError) as exc:
+                self._fail(key, c, "peer", f"replicating step {c.step} of rank {c.rank} to "
+                           f"{target}: {exc}")
+                failed = True
+                continue
+            done_targets[target] = "done"
+            try:
+                self.store.update_progress(
+                    c.step_dir, c.rank,
+                    lambda p, t=target: p.setdefault("peer", {}).setdefault("targets", {})
+                    .__setitem__(t, "done"))
+            except OSError:
+                pass  # the trainer removed the step meanwhile
+        if failed:
+            return
+        self._backoff.pop(key, None)
+        self._mark(c, "peer", done=True)
+        self._event(c.job_id, c.step, "peer", "committed", c.rank, c.marker.world_size,
+                    bytes=manifest.total_bytes(), seconds=time.monotonic() - started,
+                    message=f"replicated to {', '.join(targets)}")
+
+    def _peer_client(self) -> PeerClient:
+        assert self._peer is not None
+        return self._peer
+
+    # -- persistent ----------------------------------------------------------------------
+    def persistent_pass(self) -> None:
+        """Upload the newest persisted step of every local rank, finish pending
+        ``.metadata`` writes and apply persistent retention (one pass)."""
+        for commits in self.local_commits().values():
+            if self._stop.is_set():
+                return
+            persisted = [c for c in commits if c.marker.persist]
+            if not persisted:
+                continue
+            newest = persisted[-1]
+            for c in persisted:
+                progress = self.store.read_progress(c.step_dir, c.rank).get("persistent", {})
+                if c is newest and not progress.get("uploaded"):
+                    self._upload(c)
+                    progress = self.store.read_progress(c.step_dir, c.rank).get(
+                        "persistent", {})
+                if progress.get("metadata") == "pending":
+                    self._finish_metadata(c, progress)
+
+    def _upload(self, c: LocalCommit) -> None:
+        key = ("persistent", c.job_id, c.step, c.rank)
+        if not self._due(key):
+            return
+        try:
+            manifest = load_manifest(c.step_dir / manifest_name(c.rank))
+        except ManifestError as exc:
+            self._fail(key, c, "persistent", f"{manifest_name(c.rank)}: {exc}")
+            return
+        started = time.monotonic()
+        total = 0
+        try:
+            for f in manifest.files:
+                if f.name == METADATA:
+                    continue
+                total += self.persistent.put_file(c.step_dir / f.name, c.job_id, c.step,
+                                                  f.name, expect=f)
+            self.persistent.put_file(c.step_dir / manifest_name(c.rank), c.job_id, c.step,
+                                     manifest_name(c.rank))
+        except PersistentError as exc:
+            self._fail(key, c, "persistent", str(exc))
+            return
+        self._backoff.pop(key, None)
+        wait = manifest.has_metadata()
+
+        def change(p: dict[str, Any]) -> None:
+            s = p.setdefault("persistent", {})
+            s["uploaded"] = True
+            if wait:
+                s["metadata"] = "pending"
+                s["wait_since"] = time.time()
+
+        try:
+            self.store.update_progress(c.step_dir, c.rank, change)
+        except OSError as exc:
+            log.warning("cannot record progress in %s: %s", c.step_dir, exc)
+        self._event(c.job_id, c.step, "persistent", "committed", c.rank, manifest.world_size,
+                    bytes=total, seconds=time.monotonic() - started,
+                    message=f"rank {c.rank}'s files in {self.persistent.step_url(c.job_id, c.step)}"
+                    + ("; .metadata follows once every rank's manifest is there" if wait else ""))
+
+    def _finish_metadata(self, c: LocalCommit, progress: dict[str, Any]) -> None:
+        world = c.marker.world_size
+        key = ("metadata", c.job_id, c.step)
+        if not self._due(key):
+            return
+        try:
+            have = self.persistent.manifest_ranks(c.job_id, c.step)
+        except PersistentError as exc:
+            self._fail(key, c, "persistent", str(exc))
+            return
+        missing = [r for r in range(world) if r not in have]
+        if missing:
+            waited = time.time() - float(progress.get("wait_since", time.time()))
+            if waited > self.metadata_wait_s:
+                self._set_metadata(c, "gave_up")
+                self._event(c.job_id, c.step, "persistent", "failed", None, world,
+                            message=f".metadata of step {c.step} not written: manifests of "
+                            f"rank(s) {missing[:16]} did not reach "
+                            f"{self.persistent.step_url(c.job_id, c.step)} within "
+                            f"{self.metadata_wait_s:g} s")
+            return
+        started = time.monotonic()
+        try:
+            self.persistent.put_file(c.step_dir / METADATA, c.job_id, c.step, METADATA,
+                                     expect=_metadata_entry(c))
+        except (PersistentError, ManifestError) as exc:
+            self._fail(key, c, "persistent", str(exc))
+            return
+        self._backoff.pop(key, None)
+        self._set_metadata(c, "done")
+        total = 0
+        for m in self.persistent.manifests(c.job_id, c.step):
+            total += m.total_bytes()
+        self._event(c.job_id, c.step, "persistent", "committed", None, world, bytes=total,
+                    seconds=time.monotonic() - started,
+                    message=f"step {c.step} committed in "
+                    f"{self.persistent.step_url(c.job_id, c.step)} (.metadata written last)")
+        self._retain_persistent(c)
+
+    def _set_metadata(self, c: LocalCommit, state: str) -> None:
+        try:
+            self.store.update_progress(
+                c.step_dir, c.rank,
+                lambda p: p.setdefault("persistent", {}).__setitem__("metadata", state))
+        except OSError as exc:
+            log.warning("cannot record progress in %s: %s", c.step_dir, exc)
+
+    def _retain_persistent(self, c: LocalCommit) -> None:
+        keep = set(c.marker.retain.get("persistent", []))
+        try:
+            steps = self.persistent.steps(c.job_id)
+        except PersistentError as exc:
+            self._event(c.job_id, c.step, "persistent", "failed", None, c.marker.world_size,
+                        message=f"retention: {exc}")
+            return
+        for step in steps:
+            if step >= c.step or step in keep:
+                continue
+            try:
+                self.persistent.delete_step(c.job_id, step)
+            except PersistentError as exc:
+                self._event(c.job_id, step, "persistent", "failed", None, c.marker.world_size,
+                            message=f"retention: {exc}")
+                continue
+            self._event(c.job_id, step, "persistent", "evicted", None, c.marker.world_size,
+                        message=f"retention after step {c.step} (keeps {sorted(keep)})")
+
+    # -- helpers -------------------------------------------------------------------------
+    def _mark(self, c: LocalCommit, tier: str, **values: Any) -> None:
+        try:
+            self.store.update_progress(c.step_dir, c.rank,
+                                       lambda p: p.setdefault(tier, {}).update(values))
+        except OSError as exc:
+            log.warning("cannot record progress in %s: %s", c.step_dir, exc)
+
+    def _due(self, key: tuple[Any, ...]) -> bool:
+        entry = self._backoff.get(key)
+        return entry is None or time.monotonic() >= entry[1]
+
+    def _fail(self, key: tuple[Any, ...], c: LocalCommit, tier: str, message: str) -> None:
+        attempts = self._backoff.get(key, (0, 0.0))[0] + 1
+        delay = min(BACKOFF_MAX_S, self.scan_interval_s * 2 ** (attempts - 1))
+        self._backoff[key] = (attempts, time.monotonic() + delay)
+        log.warning("%s tier: %s (attempt %d, retry in %.0f s)", tier, message, attempts, delay)
+        self._event(c.job_id, c.step, tier, "failed", c.rank, c.marker.world_size,
+                    message=f"{message} (attempt {attempts}; retrying in {delay:.0f} s)")
+
+    def _once(self, what: str, scope: str, job_id: str, step: int, tier: str, message: str,
+              rank: int | None) -> bool:
+        """Emit a failed event once per (what, scope) in this agent's lifetime."""
+        if (what, scope) in self._said_once:
+            return True
+        self._said_once.add((what, scope))
+        log.warning("%s tier, job %s: %s", tier, job_id, message)
+        self._event(job_id, step, tier, "failed", rank, None, message=message)
+        return True
+
+    def _event(self, job_id: str, step: int, tier: str, kind: str, rank: int | None,
+               world_size: int | None, *, bytes: int | None = None,  # noqa: A002
+               seconds: float | None = None, message: str = "") -> None:
+        self.emit(CheckpointEvent(job_id=job_id, step=step, tier=tier, kind=kind, rank=rank,
+                                  world_size=world_size, ts=utcnow(), bytes=bytes,
+                                  seconds=seconds, message=message[:2000]))
+
+
+def _push_order(c: LocalCommit, manifest: Manifest) -> list[tuple[str, Path, FileEntry | None]]:
+    """Shards, then .metadata (if listed), then the manifest, then the commit marker."""
+    shards = [(f.name, c.step_dir / f.name, f) for f in manifest.files if f.name != METADATA]
+    meta = [(f.name, c.step_dir / f.name, f) for f in manifest.files if f.name == METADATA]
+    tail: list[tuple[str, Path, FileEntry | None]] = [
+        (manifest_name(c.rank), c.step_dir / manifest_name(c.rank), None),
+        (commit_name(c.rank), c.step_dir / commit_name(c.rank), None),
+    ]
+    return [*shards, *meta, *tail]
+
+
+def _metadata_entry(c: LocalCommit) -> FileEntry:
+    m = load_manifest(c.step_dir / manifest_name(c.rank))
+    for f in m.files:
+        if f.name == METADATA:
+            return f
+    raise ManifestError(f"{manifest_name(c.rank)} of step {c.step} does not list .metadata")
+
