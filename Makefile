@@ -37,6 +37,7 @@ test: setup
 
 bench: setup
 	$(PY) bench/ingest.py
+	$(PY) bench/checkpoint.py
 
 clean:
 	rm -rf $(VENV) node_modules static/vendor var

@@ -1,0 +1,392 @@
+"""Checkpoint benchmark: what a save costs the training loop, and how fast each tier restores.
+
+Run ``.venv/bin/python bench/checkpoint.py`` (a model + AdamW state of ≥ 1 GB, 20 measured
+steps per method) or ``BENCH_QUICK=1 ...`` (≈ 100 MB, 8 steps, under 2 minutes).
+
+Part 1, in this process (one rank, one agent as its node; the agent runs as its own process
+and uploads to the persistent tier while training goes on):
+
+1. Blocking time of the training thread per checkpoint, median over the measured steps:
+   ``torch.save`` + fsync to the disk, ``dcp.save`` to the disk, ``dcp.async_save`` (default
+   stager; the wait for the previous save counts), and TieredCheckpointer (time in
+   ``save()`` plus the optimizer pre-hook's wait).
+2. Step time when saving with TieredCheckpointer every step and every 10 steps, against
+   steps without checkpointing measured in the same run.
+
+Part 2, with two rank processes on two agents (simulated nodes, memory folders on
+/dev/shm):
+
+3. Restore time from the memory tier (processes restarted), the peer tier (one node's agent
+   restarted with an empty memory folder) and the persistent tier (both memory folders
+   wiped; the page cache is dropped through /proc/sys/vm/drop_caches when this process may
+   write it, which the table says).
+4. Persistent upload throughput (bytes of the step ÷ time from the commit marker to
+   ``.metadata`` in the persistent folder) against a raw fsync'd sequential write of the same
+   size to the same disk.
+
+The background work shares this machine's cores with training; nothing is pinned or
+isolated. Results go into docs/benchmarks.md ("Checkpoint (bench/checkpoint.py)").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import torch
+import torch.distributed.checkpoint as dcp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from ckpt_worker import build, step  # noqa: E402
+
+from tierwatch import TieredCheckpointer  # noqa: E402
+
+BIN = Path(sys.executable).parent
+QUICK = os.environ.get("BENCH_QUICK") == "1"
+WIDTH, LAYERS = (1024, 8) if QUICK else (3072, 10)
+MEASURED = 8 if QUICK else 20
+BATCH = 8
+PEER_TOKEN = "bench-peer-" + "x" * 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait(pred, timeout: float, what: str):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if v := pred():
+                return v
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+class Agent:
+    """A tierwatch-agent process (simulated collector, no server)."""
+
+    def __init__(self, root: Path, name: str, persistent_url: str) -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.memory_dir = Path("/dev/shm") / f"tw-bench-{os.getpid()}" / name
+        self.log = root / f"{name}.log"
+        self.args = [str(BIN / "tierwatch-agent"), "run", "--node", name,
+                     "--server", "http://127.0.0.1:9", "--token", "bench-no-server",
+                     "--collector", "simulated", "--sim-gpus", "1", "--interval", "5",
+                     "--listen", f"127.0.0.1:{self.port}", "--spool-dir", str(root / name),
+                     "--memory-dir", str(self.memory_dir), "--persistent-url", persistent_url,
+                     "--ckpt-scan-interval", "0.5", "--log-level", "WARNING"]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Agent:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TIERWATCH_")}
+        env["TIERWATCH_PEER_TOKEN"] = PEER_TOKEN
+        self.proc = subprocess.Popen(self.args, env=env, stdout=open(self.log, "ab"),  # noqa: SIM115
+                                     stderr=subprocess.STDOUT)
+        wait(lambda: httpx.get(f"{self.url}/v1/ckpt/info", timeout=1).status_code == 200, 30,
+             f"agent {self.name}")
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def state_bytes(model: torch.nn.Module, optim: torch.optim.Optimizer) -> int:
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    for s in optim.state.values():
+        n += sum(t.numel() * t.element_size() for t in s.values() if isinstance(t, torch.Tensor))
+    return n
+
+
+def part1(root: Path, disk: Path) -> dict:
+    agent = Agent(root, "bench-a", f"file://{disk / 'persistent'}").start()
+    os.environ["TIERWATCH_AGENT_URL"] = agent.url
+    model, optim = build(WIDTH, LAYERS, seed=1)
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    for _ in range(2):
+        step(model, optim, BATCH, WIDTH)
+    size = state_bytes(model, optim)
+    out: dict = {"state_bytes": size, "results": {}}
+    sd = {"model": model, "optim": optim}
+
+    def plain_sd() -> dict:
+        return {"model": model.state_dict(), "optim": optim.state_dict()}
+
+    def timed_steps(n: int) -> list[float]:
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            step(model, optim, BATCH, WIDTH)
+            ts.append(time.perf_counter() - t0)
+        return ts
+
+    base = timed_steps(MEASURED)
+    out["results"]["no checkpoint"] = {"step_s": median(base)}
+
+    # torch.save + fsync
+    blocks, steps = [], []
+    for _ in range(MEASURED):
+        t0 = time.perf_counter()
+        step(model, optim, BATCH, WIDTH)
+        t1 = time.perf_counter()
+        with open(disk / "torch_save.pt", "wb") as f:
+            torch.save(plain_sd(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        t2 = time.perf_counter()
+        blocks.append(t2 - t1)
+        steps.append(t2 - t0)
+    out["results"]["torch.save + fsync"] = {"blocking_s": median(blocks), "step_s": median(steps)}
+
+    # dcp.save (synchronous)
+    blocks, steps = [], []
+    for i in range(MEASURED):
+        t0 = time.perf_counter()
+        step(model, optim, BATCH, WIDTH)
+        t1 = time.perf_counter()
+        dcp.save(plain_sd(), checkpoint_id=str(disk / "dcp" / f"step-{i % 2}"), no_dist=True)
+        t2 = time.perf_counter()
+        blocks.append(t2 - t1)
+        steps.append(t2 - t0)
+    out["results"]["dcp.save"] = {"blocking_s": median(blocks), "step_s": median(steps)}
+
+    # dcp.async_save (default stager); waiting for the previous save counts as blocking
+    blocks, steps = [], []
+    fut = None
+    for i in range(MEASURED):
+        t0 = time.perf_counter()
+        step(model, optim, BATCH, WIDTH)
+        t1 = time.perf_counter()
+        if fut is not None:
+            fut.result()
+        fut = dcp.async_save(plain_sd(), checkpoint_id=str(disk / "dcpa" / f"step-{i % 2}"),
+                             no_dist=True)
+        t2 = time.perf_counter()
+        blocks.append(t2 - t1)
+        steps.append(t2 - t0)
+    if fut is not None:
+        fut.result()
+    out["results"]["dcp.async_save"] = {"blocking_s": median(blocks), "step_s": median(steps)}
+
+    # TieredCheckpointer every step and every 10 steps
+    for label, every in (("TieredCheckpointer, every step", 1),
+                         ("TieredCheckpointer, every 10 steps", 10)):
+        ckpt = TieredCheckpointer(f"bench-{every}", persist_every=10, latency_every=0)
+        n = MEASURED if every == 1 else max(MEASURED, 30)
+        saves, hooks, steps = [], [], []
+        for i in range(n):
+            t0 = time.perf_counter()
+            step(model, optim, BATCH, WIDTH)
+            t1 = time.perf_counter()
+            hooks.append(ckpt._hook_wait)  # pre-hook wait in this step's optimizer.step()
+            if i % every == 0:
+                ckpt.save(i, sd)
+            t2 = time.perf_counter()
+            saves.append(t2 - t1 if i % every == 0 else None)
+            steps.append(t2 - t0)
+        # blocking of the save after step i = time in save() + the pre-hook wait in step i+1
+        blocks = [s + (hooks[i + 1] if i + 1 < n else 0.0)
+                  for i, s in enumerate(saves) if s is not None]
+        ckpt.close()
+        out["results"][label] = {"blocking_s": median(blocks), "step_s": median(steps),
+                                 "allocations": ckpt._stager.allocations}
+        base2 = timed_steps(MEASURED // 2)  # peer again, right after (noise check)
+        out["results"][label]["baseline_after_s"] = median(base2)
+    agent.stop()
+    shutil.rmtree(agent.memory_dir, ignore_errors=True)
+    return out
+
+
+def run_ranks(agents: list[Agent], args: list[str], timeout: float = 900) -> None:
+    port = free_port()
+    procs = []
+    for rank, agent in enumerate(agents):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TIERWATCH_")}
+        env.update(RANK=str(rank), WORLD_SIZE=str(len(agents)), LOCAL_RANK="0",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   TIERWATCH_AGENT_URL=agent.url, BENCH_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "bench" / "ckpt_worker.py"),
+                                       *args], env=env))
+    for p in procs:
+        if p.wait(timeout) != 0:
+            raise RuntimeError(f"worker exited with {p.returncode}")
+
+
+def part2(root: Path, disk: Path) -> dict:
+    persistent = disk / "persistent2"
+    agents = [Agent(root, f"bench-n{i}", f"file://{persistent}").start() for i in range(2)]
+    common = ["--job-id", "bench-tiers", "--width", str(WIDTH), "--layers", str(LAYERS)]
+    out: dict = {}
+    try:
+        t0 = time.monotonic()
+        run_ranks(agents, ["--mode", "train", "--steps", "2", "--persist-every", "1", *common])
+        # persistent step 1 complete = its .metadata exists; commit marker time → .metadata
+        marker = next((agents[0].memory_dir / "jobs" / "bench-tiers" / "step-1").glob(
+            "commit-0.json"))
+        meta = persistent / "bench-tiers" / "step-1" / ".metadata"
+        wait(meta.exists, 900, "persistent .metadata of step 1")
+        upload_s = meta.stat().st_mtime - marker.stat().st_mtime
+        step_bytes = sum(f.stat().st_size for f in meta.parent.iterdir() if f.is_file())
+        out["persistent_upload"] = {"bytes": step_bytes, "seconds": upload_s}
+        # replicas in place on both nodes
+        wait(lambda: all(any((a.memory_dir / "replicas").rglob("step-1/commit-*.json"))
+                         for a in agents), 600, "peer replicas of step 1")
+        out["train_wall_s"] = time.monotonic() - t0
+
+        def restore(label: str) -> None:
+            path = root / f"restore-{label}.json"
+            run_ranks(agents, ["--mode", "restore", "--out", str(path), *common])
+            out[f"restore_{label}"] = json.loads(path.read_text())
+
+        restore("memory")
+        agents[1].stop()
+        shutil.rmtree(agents[1].memory_dir, ignore_errors=True)
+        agents[1].start()
+        restore("peer")
+        for a in agents:
+            a.stop()
+            shutil.rmtree(a.memory_dir, ignore_errors=True)
+            a.start()
+        dropped = False
+        with contextlib.suppress(OSError):
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            dropped = True
+        out["cache_dropped"] = dropped
+        restore("persistent")
+
+        # raw fsync'd sequential write of the same size to the same disk
+        raw = disk / "raw.bin"
+        chunk = os.urandom(4 << 20)
+        t1 = time.perf_counter()
+        with open(raw, "wb") as f:
+            left = step_bytes
+            while left > 0:
+                f.write(chunk[:min(left, len(chunk))])
+                left -= len(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        out["raw_write"] = {"bytes": step_bytes, "seconds": time.perf_counter() - t1}
+    finally:
+        for a in agents:
+            a.stop()
+            shutil.rmtree(a.memory_dir.parent, ignore_errors=True)
+    return out
+
+
+def fmt_s(x: float) -> str:
+    return f"{x * 1000:.0f} ms" if x < 10 else f"{x:.1f} s"
+
+
+def report(p1: dict, p2: dict) -> str:
+    r = p1["results"]
+    base = r["no checkpoint"]["step_s"]
+    torch_b = r["torch.save + fsync"]["blocking_s"]
+    async_b = r["dcp.async_save"]["blocking_s"]
+    lines = [
+        f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
+        f"- machine: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
+        f"torch {torch.__version__}, no GPU (CPU tensors)",
+        f"- state: {p1['state_bytes'] / 2**30:.2f} GiB (model {WIDTH}×{WIDTH} × {LAYERS} "
+        f"Linear + AdamW), {MEASURED} measured steps per method, medians",
+        "",
+        "| method | blocking per checkpoint | vs torch.save+fsync | vs dcp.async_save | "
+        "step time | step overhead vs no checkpoint |",
+        "|---|---|---|---|---|---|",
+        f"| no checkpoint | – | | | {fmt_s(base)} | |",
+    ]
+    for name in ("torch.save + fsync", "dcp.save", "dcp.async_save",
+                 "TieredCheckpointer, every step", "TieredCheckpointer, every 10 steps"):
+        v = r[name]
+        b = v["blocking_s"]
+        lines.append(f"| {name} | {fmt_s(b)} | ×{b / torch_b:.3f} | ×{b / async_b:.2f} | "
+                     f"{fmt_s(v['step_s'])} | {100 * (v['step_s'] / base - 1):+.1f} % |")
+    lines.append("")
+    lines.append("| restore | step | seconds | files per tier |")
+    lines.append("|---|---|---|---|")
+    for tier in ("memory", "peer", "persistent"):
+        rep = p2[f"restore_{tier}"]
+        lines.append(f"| from {tier} | {rep['step']} | {fmt_s(rep['seconds'])} | "
+                     f"{rep['files_by_tier']} |")
+    up = p2["persistent_upload"]
+    raw = p2["raw_write"]
+    up_bps = up["bytes"] / max(up["seconds"], 1e-9)
+    raw_bps = raw["bytes"] / max(raw["seconds"], 1e-9)
+    lines += [
+        "",
+        "| write to the persistent disk | bytes | seconds | throughput | ratio |",
+        "|---|---|---|---|---|",
+        f"| persistent tier upload (commit marker → .metadata) | {up['bytes']} | "
+        f"{up['seconds']:.2f} | {up_bps / 2**20:.0f} MiB/s | ×{up_bps / raw_bps:.2f} |",
+        f"| raw fsync'd sequential write (peer) | {raw['bytes']} | {raw['seconds']:.2f} | "
+        f"{raw_bps / 2**20:.0f} MiB/s | |",
+        "",
+        "Page cache dropped before the persistent restore: "
+        + ("yes" if p2["cache_dropped"]
+           else "no (not permitted here), so the persistent read is warm") + "."
+        " The persistent folder is on this machine's disk, which the host caches; a"
+        " network filesystem or object store would be slower.",
+    ]
+    return "\n".join(lines)
+
+
+def write_doc(block: str) -> None:
+    path = REPO / "docs" / "benchmarks.md"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    head = "## Checkpoint (bench/checkpoint.py)"
+    cmd = f"### `{'BENCH_QUICK=1 ' if QUICK else ''}.venv/bin/python bench/checkpoint.py`"
+    sections = text.split(head)
+    body = sections[1] if len(sections) > 1 else "\n"
+    blocks = [b for b in body.split("### ") if b.strip()]
+    keep = [b for b in blocks if not ("### " + b).startswith(cmd)]
+    new = "\n\n".join(["### " + b.strip() for b in keep] + [cmd + "\n\n" + block])
+    path.write_text(sections[0].rstrip() + "\n\n" + head + "\n\n" + new + "\n")
+
+
+def main() -> int:
+    root = Path(tempfile.mkdtemp(prefix="tw-bench-"))
+    disk = REPO / "var" / "bench-checkpoint"
+    shutil.rmtree(disk, ignore_errors=True)
+    disk.mkdir(parents=True)
+    try:
+        p1 = part1(root, disk)
+        p2 = part2(root, disk)
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
+    block = report(p1, p2)
+    print(block)
+    write_doc(block)
+    (root / "raw.json").write_text(json.dumps({"part1": p1, "part2": p2}, default=str))
+    print(f"\nraw results: {root / 'raw.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
