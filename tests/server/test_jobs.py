@@ -21,7 +21,9 @@ Then retention evicts memory step 10.
 
 from __future__ import annotations
 
+import shutil
 import statistics
+import subprocess
 from datetime import timedelta
 
 import pytest
@@ -359,3 +361,16 @@ def test_metrics_values(client, scripted):
     assert values("tierwatch_checkpoint_lag_seconds") == {
         key("memory"): 30.0, key("peer"): 50.0, key("persistent"): 50.0,
     }
+
+
+@pytest.mark.skipif(
+    shutil.which("promtool") is None,
+    reason="promtool absent (.ci/run installs the Debian prometheus package)",
+)
+def test_checkpoint_metrics_pass_promtool(client, scripted):
+    text = client.get("/metrics").text
+    assert "tierwatch_checkpoint_lag_steps{" in text
+    out = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

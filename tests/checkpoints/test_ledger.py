@@ -1,0 +1,105 @@
+"""Ledger rules (pure): completeness, lag in steps and seconds, recovery tier per failure."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierwatch.server.checkpoints.ledger import (
+    Completeness,
+    completeness,
+    lag_seconds,
+    lag_steps,
+    median,
+    newest_committed_step,
+    recovery_tier,
+)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "ranks", "whole", "expected"),
+    [
+        (4, {0, 1, 2, 3}, False, Completeness(True, ())),
+        (4, {0, 1, 3}, False, Completeness(False, (2,))),
+        (4, set(), False, Completeness(False, (0, 1, 2, 3))),
+        (1, {0}, False, Completeness(True, ())),
+        (2, {0, 1, 5}, False, Completeness(True, ())),  # a stray rank changes nothing
+        (3, {1, 2, 3}, False, Completeness(False, (0,))),  # rank 3 is not one of 0..2
+        (4, set(), True, Completeness(True, ())),  # rank None committed the whole step
+        (None, {0, 1}, True, Completeness(True, ())),
+        (None, {0, 1}, False, Completeness(False, None)),  # world size unknown: cannot tell
+        (0, set(), False, Completeness(False, None)),
+    ],
+)
+def test_completeness(world_size, ranks, whole, expected):
+    assert completeness(world_size, ranks, whole) == expected
+
+
+@pytest.mark.parametrize(
+    ("training", "newest", "expected"),
+    [(35, 20, 15), (35, 35, 0), (35, None, 36), (0, None, 1), (10, 12, 0), (None, 5, None),
+     (None, None, None)],
+)
+def test_lag_steps(training, newest, expected):
+    assert lag_steps(training, newest) == expected
+
+
+@pytest.mark.parametrize(
+    ("steps", "step_time", "gap", "expected"),
+    [
+        (15, 2.0, None, 30.0),  # steps x median step time
+        (15, 2.0, 31.5, 31.5),  # the measured training time wins when known
+        (15, None, 31.5, 31.5),
+        (15, None, None, None),
+        (0, None, None, 0.0),  # no lag, no time at risk
+        (3, 2.0, -1.0, 0.0),  # clocks a little apart never give negative time
+        (None, 2.0, None, None),
+    ],
+)
+def test_lag_seconds(steps, step_time, gap, expected):
+    assert lag_seconds(steps, step_time, gap) == expected
+
+
+@pytest.mark.parametrize(
+    ("klass", "newest", "expected"),
+    [
+        ("process", {"memory": 30, "peer": 20, "persistent": 10}, ("memory", 30)),
+        ("node", {"memory": 30, "peer": 20, "persistent": 10}, ("peer", 20)),
+        ("rack", {"memory": 30, "peer": 20, "persistent": 10}, ("persistent", 10)),
+        ("rollback", {"memory": 30, "peer": 20, "persistent": 10}, ("persistent", 10)),
+        # memory evicted: a process failure falls back to the peer copy
+        ("process", {"memory": None, "peer": 20, "persistent": 10}, ("peer", 20)),
+        # a fresher persistent step serves even a process failure; fastest tier on a tie
+        ("process", {"memory": 10, "peer": None, "persistent": 15}, ("persistent", 15)),
+        ("process", {"memory": 15, "peer": 15, "persistent": 15}, ("memory", 15)),
+        ("node", {"memory": 30, "peer": None, "persistent": None}, (None, None)),
+        ("rack", {}, (None, None)),
+    ],
+)
+def test_recovery_tier(klass, newest, expected):
+    assert recovery_tier(klass, newest) == expected
+
+
+def test_recovery_tier_refuses_unknown_class():
+    with pytest.raises(ValueError, match="unknown failure class 'flood'"):
+        recovery_tier("flood", {})
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        ([(10, True, False), (20, True, False), (30, False, False)], 20),
+        ([(10, True, False), (20, True, True)], 10),  # evicted no longer counts
+        ([(10, False, False)], None),
+        ([], None),
+    ],
+)
+def test_newest_committed_step(rows, expected):
+    assert newest_committed_step(rows) == expected
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [([1.0, 3.0, 2.0], 2.0), ([1.0, None, 3.0], 2.0), ([None], None), ([], None)],
+)
+def test_median(values, expected):
+    assert median(values) == expected
