@@ -46,6 +46,30 @@ def format_num(value: float | int | None, digits: int = 0) -> str:
     return f"{value:.{digits}f}"
 
 
+def format_bytes(value: float | int | None) -> str:
+    """A size in bytes with a binary unit: ``512 B``, ``4.0 KiB``, ``1.5 GiB`` (``—`` for None)."""
+    if value is None:
+        return "—"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(size) < 1024 or unit == "PiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} PiB"  # pragma: no cover - the loop always returns
+
+
+def format_duration(value: float | None) -> str:
+    """A duration in seconds, coarsely: ``0.42 s``, ``30.0 s``, ``2.5 min``, ``3.1 h``."""
+    if value is None:
+        return "—"
+    if value < 10:
+        return f"{value:.2f} s"
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.1f} s"
+
+
 def _common_context(request: Request) -> dict[str, Any]:
     return {"csrf_token": ensure_csrf_token(request)}
 
@@ -61,6 +85,8 @@ def _make_env() -> jinja2.Environment:
     env.filters["ts"] = format_ts
     env.filters["ago"] = format_ago
     env.filters["num"] = format_num
+    env.filters["bytes"] = format_bytes
+    env.filters["duration"] = format_duration
     return env
 
 

@@ -11,6 +11,8 @@ Routes:
     POST /logout           end the session (CSRF-checked)
     GET  /                 cluster page; ``state`` and ``name`` filter; fragment for htmx
     GET  /nodes/{name}     node page; fragment for htmx; 404 page for an unknown node
+    GET  /jobs/{job_id}    job page (checkpoint tiers, lag, advice, events, restores);
+                           fragment for htmx; 404 page for an unknown job
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from fastapi import APIRouter, Form, Query, Request, Response
 from fastapi.responses import RedirectResponse
 
 from tierwatch.agent.protocol import utcnow
+from tierwatch.server.checkpoints import ledger
+from tierwatch.server.checkpoints import service as checkpoint_service
 from tierwatch.server.deps import SessionDep, SettingsDep
 from tierwatch.server.fleet import rules
 from tierwatch.server.fleet import service as fleet_service
@@ -140,7 +144,8 @@ def cluster_page(
     state: Annotated[str | None, Query()] = None,
     name: Annotated[str | None, Query()] = None,
 ) -> Response:
-    """Counts per state and a grid of nodes coloured by state, filtered by state and name."""
+    """Counts per state, a grid of nodes coloured by state (filtered by state and name), and
+    the jobs with their worst checkpoint lag."""
     state = state if state in fleet_service.STATES else None
     name = (name or "").strip()[:NAME_FILTER_MAX] or None
     now = utcnow()
@@ -163,6 +168,7 @@ def cluster_page(
             "states": fleet_service.STATES,
             "poll_url": "/" + (f"?{urlencode(filters)}" if filters else ""),
             "name_query": urlencode({"name": name}) if name else "",
+            "jobs": checkpoint_service.list_jobs(session),
         },
     )
 
@@ -206,6 +212,39 @@ def node_page(
             "agent_events": service.recent_events(
                 session, node, "agent", service.AGENT_EVENT_LIMIT
             ),
+        },
+        fragment=("live", "events"),
+    )
+
+
+# --- job page ------------------------------------------------------------------------------
+
+
+@router.get("/jobs/{job_id}")
+def job_page(
+    request: Request,
+    job_id: str,
+    viewer: ViewerPageDep,
+    session: SessionDep,
+    settings: SettingsDep,
+) -> Response:
+    """One job: tiers side by side (newest committed step, lag, size, speed, interval
+    advice), work at risk, a chart of training vs committed step, events and restores.
+
+    Raises:
+        NotFoundError: no job has that id (answered with the 404 page).
+    """
+    job = checkpoint_service.get_job(session, job_id)
+    return _render(
+        request,
+        "pages/job.html",
+        {
+            "principal": viewer,
+            "now": utcnow(),
+            "refresh_s": settings.dashboard_refresh_s,
+            "chart_refresh_s": max(CHART_REFRESH_MIN_S, settings.dashboard_refresh_s),
+            "job": checkpoint_service.job_status(session, job),
+            "tiers": ledger.TIERS,
         },
         fragment=("live", "events"),
     )
