@@ -136,6 +136,8 @@ def digest(obj: object) -> str:
             for x in v:
                 walk(x)
         elif isinstance(v, torch.Tensor):
+            if hasattr(v, "full_tensor"):  # a DTensor shard: digest the whole tensor
+                v = v.full_tensor()
             h.update(v.detach().cpu().contiguous().numpy().tobytes())
         else:
             h.update(repr(v).encode())
@@ -163,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", type=Path, default=Path("var/train"))
     p.add_argument("--final", action="store_true", help="write final state digests")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard parameters and optimizer state with FSDP2 (fully_shard) "
+                   "instead of DDP; the checkpoint then holds DTensor shards")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -178,7 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     windows = (len(data) - 1) // args.block - 1
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = GPT(block=args.block, d=args.width, layers=args.layers).to(device)
-    ddp = DDP(model) if distributed else model
+    if args.fsdp and distributed:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        ddp = model
+    else:
+        ddp = DDP(model) if distributed else model
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(args.warmup, args.steps))
     sampler = ResumableDistributedSampler(windows, shuffle=True, seed=args.seed)

@@ -152,6 +152,7 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
     staged_dir: Path | None = None
     sources: dict[str, str] = {}
     template: dict[str, Any] | None = None
+    notes: list[str] = []  # bad copies met on the way (staging errors), for the report
     for _attempt in range(MAX_ATTEMPTS):
         chosen, reasons = agreement.choose_step(views, ckpt.world_size, excluded=excluded,
                                                 wanted=wanted)
@@ -177,6 +178,7 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
 
         meta = agreement.stage_request(view, [METADATA], node=ckpt.node)
         answer = _stage(ckpt, chosen, meta)
+        notes += [f"step {chosen}: {e}" for e in answer.get("errors", [])]
         problem = None if answer.get("ok") else "; ".join(answer.get("errors", []))[:1000]
         mismatch = None
         if problem is None:
@@ -194,6 +196,7 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
         if problem is None and staged_dir is not None:
             files = _needed_files(template, staged_dir, ckpt.rank == 0, view)
             answer2 = _stage(ckpt, chosen, agreement.stage_request(view, files, node=ckpt.node))
+            notes += [f"step {chosen}: {e}" for e in answer2.get("errors", [])]
             if not answer2.get("ok"):
                 problem = "; ".join(answer2.get("errors", []))[:1000]
             else:
@@ -226,7 +229,8 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
         ckpt.seed_history([s for s in complete if s <= chosen], persisted)
     ckpt._last_step = chosen
     last_done = max([s for s in views if views[s].manifests] + [chosen])
-    _report(ckpt, chosen, t0, sources, ok=True, steps_lost=last_done - chosen)
+    _report(ckpt, chosen, t0, sources, ok=True, steps_lost=last_done - chosen,
+            message="; ".join(notes)[:2000])
     return chosen
 
 
