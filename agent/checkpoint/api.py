@@ -25,7 +25,6 @@ this agent has no peer token):
 - ``GET /v1/peer/files/{job_id}/{step}/{name}?tier=memory|peer&src=<node>`` → the bytes
 """
 
-from __future__ import annotations
 
 import hmac
 import logging

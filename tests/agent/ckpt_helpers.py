@@ -1,0 +1,268 @@
+"""Helpers for the agent's checkpoint tests (imported as ``ckpt_helpers``).
+
+:func:`write_step` writes a step into a node's memory folder exactly as a training rank does
+(docs/checkpointing.md, "Save"): each rank's shard (random bytes; rank 0 also ``.metadata``) in
+``.tmp-step-<N>-<r>/``, renamed into ``step-<N>/``, then ``manifest-<r>.json`` built with
+:func:`~tierwatch.agent.checkpoint.manifest.make_manifest` by reading the files back, and once
+every local manifest exists, ``commit-<r>.json`` with rank 0's decision. That file layout is
+the exact interface between the trainer and the agent.
+
+:class:`CkptAgent` is a real ``tierwatch-agent run`` process on an ephemeral loopback port,
+reporting to a :class:`~agent_helpers.Receiver`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from agent_helpers import TOKEN, Receiver, wait_until
+from procs import BIN, base_env, free_port
+
+from tierwatch.agent.checkpoint.layout import (
+    METADATA,
+    MemoryLayout,
+    commit_name,
+    manifest_name,
+    shard_name,
+)
+from tierwatch.agent.checkpoint.manifest import (
+    CommitMarker,
+    atomic_write_json,
+    make_manifest,
+)
+from tierwatch.agent.protocol import CheckpointEvent
+
+PEER_TOKEN = "peer-secret-for-tests"
+SIGNATURE = "sig-test"
+
+
+def write_job(memory_dir: Path, job_id: str, layout: list[str], **extra: Any) -> None:
+    """Write ``jobs/<job>/job.json`` as rank 0 would (world_size, layout, signature)."""
+    ml = MemoryLayout(memory_dir)
+    ml.job_dir(job_id).mkdir(parents=True, exist_ok=True)
+    atomic_write_json(ml.job_file(job_id), {"world_size": len(layout), "layout": layout,
+                                             "signature": SIGNATURE, **extra})
+
+
+def write_step(memory_dir: Path, *, job_id: str, step: int, node: str, layout: list[str],
+               peer_urls: dict[str, str] | None = None, persist: bool = False,
+               retain: dict[str, list[int]] | None = None, shard_bytes: int = 64 * 1024,
+               commit: bool = True, seed: int | None = None) -> dict[int, Any]:
+    """Write the files of ``node``'s ranks for one step, as the trainer does.
+
+    Args:
+        memory_dir: The node's memory folder.
+        job_id, step: The step.
+        node: This node; its ranks are those ``layout`` places on it.
+        layout: Node of every rank.
+        peer_urls: Agent URL of each node (goes into the commit markers).
+        persist: Rank 0's decision to persist the step.
+        retain: Steps each tier keeps (default: this step only).
+        shard_bytes: Size of each random shard (bytes); ``.metadata`` is 1 KiB.
+        commit: Write the commit markers.
+        seed: Seed for the random bytes (default: random).
+
+    Returns:
+        ``{rank: Manifest}`` of the ranks written.
+    """
+    import random
+
+    rng = random.Random(seed)
+    ml = MemoryLayout(memory_dir)
+    world = len(layout)
+    ranks = [r for r, n in enumerate(layout) if n == node]
+    write_job(memory_dir, job_id, layout)
+    step_dir = ml.step_dir(job_id, step)
+    step_dir.mkdir(parents=True, exist_ok=True)
+    manifests = {}
+    for r in ranks:
+        tmp = ml.tmp_step_dir(job_id, step, r)
+        tmp.mkdir(parents=True, exist_ok=True)
+        names = [shard_name(r)]
+        (tmp / shard_name(r)).write_bytes(rng.randbytes(shard_bytes))
+        if r == 0:
+            (tmp / METADATA).write_bytes(rng.randbytes(1024))
+            names.append(METADATA)
+        for name in names:
+            os.replace(tmp / name, step_dir / name)
+        tmp.rmdir()
+        m = make_manifest(job_id=job_id, step=step, rank=r, world_size=world, node=node,
+                          directory=step_dir, names=names, signature=SIGNATURE,
+                          created_at="2026-01-01T00:00:00+00:00")
+        atomic_write_json(step_dir / manifest_name(r), m)
+        manifests[r] = m
+    if commit:
+        for r in ranks:
+            marker = CommitMarker(job_id=job_id, step=step, rank=r, world_size=world,
+                                  persist=persist,
+                                  retain=retain or {"memory": [step], "peer": [step],
+                                                    "persistent": [step]},
+                                  layout=layout, peer_urls=peer_urls or {},
+                                  created_at="2026-01-01T00:00:00+00:00")
+            atomic_write_json(step_dir / commit_name(r), marker)
+    return manifests
+
+
+def evict_memory_step(memory_dir: Path, job_id: str, step: int, ranks: list[int]) -> None:
+    """Remove ranks' files of a memory step, as the trainer does for steps it does not keep."""
+    d = MemoryLayout(memory_dir).step_dir(job_id, step)
+    for r in ranks:
+        for name in (commit_name(r), manifest_name(r), shard_name(r), METADATA):
+            if name != METADATA or r == 0:
+                (d / name).unlink(missing_ok=True)
+
+
+@dataclass
+class CkptAgent:
+    """A ``tierwatch-agent run`` process with a memory folder, on an ephemeral port."""
+
+    node: str
+    workdir: Path
+    receiver: Receiver
+    persistent_url: str
+    port: int = field(default_factory=free_port)
+    peer_token: str | None = PEER_TOKEN
+    replication: int = 1
+    memory_budget: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    preexec_fn: Callable[[], None] | None = None
+    popen: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def memory_dir(self) -> Path:
+        return self.workdir / self.node / "mem"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / self.node / "agent.log"
+
+    def start(self) -> CkptAgent:
+        """Start the process and wait until its checkpoint API answers."""
+        d = self.workdir / self.node
+        d.mkdir(parents=True, exist_ok=True)
+        args = [
+            str(BIN / "tierwatch-agent"), "run", "--node", self.node,
+            "--server", self.receiver.url, "--token", TOKEN, "--collector", "simulated",
+            "--sim-gpus", "1", "--interval", "0.2", "--listen", f"127.0.0.1:{self.port}",
+            "--spool-dir", str(d / "spool"), "--memory-dir", str(self.memory_dir),
+            "--persistent-url", self.persistent_url, "--replication", str(self.replication),
+            "--ckpt-scan-interval", "0.2", *self.extra_args,
+        ]
+        if self.peer_token:
+            args += ["--peer-token", self.peer_token]
+        if self.memory_budget:
+            args += ["--memory-budget", self.memory_budget]
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        self.popen = subprocess.Popen(args, env=base_env(), stdout=log, stderr=subprocess.STDOUT,
+                                      preexec_fn=self.preexec_fn)  # noqa: PLW1509
+        log.close()
+        self.starts += 1
+        wait_until(self._ready, timeout=30, what=f"agent {self.node} up\n{self.log_tail()}")
+        return self
+
+    def _ready(self) -> bool:
+        if self.popen is not None and self.popen.poll() is not None:
+            raise AssertionError(f"agent {self.node} exited:\n{self.log_tail()}")
+        try:
+            return httpx.get(f"{self.url}/v1/ckpt/info", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> int | None:
+        """SIGTERM and wait (SIGKILL after 15 s)."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        code = self.popen.returncode
+        self.popen = None
+        return code
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def notify(self, job_id: str, step: int) -> None:
+        r = httpx.post(f"{self.url}/v1/ckpt/notify", json={"job_id": job_id, "step": step},
+                       timeout=5)
+        assert r.status_code == 200, r.text
+
+    def replica_dir(self, src: str, job_id: str, step: int) -> Path:
+        return MemoryLayout(self.memory_dir).replica_step_dir(src, job_id, step)
+
+    def step_dir(self, job_id: str, step: int) -> Path:
+        return MemoryLayout(self.memory_dir).step_dir(job_id, step)
+
+
+def ckpt_events(receiver: Receiver, *, node: str | None = None, epoch: str | None = None,
+                **match: Any) -> list[CheckpointEvent]:
+    """Checkpoint events the receiver got (optionally from one node/epoch, matching fields)."""
+    out = []
+    for b in receiver.stored():
+        if node is not None and b.node != node:
+            continue
+        if epoch is not None and b.epoch != epoch:
+            continue
+        for e in b.checkpoint_events:
+            if all(getattr(e, k) == v for k, v in match.items()):
+                out.append(e)
+    return out
+
+
+def wait_event(receiver: Receiver, *, timeout: float = 20, what: str = "event",
+               contains: str | None = None, agent: CkptAgent | None = None,
+               **match: Any) -> CheckpointEvent:
+    """Wait for a checkpoint event matching ``match`` (and ``contains`` in its message)."""
+    def found() -> CheckpointEvent | None:
+        for e in ckpt_events(receiver, **match):
+            if contains is None or contains in e.message:
+                return e
+        return None
+
+    extra = f"\n{agent.log_tail()}" if agent is not None else ""
+    return wait_until(found, timeout=timeout, what=f"{what} {match} {contains or ''}{extra}")
+
+
+def batches_from(receiver: Receiver, node: str) -> int:
+    """How many batches the receiver stored from ``node``."""
+    return sum(1 for b in receiver.stored() if b.node == node)
+
+
+def wait_more_batches(receiver: Receiver, node: str, n: int, timeout: float = 20) -> None:
+    """Wait until ``node`` sent ``n`` more batches (each agent pass runs at least once per
+    batch interval here, so this lets the agent's worker run several times)."""
+    start = batches_from(receiver, node)
+    wait_until(lambda: batches_from(receiver, node) >= start + n, timeout=timeout,
+               what=f"{n} more batches from {node}")
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def mtime_ns(path: Path) -> int:
+    return path.stat().st_mtime_ns
+
+
+def monotonic() -> float:
+    return time.monotonic()

@@ -1,0 +1,478 @@
+"""The agent's tiered checkpoint store with real agent processes on loopback.
+
+Steps are written into the memory folders by ``ckpt_helpers.write_step`` exactly as the
+trainer writes them; the agents replicate, persist, evict, list and stage them; their reports
+go to a real HTTP receiver, where the tests read the checkpoint events.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from agent_helpers import Receiver, wait_until
+from ckpt_helpers import (
+    PEER_TOKEN,
+    CkptAgent,
+    ckpt_events,
+    evict_memory_step,
+    read_json,
+    wait_event,
+    wait_more_batches,
+    write_step,
+)
+
+from tierwatch.agent.checkpoint.layout import METADATA, manifest_name, shard_name
+from tierwatch.agent.checkpoint.manifest import load_manifest, verify_file, xxh3_file
+
+pytestmark = [pytest.mark.slow]
+
+JOB = "job-1"
+AUTH = {"Authorization": f"Bearer {PEER_TOKEN}"}
+
+
+@pytest.fixture
+def persistent_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "persistent"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def make_agent(tmp_path: Path, receiver: Receiver, persistent_dir: Path) -> Iterator:
+    """``make_agent("node-a", **kw) -> CkptAgent`` (not started); all stopped afterwards."""
+    made: list[CkptAgent] = []
+
+    def _make(node: str, **kw) -> CkptAgent:
+        kw.setdefault("persistent_url", f"file://{persistent_dir}")
+        agent = CkptAgent(node=node, workdir=tmp_path / "agents", receiver=receiver, **kw)
+        made.append(agent)
+        return agent
+
+    yield _make
+    for a in made:
+        a.stop()
+
+
+def urls(*agents: CkptAgent) -> dict[str, str]:
+    return {a.node: a.url for a in agents}
+
+
+# ---------------------------------------------------------------------------------------
+def test_agent_json_and_info(make_agent):
+    a = make_agent("node-a", memory_budget="8MiB").start()
+    info_file = read_json(a.memory_dir / "agent.json")
+    assert info_file["node"] == "node-a"
+    assert info_file["peer_url"] == a.url
+    assert info_file["memory_budget_bytes"] == 8 * 1024**2
+    assert info_file["persistent_url"].startswith("file://")
+    assert info_file["pid"] == a.popen.pid
+    assert info_file["started_at"].endswith("+00:00")
+    assert not list(a.memory_dir.glob(".tmp-*"))  # written atomically
+    info = httpx.get(f"{a.url}/v1/ckpt/info").json()
+    assert info["node"] == "node-a"
+    assert info["memory_dir"] == str(a.memory_dir)
+    assert info["peer_url"] == a.url
+    assert info["memory_budget_bytes"] == 8 * 1024**2
+    assert info["persistent_url"] == info_file["persistent_url"]
+    assert info["replication"] == 1
+    assert info["peer_tier"] is True
+
+
+def test_events_and_notify_are_queued_into_reports(make_agent, receiver):
+    a = make_agent("node-a").start()
+    ts = "2026-01-01T00:00:00Z"
+    body = {
+        "events": [{"job_id": JOB, "step": 5, "tier": "memory", "kind": "committed", "rank": 0,
+                    "world_size": 2, "ts": ts, "bytes": 10, "seconds": 0.5}],
+        "progress": [{"job_id": JOB, "rank": 0, "world_size": 2, "step": 6, "ts": ts,
+                      "layout": ["node-a", "node-b"]}],
+        "restores": [{"job_id": JOB, "rank": 0, "world_size": 2, "step": 5, "ts": ts,
+                      "seconds": 1.0, "files_by_tier": {"memory": 2}}],
+    }
+    r = httpx.post(f"{a.url}/v1/ckpt/events", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"queued": {"events": 1, "progress": 1, "restores": 1}}
+    wait_event(receiver, job_id=JOB, step=5, tier="memory", kind="committed")
+    batches = receiver.stored()
+    assert any(b.progress and b.progress[0].layout == ["node-a", "node-b"] for b in batches)
+    assert any(b.restores and b.restores[0].files_by_tier == {"memory": 2} for b in batches)
+    bad = httpx.post(f"{a.url}/v1/ckpt/events", json={"events": [{"job_id": JOB}]})
+    assert bad.status_code == 422
+    assert httpx.post(f"{a.url}/v1/ckpt/notify", json={"job_id": JOB, "step": 1}).json() == {
+        "ok": True}
+    assert httpx.post(f"{a.url}/v1/ckpt/notify",
+                      json={"job_id": "../x", "step": 1}).status_code == 422
+
+
+def test_two_agents_replicate_to_each_other_and_evict_per_retain(make_agent, receiver):
+    a, b = make_agent("node-a"), make_agent("node-b")
+    layout = ["node-a", "node-a", "node-b", "node-b"]
+    peers = urls(a, b)
+    a.start()
+    b.start()
+    for step, retain in ((1, [1]), (2, [1, 2]), (3, [3])):
+        for agent in (a, b):
+            write_step(agent.memory_dir, job_id=JOB, step=step, node=agent.node, layout=layout,
+                       peer_urls=peers, retain={"memory": retain, "peer": retain,
+                                                "persistent": []})
+            agent.notify(JOB, step)
+        for src, holder, ranks in ((a, b, (0, 1)), (b, a, (2, 3))):
+            for r in ranks:
+                wait_event(receiver, node=src.node, job_id=JOB, step=step, tier="peer",
+                           kind="committed", rank=r, agent=src)
+            rdir = holder.replica_dir(src.node, JOB, step)
+            for r in ranks:
+                manifest = load_manifest(rdir / manifest_name(r))
+                for f in manifest.files:  # every listed file arrived intact
+                    assert verify_file(rdir / f.name, f) is None
+                    assert (rdir / f.name).read_bytes() == \
+                        (src.step_dir(JOB, step) / f.name).read_bytes()
+                assert (rdir / f"commit-{r}.json").read_bytes() == \
+                    (src.step_dir(JOB, step) / f"commit-{r}.json").read_bytes()
+            assert (METADATA in os.listdir(rdir)) == (src is a)
+            assert not [n for n in os.listdir(rdir) if n.startswith(".tmp")]
+        if step == 2:  # retain peer [1, 2]: step 1 stays
+            assert b.replica_dir("node-a", JOB, 1).is_dir()
+    # step 3 keeps only itself: the holders evicted steps 1 and 2 when its marker arrived
+    for holder, src in ((b, a), (a, b)):
+        for old in (1, 2):
+            wait_until(lambda h=holder, s=src, o=old: not h.replica_dir(s.node, JOB, o).exists(),
+                       timeout=10, what=f"step {old} evicted on {holder.node}")
+            wait_event(receiver, node=holder.node, job_id=JOB, step=old, tier="peer",
+                       kind="evicted")
+    assert read_json(a.step_dir(JOB, 3) / ".tier-0.json")["peer"]["done"] is True
+
+
+def test_peer_endpoints_need_the_peer_token(make_agent):
+    a = make_agent("node-a").start()
+    n = make_agent("node-n", peer_token=None).start()
+    put = f"{a.url}/v1/peer/replicas/node-b/{JOB}/1/__2_0.distcp"
+    get = f"{a.url}/v1/peer/files/{JOB}/1/__0_0.distcp"
+    dele = f"{a.url}/v1/peer/replicas/node-b/{JOB}/1"
+    for method, url in (("PUT", put), ("GET", get), ("DELETE", dele)):
+        r = httpx.request(method, url, content=b"x" if method == "PUT" else None)
+        assert r.status_code == 401, (method, r.text)
+        assert "Authorization: Bearer <peer token>" in r.json()["detail"]
+        r = httpx.request(method, url, headers={"Authorization": "Bearer wrong"},
+                          content=b"x" if method == "PUT" else None)
+        assert r.status_code == 403, (method, r.text)
+        assert "wrong peer token" in r.json()["detail"]
+    r = httpx.get(f"{n.url}/v1/peer/files/{JOB}/1/__0_0.distcp", headers=AUTH)
+    assert r.status_code == 403
+    assert "no peer token" in r.json()["detail"]
+    assert "--peer-token" in r.json()["detail"]
+    r = httpx.get(get, headers=AUTH)
+    assert r.status_code == 404
+    assert "not in node-a's memory tier" in r.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("path", "needle"),
+    [
+        ("/v1/peer/replicas/node-b/%2E%2E/1/__2_0.distcp", "job_id"),
+        ("/v1/peer/replicas/%2E%2E/job-1/1/__2_0.distcp", "node name"),
+        ("/v1/peer/replicas/node-b/job-1/1/%2E%2E", "file name"),
+        ("/v1/peer/replicas/node-b/job-1/1/agent.json", "file name"),
+        ("/v1/peer/replicas/node-b/job-1/1/.tier-0.json", "file name"),
+        ("/v1/peer/replicas/node-b/job-1/-1/__2_0.distcp", "step"),
+    ],
+)
+def test_bad_names_are_422(make_agent, path, needle):
+    a = make_agent("node-a").start()
+    body = b"hello"
+    r = httpx.put(f"{a.url}{path}", content=body,
+                  headers={**AUTH, "X-Tierwatch-Xxh3": xxh3_of(body)})
+    assert r.status_code == 422, r.text
+    assert needle in r.text
+    assert not (a.memory_dir / "replicas").exists() or not any(
+        p.is_file() for p in (a.memory_dir / "replicas").rglob("*"))
+    assert not (a.memory_dir.parent / "job-1").exists()
+    r = httpx.get(f"{a.url}/v1/peer/files/job-1/1/%2E%2E%2Fagent.json", headers=AUTH)
+    assert r.status_code in (404, 422)
+    r = httpx.get(f"{a.url}/v1/peer/files/job-1/1/__0_0.distcp?tier=peer&src=%2E%2E",
+                  headers=AUTH)
+    assert r.status_code == 422
+    r = httpx.get(f"{a.url}/v1/ckpt/jobs/%2E%2E/available")
+    assert r.status_code == 422
+
+
+def xxh3_of(data: bytes) -> str:
+    import xxhash
+
+    return xxhash.xxh3_64(data).hexdigest()
+
+
+def test_upload_with_wrong_checksum_is_409_and_leaves_nothing(make_agent):
+    a = make_agent("node-a").start()
+    body = os.urandom(300_000)
+    url = f"{a.url}/v1/peer/replicas/node-b/{JOB}/1/__2_0.distcp"
+    r = httpx.put(url, content=body, headers={**AUTH, "X-Tierwatch-Xxh3": "0" * 16})
+    assert r.status_code == 409, r.text
+    assert "does not match" in r.json()["detail"]
+    replicas = a.memory_dir / "replicas"
+    assert not replicas.exists() or not [p for p in replicas.rglob("*") if p.is_file()]
+    r = httpx.put(url, content=body, headers={**AUTH, "X-Tierwatch-Xxh3": "nothex"})
+    assert r.status_code == 422
+    r = httpx.put(url, content=body, headers={**AUTH, "X-Tierwatch-Xxh3": xxh3_of(body)})
+    assert r.status_code == 200, r.text
+    assert r.json()["bytes"] == len(body)
+    assert a.replica_dir("node-b", JOB, 1).joinpath("__2_0.distcp").read_bytes() == body
+
+
+def test_memory_budget_refuses_with_507_and_failed_events(make_agent, receiver):
+    a = make_agent("node-a")
+    b = make_agent("node-b", memory_budget="256KiB")
+    a.start()
+    b.start()
+    big = os.urandom(512 * 1024)
+    r = httpx.put(f"{b.url}/v1/peer/replicas/node-a/{JOB}/1/__0_0.distcp", content=big,
+                  headers={**AUTH, "X-Tierwatch-Xxh3": xxh3_of(big)})
+    assert r.status_code == 507, r.text
+    assert "memory budget" in r.json()["detail"]
+    assert "--memory-budget" in r.json()["detail"]
+    wait_event(receiver, node="node-b", job_id=JOB, step=1, tier="peer", kind="failed",
+               contains="memory budget")
+    # the same through replication: node-a's worker reports the refusal naming the file
+    layout = ["node-a", "node-b"]
+    write_step(a.memory_dir, job_id=JOB, step=2, node="node-a", layout=layout,
+               peer_urls=urls(a, b), shard_bytes=512 * 1024)
+    a.notify(JOB, 2)
+    ev = wait_event(receiver, node="node-a", job_id=JOB, step=2, tier="peer", kind="failed",
+                    contains="__0_0.distcp", agent=a)
+    assert "507" in ev.message
+    assert "node-b" in ev.message
+    assert not [p for p in (b.memory_dir / "replicas").rglob("*") if p.is_file()]
+    for f in load_manifest(a.step_dir(JOB, 2) / manifest_name(0)).files:
+        assert verify_file(a.step_dir(JOB, 2) / f.name, f) is None  # memory tier untouched
+
+
+def test_persistent_upload_writes_metadata_last_and_applies_retention(
+        make_agent, receiver, persistent_dir):
+    a = make_agent("node-a", replication=0)
+    b = make_agent("node-b", replication=0)
+    layout = ["node-a", "node-b"]
+    retain = {"memory": [1], "peer": [], "persistent": [1]}
+    for agent in (a, b):
+        write_step(agent.memory_dir, job_id=JOB, step=1, node=agent.node, layout=layout,
+                   persist=True, retain=retain)
+    a.start()  # node-b's agent is down: rank 1's manifest cannot reach the persistent tier
+    pstep = persistent_dir / JOB / "step-1"
+    wait_event(receiver, node="node-a", job_id=JOB, step=1, tier="persistent",
+               kind="committed", rank=0, agent=a)
+    assert (pstep / shard_name(0)).is_file()
+    assert (pstep / manifest_name(0)).is_file()
+    wait_more_batches(receiver, "node-a", 5)  # the worker polled several times meanwhile
+    assert not (pstep / manifest_name(1)).exists()
+    assert not (pstep / METADATA).exists()  # never before every rank's manifest
+    b.start()
+    wait_event(receiver, node="node-a", job_id=JOB, step=1, tier="persistent",
+               kind="committed", rank=None, agent=a)
+    meta_time = (pstep / METADATA).stat().st_mtime_ns
+    for name in (shard_name(0), shard_name(1), manifest_name(0), manifest_name(1)):
+        assert (pstep / name).stat().st_mtime_ns <= meta_time
+    assert (pstep / METADATA).read_bytes() == (a.step_dir(JOB, 1) / METADATA).read_bytes()
+    assert not [n for n in os.listdir(pstep) if n.startswith(".tmp")]
+    assert not ckpt_events(receiver, node="node-b", tier="persistent", rank=None)
+    # retention: step 2 keeps [1, 2], step 3 keeps [2, 3] -> step 1 removed after step 3
+    for step, keep in ((2, [1, 2]), (3, [2, 3])):
+        for agent in (a, b):
+            write_step(agent.memory_dir, job_id=JOB, step=step, node=agent.node,
+                       layout=layout, persist=True,
+                       retain={"memory": [step], "peer": [], "persistent": keep})
+            agent.notify(JOB, step)
+        wait_event(receiver, node="node-a", job_id=JOB, step=step, tier="persistent",
+                   kind="committed", rank=None, agent=a)
+        if step == 2:
+            assert (persistent_dir / JOB / "step-1" / METADATA).exists()
+    wait_event(receiver, node="node-a", job_id=JOB, step=1, tier="persistent", kind="evicted")
+    assert sorted(os.listdir(persistent_dir / JOB)) == ["step-2", "step-3"]
+    assert (persistent_dir / JOB / "step-3" / METADATA).exists()
+    avail = httpx.get(f"{a.url}/v1/ckpt/jobs/{JOB}/available", params={"persistent": 1}).json()
+    pers = [e for e in avail["entries"] if e["tier"] == "persistent"]
+    assert sorted({(e["step"], e["rank"]) for e in pers}) == [(2, 0), (2, 1), (3, 0), (3, 1)]
+    assert all(e["holder"] == "persistent" for e in pers)
+    assert pers[0]["url"] == f"file://{persistent_dir}/{JOB}/step-{pers[0]['step']}"
+
+
+def test_unwritable_persistent_tier_is_a_failed_event_and_memory_stays(
+        make_agent, receiver, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a regular file where the persistent folder should be")
+    a = make_agent("node-a", persistent_url=f"file://{blocker}/ckpt").start()
+    write_step(a.memory_dir, job_id=JOB, step=1, node="node-a", layout=["node-a"],
+               persist=True)
+    a.notify(JOB, 1)
+    ev = wait_event(receiver, node="node-a", job_id=JOB, step=1, tier="persistent",
+                    kind="failed", rank=0, agent=a)
+    assert shard_name(0) in ev.message
+    assert str(blocker) in ev.message
+    one = wait_event(receiver, node="node-a", job_id=JOB, tier="peer", kind="failed",
+                     contains="job runs on one node")
+    assert one.message == "job runs on one node: no peer tier"
+    wait_more_batches(receiver, "node-a", 3)
+    assert len(ckpt_events(receiver, tier="peer", kind="failed")) == 1  # reported once
+    for f in load_manifest(a.step_dir(JOB, 1) / manifest_name(0)).files:
+        assert verify_file(a.step_dir(JOB, 1) / f.name, f) is None
+    assert httpx.get(f"{a.url}/v1/ckpt/info").status_code == 200  # the agent goes on
+
+
+def _limit_file_size() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024 * 1024, 1024 * 1024))
+
+
+def test_full_persistent_tier_is_a_failed_event(make_agent, receiver, tmp_path):
+    # RLIMIT_FSIZE holds for root too: any file the agent writes stops at 1 MiB (EFBIG).
+    a = make_agent("node-a", preexec_fn=_limit_file_size).start()
+    write_step(a.memory_dir, job_id=JOB, step=1, node="node-a", layout=["node-a"],
+               persist=True, shard_bytes=3 * 1024 * 1024)
+    a.notify(JOB, 1)
+    ev = wait_event(receiver, node="node-a", job_id=JOB, step=1, tier="persistent",
+                    kind="failed", rank=0, agent=a)
+    assert shard_name(0) in ev.message
+    assert "File too large" in ev.message
+    for f in load_manifest(a.step_dir(JOB, 1) / manifest_name(0)).files:
+        assert verify_file(a.step_dir(JOB, 1) / f.name, f) is None
+
+
+def test_restarted_agent_catches_up_and_does_not_redo(make_agent, receiver, persistent_dir):
+    a, b = make_agent("node-a"), make_agent("node-b")
+    layout = ["node-a", "node-b"]
+    peers = urls(a, b)
+    b.start()
+    # node-a's agent is down while its rank commits steps 1 and 2
+    for step in (1, 2):
+        write_step(a.memory_dir, job_id=JOB, step=step, node="node-a", layout=layout,
+                   peer_urls=peers, persist=True,
+                   retain={"memory": [1, 2], "peer": [1, 2], "persistent": [1, 2]})
+    a.start()
+    wait_event(receiver, node="node-a", job_id=JOB, step=2, tier="peer", kind="committed",
+               rank=0, agent=a)
+    wait_event(receiver, node="node-a", job_id=JOB, step=2, tier="persistent",
+               kind="committed", rank=0, agent=a)
+    assert b.replica_dir("node-a", JOB, 2).joinpath(shard_name(0)).is_file()
+    assert not b.replica_dir("node-a", JOB, 1).exists()  # superseded: only the newest
+    assert not (persistent_dir / JOB / "step-1").exists()
+    progress = read_json(a.step_dir(JOB, 2) / ".tier-0.json")
+    assert progress["peer"]["done"] is True
+    assert progress["persistent"]["uploaded"] is True
+    first_epoch = {bt.epoch for bt in receiver.stored() if bt.node == "node-a"}
+    a.stop()
+    a.start()
+    wait_more_batches(receiver, "node-a", 8)
+    new = [e for bt in receiver.stored() if bt.node == "node-a" and bt.epoch not in first_epoch
+           for e in bt.checkpoint_events if e.kind == "committed"]
+    assert new == []  # finished work is not redone
+    # the trainer moves on to step 3; the restarted agent handles it
+    write_step(a.memory_dir, job_id=JOB, step=3, node="node-a", layout=layout,
+               peer_urls=peers, retain={"memory": [3], "peer": [3], "persistent": [2]})
+    a.notify(JOB, 3)
+    wait_event(receiver, node="node-a", job_id=JOB, step=3, tier="peer", kind="committed",
+               rank=0, agent=a)
+    # the trainer evicts step 2 from memory: the agent drops its progress file with it
+    evict_memory_step(a.memory_dir, JOB, 2, [0])
+    wait_until(lambda: not a.step_dir(JOB, 2).exists(), timeout=10,
+               what="progress of the evicted memory step cleaned up")
+
+
+def test_available_and_stage_fall_back_past_corrupt_sources(make_agent, receiver,
+                                                            persistent_dir):
+    a, b = make_agent("node-a"), make_agent("node-b")
+    layout = ["node-a", "node-b"]
+    peers = urls(a, b)
+    a.start()
+    b.start()
+    for agent in (a, b):
+        write_step(agent.memory_dir, job_id=JOB, step=4, node=agent.node, layout=layout,
+                   peer_urls=peers, persist=True)
+        agent.notify(JOB, 4)
+    wait_event(receiver, node="node-a", job_id=JOB, step=4, tier="persistent",
+               kind="committed", rank=None, agent=a)
+    wait_event(receiver, node="node-b", job_id=JOB, step=4, tier="peer", kind="committed",
+               rank=1, agent=b)
+
+    avail = httpx.get(f"{a.url}/v1/ckpt/jobs/{JOB}/available").json()
+    assert avail["node"] == "node-a"
+    assert avail["peer_url"] == a.url
+    got = sorted((e["tier"], e["holder"], e["src"], e["step"], e["rank"])
+                 for e in avail["entries"])
+    assert got == [("memory", "node-a", "node-a", 4, 0), ("peer", "node-a", "node-b", 4, 1)]
+    assert all(e["url"] == a.url for e in avail["entries"])
+    rank1 = next(e for e in avail["entries"] if e["rank"] == 1)["manifest"]
+    entry = next(f for f in rank1["files"] if f["name"] == shard_name(1))
+    with_pers = httpx.get(f"{a.url}/v1/ckpt/jobs/{JOB}/available?persistent=1").json()
+    assert {e["tier"] for e in with_pers["entries"]} == {"memory", "peer", "persistent"}
+
+    # corrupt node-a's replica of rank 1's shard (flip a byte) and node-b's memory copy
+    # (truncate to zero): staging falls back to the persistent tier
+    replica = a.replica_dir("node-b", JOB, 4) / shard_name(1)
+    data = bytearray(replica.read_bytes())
+    data[100] ^= 0xFF
+    replica.write_bytes(bytes(data))
+    sources = [
+        {"tier": "peer", "holder": "node-a", "url": a.url, "src": "node-b"},
+        {"tier": "memory", "holder": "node-b", "url": b.url, "src": "node-b"},
+        {"tier": "persistent", "holder": "persistent",
+         "url": f"file://{persistent_dir}/{JOB}/step-4", "src": "node-b"},
+    ]
+    meta = next(f for f in load_manifest(a.step_dir(JOB, 4) / manifest_name(0)).files
+                if f.name == METADATA)
+    files = [{"name": METADATA, "size": meta.size, "xxh3": meta.xxh3,
+              "sources": [{"tier": "memory", "holder": "node-a", "url": a.url,
+                           "src": "node-a"}]},
+             {"name": shard_name(1), **{k: entry[k] for k in ("size", "xxh3")},
+              "sources": sources}]
+
+    def stage():
+        r = httpx.post(f"{a.url}/v1/ckpt/jobs/{JOB}/stage", json={"step": 4, "files": files},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    out = stage()
+    assert out["ok"] is True, out
+    assert out["dir"] == str(a.memory_dir / "restore" / JOB / "step-4")
+    assert out["files"] == [{"name": METADATA, "tier": "memory", "holder": "node-a"},
+                            {"name": shard_name(1), "tier": "memory", "holder": "node-b"}]
+    assert len(out["errors"]) == 1
+    assert shard_name(1) in out["errors"][0]
+    assert "peer:node-a" in out["errors"][0]
+    ev = wait_event(receiver, node="node-a", job_id=JOB, step=4, tier="peer", kind="failed",
+                    contains=shard_name(1))
+    assert "checksum" in ev.message
+    staged = Path(out["dir"])
+    # the own-memory file is a hard link, the remote one a verified copy
+    assert (staged / METADATA).stat().st_ino == (a.step_dir(JOB, 4) / METADATA).stat().st_ino
+    assert xxh3_file(staged / shard_name(1)) == (entry["size"], entry["xxh3"])
+
+    # a second stage of the same step reuses what is staged; a new step removes the old one
+    (staged / shard_name(1)).unlink()
+    (b.step_dir(JOB, 4) / shard_name(1)).write_bytes(b"")
+    out = stage()
+    assert out["ok"] is True, out
+    assert out["files"][1] == {"name": shard_name(1), "tier": "persistent",
+                               "holder": "persistent"}
+    assert len(out["errors"]) == 2
+    assert any("memory:node-b" in e and shard_name(1) in e for e in out["errors"])
+    wait_event(receiver, node="node-a", job_id=JOB, step=4, tier="memory", kind="failed",
+               contains="node-b")
+    assert xxh3_file(staged / shard_name(1)) == (entry["size"], entry["xxh3"])
+
+    # every source bad: ok false, the file named
+    for f in files[1:]:
+        f["sources"] = sources[:2]
+    (staged / shard_name(1)).unlink()
+    out = stage()
+    assert out["ok"] is False
+    assert any("every source failed" in e and shard_name(1) in e for e in out["errors"])
+    # staging another step removes this job's other restore folders
+    r = httpx.post(f"{a.url}/v1/ckpt/jobs/{JOB}/stage", json={"step": 5, "files": []})
+    assert r.json()["ok"] is True
+    assert not staged.exists()
+    bad = httpx.post(f"{a.url}/v1/ckpt/jobs/{JOB}/stage",
+                     json={"step": 4, "files": [{**files[0], "name": "../../agent.json"}]})
+    assert bad.status_code == 422
