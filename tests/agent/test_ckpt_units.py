@@ -1,0 +1,111 @@
+"""Pure parts of the agent's checkpoint store: sizes, settings, placement, budget accounting."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import xxhash
+from procs import BIN, base_env
+from pydantic import ValidationError
+
+from tierwatch.agent.checkpoint.replicator import peer_targets
+from tierwatch.agent.checkpoint.store import MemoryStore, StoreError
+from tierwatch.agent.config import AgentSettings, parse_bytes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("0", 0), ("123", 123), ("64KiB", 65536), ("8GiB", 8 * 1024**3), ("1.5G", 1_500_000_000),
+     ("2 MB", 2_000_000), ("512mib", 512 * 1024**2), (4096, 4096)],
+)
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "-1", "8 GiBs", "lots", "1e9", -5])
+def test_parse_bytes_refuses(text):
+    with pytest.raises(ValueError, match="size"):
+        parse_bytes(text)
+
+
+def test_checkpoint_settings_from_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("TIERWATCH_MEMORY_BUDGET", "8GiB")
+    monkeypatch.setenv("TIERWATCH_PEER_TOKEN", "s3cret")
+    monkeypatch.setenv("TIERWATCH_REPLICATION", "2")
+    monkeypatch.setenv("TIERWATCH_PERSISTENT_URL", str(tmp_path / "p"))
+    s = AgentSettings(node="gpu-1")
+    assert s.memory_budget == 8 * 1024**3
+    assert s.peer_token_value == "s3cret"
+    assert s.replication == 2
+    assert s.resolved_persistent_url() == f"file://{tmp_path / 'p'}"
+    assert str(s.resolved_memory_dir()) == "/dev/shm/tierwatch/gpu-1"
+    assert s.ckpt_scan_interval == 2.0
+    monkeypatch.delenv("TIERWATCH_MEMORY_BUDGET")
+    s = AgentSettings(node="gpu-1", memory_dir=tmp_path)
+    st = os.statvfs(tmp_path)
+    assert s.resolved_memory_budget() == st.f_frsize * st.f_blocks // 2
+    with pytest.raises(ValidationError, match="advertise_url"):
+        AgentSettings(node="gpu-1", advertise_url="gpu-1:9470")
+    with pytest.raises(ValidationError, match="8GiB"):
+        AgentSettings(node="gpu-1", memory_budget="much")
+
+
+def test_run_refuses_a_bad_memory_budget():
+    out = subprocess.run(
+        [str(BIN / "tierwatch-agent"), "run", "--node", "n", "--server", "http://x:1",
+         "--token", "t", "--memory-budget", "eight gigs"],
+        capture_output=True, text=True, timeout=60, env=base_env())
+    assert out.returncode == 2
+    assert "memory_budget" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("layout", "rank", "replication", "expected"),
+    [
+        (["a", "a", "b", "b"], 0, 1, ["b"]),
+        (["a", "a", "b", "b"], 1, 1, ["b"]),
+        (["a", "a", "b", "b"], 3, 1, ["a"]),
+        (["a", "b", "c", "d"], 2, 2, ["d", "a"]),
+        (["a", "a", "b", "b", "c", "c"], 5, 2, ["a", "b"]),
+        (["a", "b"], 0, 5, ["b"]),
+        (["a", "a"], 1, 1, []),
+        (["a"], 0, 1, []),
+    ],
+)
+def test_peer_targets(layout, rank, replication, expected):
+    assert peer_targets(layout, rank, replication) == expected
+
+
+def test_budget_counts_hard_links_once_and_reserves_uploads(tmp_path):
+    store = MemoryStore(tmp_path / "mem", node="node-a", budget_bytes=10_000)
+    f = tmp_path / "mem" / "jobs" / "j" / "step-1" / "__0_0.distcp"
+    f.parent.mkdir(parents=True)
+    f.write_bytes(b"x" * 4000)
+    restore = tmp_path / "mem" / "restore" / "j" / "step-1"
+    restore.mkdir(parents=True)
+    os.link(f, restore / f.name)
+    assert store.used_bytes() == 4000
+    data = b"y" * 5000
+    digest = xxhash.xxh3_64(data).hexdigest()
+    up = store.begin_replica(src_node="node-b", job_id="j", step=1, name="__1_0.distcp",
+                             xxh3=digest, size=len(data))
+    assert store.used_bytes() == 9000  # the announced size is reserved
+    with pytest.raises(StoreError) as exc:
+        store.begin_replica(src_node="node-b", job_id="j", step=1, name="__2_0.distcp",
+                            xxh3=digest, size=len(data))
+    assert exc.value.status == 507
+    assert "9000 of 10000 bytes used" in exc.value.message
+    up.write(data)
+    got = up.finish()
+    assert got.size == 5000
+    assert store.used_bytes() == 9000
+    # a body longer than announced is cut off at the budget, and nothing is left
+    up = store.begin_replica(src_node="node-b", job_id="j", step=2, name="__1_0.distcp",
+                             xxh3=digest, size=None)
+    with pytest.raises(StoreError) as exc:
+        up.write(b"z" * 2000)
+    assert exc.value.status == 507
+    assert not (tmp_path / "mem" / "replicas" / "node-b" / "j" / "step-2").exists()
+    assert store.used_bytes() == 9000
