@@ -28,11 +28,13 @@ import hashlib
 import json
 import math
 import os
+import random
 import sys
 import sysconfig
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -165,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", type=Path, default=Path("var/train"))
     p.add_argument("--final", action="store_true", help="write final state digests")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--exact-resume", action="store_true",
+                   help="one DDP gradient bucket per parameter, so a resumed run is bit-exact")
     p.add_argument("--fsdp", action="store_true",
                    help="shard parameters and optimizer state with FSDP2 (fully_shard) "
                    "instead of DDP; the checkpoint then holds DTensor shards")
@@ -193,11 +197,19 @@ def main(argv: list[str] | None = None) -> int:
         fully_shard(model, mesh=mesh)
         ddp = model
     else:
-        ddp = DDP(model) if distributed else model
+        # DDP sums gradients bucket by bucket and rebuilds its buckets after a process's
+        # first step; the position of a gradient inside a bucket sets the order in which the
+        # ring all_reduce adds the ranks' values. A resumed process's first step therefore
+        # rounds differently from the uninterrupted run's, unless every parameter has its
+        # own bucket (--exact-resume), which keeps resumed runs bit-exact.
+        buckets = {"bucket_cap_mb_list": [1e-6]} if args.exact_resume else {}
+        ddp = DDP(model, **buckets) if distributed else model
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(args.warmup, args.steps))
     sampler = ResumableDistributedSampler(windows, shuffle=True, seed=args.seed)
-    torch.manual_seed(args.seed + rank)  # per-rank stream (draws the sequence shifts)
+    torch.manual_seed(args.seed + rank)  # per-rank streams (they draw the sequence shifts)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
     rng = RNGState()
     state = {"model": model, "optim": optim, "sched": sched, "rng": rng, "data": sampler}
 
@@ -226,9 +238,11 @@ def main(argv: list[str] | None = None) -> int:
             except StopIteration:
                 it = iter(sampler)  # the sampler moved to the next epoch
                 continue
-            # A random shift per sequence, drawn from this rank's torch generator: the
-            # data then depends on the per-rank RNG state the checkpoint must restore.
-            off = i * args.block + int(torch.randint(0, args.block, (1,)))
+            # A random shift per sequence, drawn from this rank's torch, Python and NumPy
+            # generators: the data depends on all the per-rank RNG state a resume restores.
+            shift = int(torch.randint(0, args.block, (1,))) + random.randrange(args.block) \
+                + int(np.random.randint(args.block))
+            off = i * args.block + shift % args.block
             rows.append(data[off: off + args.block + 1])
         return torch.stack(rows).to(device)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from alembic import context
 
 from tierwatch.server import tokens as _tokens  # noqa: F401
+from tierwatch.server.checkpoints import models as _checkpoint_models  # noqa: F401
 from tierwatch.server.config import get_settings
 from tierwatch.server.db import Base, make_engine
 from tierwatch.server.fleet import models as _fleet_models  # noqa: F401  (registers tables)

@@ -27,7 +27,7 @@ from tierwatch.agent.checkpoint.manifest import load_manifest, verify_file
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SMALL = ["--width", "32", "--layers", "1", "--block", "32", "--corpus-bytes", "200000",
-         "--batch-size", "4", "--warmup", "4"]
+         "--batch-size", "4", "--warmup", "4", "--exact-resume"]
 FOUR_ON_TWO = ["node-a", "node-a", "node-b", "node-b"]
 
 
