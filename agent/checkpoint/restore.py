@@ -208,10 +208,12 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
             break
         log.warning("rank %d: step %d could not be staged (%s); choosing again", ckpt.rank,
                     chosen, "; ".join(failed)[:500])
-        excluded.add(chosen)
         if not persistent:
+            # the persistent tier is the next source of the bad files: retry this step with it
             persistent = True
             views = _gather_views(ckpt, persistent)
+        else:
+            excluded.add(chosen)
     else:
         raise CheckpointError(f"restore of {ckpt.job_id} gave up after {MAX_ATTEMPTS} attempts")
 

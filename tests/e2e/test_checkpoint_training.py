@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -240,7 +241,12 @@ def test_corrupt_file_in_each_tier_is_detected_and_another_source_used(
     rep_copy = a.memory_dir / "replicas" / "node-b" / job / f"step-{newest}" / shard
     per = cluster.persistent_dir / job / f"step-{newest}" / shard
 
+    def forget_staged() -> None:  # a verified staged copy would be reused otherwise
+        for node in (a, b):
+            shutil.rmtree(node.memory_dir / "restore", ignore_errors=True)
+
     def flip(path: Path) -> None:
+        forget_staged()
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
@@ -254,6 +260,7 @@ def test_corrupt_file_in_each_tier_is_detected_and_another_source_used(
     assert rep["step"] == newest
     assert rep["sources"][shard].startswith("peer:")
     # 2. memory and peer copies bad (truncated to zero) → persistent, same step
+    forget_staged()
     mem.write_bytes(b"")
     rep_copy.write_bytes(b"")
     procs = cluster.launch(train_args(job, 8, log, "--persist-every", "1"),
