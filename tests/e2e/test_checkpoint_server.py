@@ -1,0 +1,149 @@
+"""Real training with a real server: the control plane sees every tier; a broken persistent
+tier or a too-small memory budget never stops training and is reported."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+from procs import wait_for
+from test_checkpoint_training import FOUR_ON_TWO, SMALL
+from training import Cluster, committed_steps, read_losses, start_cluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    c = start_cluster(tmp_path / "cluster", with_server=True)
+    yield c
+    c.stop()
+
+
+def job(c: Cluster, token: str, job_id: str) -> dict:
+    assert c.server is not None
+    r = httpx.get(f"{c.server.url}/api/v1/jobs/{job_id}",
+                  headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    r.raise_for_status()
+    return r.json()
+
+
+def args(job_id: str, steps: int, log: Path, *extra: str) -> list[str]:
+    return ["--job-id", job_id, "--steps", str(steps), "--log-dir", str(log), *SMALL, *extra]
+
+
+def test_server_shows_all_three_tiers_of_a_training_job(cluster: Cluster, tmp_path: Path
+                                                        ) -> None:
+    cluster.add_node("node-a")
+    cluster.add_node("node-b")
+    viewer = cluster.server.token("viewer")  # type: ignore[union-attr]
+    log = tmp_path / "log"
+    procs = cluster.launch(args("tiers", 12, log, "--persist-every", "5"),
+                           placement=FOUR_ON_TWO, log_dir=log)
+    assert cluster.wait_ranks(procs, 240) == [0, 0, 0, 0]
+
+    def settled() -> dict | None:
+        j = job(cluster, viewer, "tiers")
+        t = j["tiers"]
+        ok = (j["step"] == 11 and t["memory"]["newest_step"] == 11
+              and t["peer"]["newest_step"] == 11 and t["persistent"]["newest_step"] == 10)
+        return j if ok else None
+
+    j = wait_for(settled, timeout=60, what="memory 11, peer 11, persistent 10 on the server")
+    assert j["world_size"] == 4
+    assert j["layout"] == FOUR_ON_TWO
+    assert j["tiers"]["memory"]["lag_steps"] == 0
+    assert j["tiers"]["persistent"]["lag_steps"] == 1
+    assert j["tiers"]["memory"]["last_blocking_s"] is not None
+    assert j["tiers"]["persistent"]["advice"]["recommended_s"] > 0
+    kinds = {(e["tier"], e["kind"]) for e in j["events"]}
+    assert {("memory", "committed"), ("peer", "committed"), ("persistent", "committed"),
+            ("memory", "staged")} <= kinds
+    assert j["restores"][0]["message"] == "no complete step in any tier"
+    # the dashboard's job page shows the tiers for a signed-in viewer
+    with httpx.Client(base_url=cluster.server.url) as web:  # type: ignore[union-attr]
+        form = web.get("/login").text
+        csrf = re.search(r'name="csrf_token" value="([^"]+)"', form).group(1)  # type: ignore[union-attr]
+        r = web.post("/login", data={"token": viewer, "csrf_token": csrf, "next": "/jobs/tiers"},
+                     follow_redirects=True)
+        assert r.status_code == 200
+        row = re.search(r'<tr data-row="newest_step">(.*?)</tr>', r.text).group(1)  # type: ignore[union-attr]
+        cells = dict(re.findall(r'<td data-tier="(\w+)"[^>]*>([^<]*)</td>', row))
+        assert cells == {"memory": "11", "peer": "11", "persistent": "10"}
+        assert web.get("/").text.count("/jobs/tiers") >= 1  # the cluster page lists the job
+    r = httpx.get(f"{cluster.server.url}/metrics")  # type: ignore[union-attr]
+    assert 'tierwatch_checkpoint_lag_steps{job="tiers",tier="persistent"} 1.0' in r.text
+
+
+def _tiny_tmpfs(path: Path) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)],
+                         capture_output=True, text=True, check=False)
+    return out.returncode == 0
+
+
+@pytest.mark.parametrize("how", ["unwritable", "full"])
+def test_broken_persistent_tier_never_stops_training(cluster: Cluster, tmp_path: Path,
+                                                     how: str) -> None:
+    if how == "unwritable":
+        blocker = tmp_path / "not-a-dir"
+        blocker.write_text("a regular file where the persistent folder should be\n")
+        url = f"file://{blocker}/checkpoints"  # mkdir under a file: ENOTDIR, even for root
+        mounted = None
+    else:
+        mounted = tmp_path / "tiny"
+        if not _tiny_tmpfs(mounted):
+            pytest.skip("mounting a 64 KiB tmpfs needs root with CAP_SYS_ADMIN")
+        url = f"file://{mounted}"
+    try:
+        for name in ("node-a", "node-b"):
+            cluster.add_node(name, extra_args=["--persistent-url", url])
+        viewer = cluster.server.token("viewer")  # type: ignore[union-attr]
+        log = tmp_path / "log"
+        procs = cluster.launch(args("broken-persist", 10, log, "--persist-every", "2"),
+                               placement=["node-a", "node-b"], log_dir=log)
+        assert cluster.wait_ranks(procs, 240) == [0, 0]
+        assert sorted(read_losses(log)) == list(range(10))
+
+        def reported() -> dict | None:
+            j = job(cluster, viewer, "broken-persist")
+            failed = [e for e in j["events"] if e["tier"] == "persistent"
+                      and e["kind"] == "failed"]
+            t = j["tiers"]
+            ok = failed and t["memory"]["newest_step"] == 9 and t["peer"]["newest_step"] == 9
+            return j if ok else None
+
+        j = wait_for(reported, timeout=60, what="persistent failure + memory/peer at step 9")
+        assert j["tiers"]["persistent"]["newest_step"] is None
+        messages = " ".join(e["message"] for e in j["events"] if e["kind"] == "failed")
+        assert "distcp" in messages or "manifest" in messages, messages
+    finally:
+        if mounted is not None:
+            with contextlib.suppress(Exception):
+                subprocess.run(["umount", str(mounted)], check=False, capture_output=True)
+
+
+def test_memory_budget_refuses_a_step_with_a_clear_error_and_training_goes_on(
+        cluster: Cluster, tmp_path: Path) -> None:
+    node = cluster.add_node("node-a", extra_args=["--memory-budget", "64KiB"])
+    viewer = cluster.server.token("viewer")  # type: ignore[union-attr]
+    log = tmp_path / "log"
+    procs = cluster.launch(args("budget", 5, log), placement=["node-a"], log_dir=log)
+    assert cluster.wait_ranks(procs, 120) == [0]
+    assert sorted(read_losses(log)) == list(range(5))
+    assert committed_steps(node, "budget", 0) == []
+
+    def failed() -> list[dict]:
+        j = job(cluster, viewer, "budget")
+        return [e for e in j["events"] if e["tier"] == "memory" and e["kind"] == "failed"]
+
+    events = wait_for(failed, timeout=60, what="memory failure events")
+    assert "memory budget exceeded" in events[0]["message"]
+    assert "--memory-budget" in events[0]["message"]
