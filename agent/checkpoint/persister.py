@@ -4,6 +4,10 @@
 and, written last by the agent of the node whose rank lists it, ``.metadata``. A step exists
 on this tier only once its ``.metadata`` is there.
 
+That agent uploads ``.metadata`` together with its rank's files, but as
+``.metadata.staged`` (the trainer may drop the step from memory long before the other nodes'
+uploads finish); once every rank's manifest is in the folder it renames it to ``.metadata``.
+
 Writes: on a local filesystem (``file://``) each file goes to a temporary name, is fsync'd,
 renamed and its folder fsync'd; on an object store (``s3://`` with s3fs installed, …) a plain
 put is the commit (objects appear whole or not at all).
@@ -41,6 +45,8 @@ from tierwatch.agent.checkpoint.manifest import (
 )
 
 log = logging.getLogger(__name__)
+
+STAGED_METADATA = METADATA + ".staged"
 
 ProgressFn = Callable[[int], None]
 
@@ -219,6 +225,40 @@ class PersistentTier:
             raise PersistentError(f"cannot write {where}: {exc}") from None
         except OSError as exc:
             raise PersistentError(f"cannot write {where} from {local}: {exc}") from None
+
+    def has_staged_metadata(self, job_id: str, step: int) -> bool:
+        """Whether ``.metadata.staged`` waits in the step folder for the other ranks."""
+        try:
+            return bool(self.fs.exists(self.file_path(job_id, step, STAGED_METADATA)))
+        except OSError:
+            return False
+
+    def commit_metadata(self, job_id: str, step: int) -> None:
+        """Rename ``.metadata.staged`` to ``.metadata``: the step now exists on this tier
+        (local: rename + fsync of the folder; object stores: a server-side copy, then the
+        staged object is removed).
+
+        Raises:
+            PersistentError: the rename failed (names the step's URL).
+        """
+        src = self.file_path(job_id, step, STAGED_METADATA)
+        dest = self.file_path(job_id, step, METADATA)
+        try:
+            if self.local:
+                os.replace(src, dest)
+                fsync_dir(Path(dest).parent)
+            else:
+                self.fs.mv(src, dest)
+        except OSError as exc:
+            raise PersistentError(f"cannot write {self.step_url(job_id, step)}/{METADATA}: "
+                                  f"{exc}") from None
+
+    def remove_staged_metadata(self, job_id: str, step: int) -> None:
+        """Remove ``.metadata.staged`` (a step given up on); missing is fine."""
+        try:
+            self.fs.rm(self.file_path(job_id, step, STAGED_METADATA))
+        except (FileNotFoundError, OSError):
+            pass
 
     def delete_step(self, job_id: str, step: int) -> None:
         """Remove one step folder, ``.metadata`` first (so it stops existing before its

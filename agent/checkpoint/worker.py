@@ -9,17 +9,20 @@ node's own ranks write) every scan interval, and at once after ``POST /v1/ckpt/n
   older replicas when the commit marker arrives.
 - the **persistent** thread uploads the rank's files and manifest of the newest committed step
   with ``persist`` true to ``<persistent-url>/<job>/step-<N>/``. The agent whose rank lists
-  ``.metadata`` then waits (polling each scan, at most ``metadata_wait_s``) until manifests of
-  all ``world_size`` ranks are in the persistent folder, uploads ``.metadata`` last, reports
-  the whole step committed (``rank`` None) and applies persistent retention.
+  ``.metadata`` uploads it with them as ``.metadata.staged`` (the trainer may drop the step from
+  memory before the other nodes are done), waits (polling each scan, at most
+  ``metadata_wait_s``) until manifests of all ``world_size`` ranks are in the persistent
+  folder, then renames it to ``.metadata`` (last), reports the whole step committed (``rank``
+  None) and applies persistent retention. After a restart it finds such steps again on the
+  persistent tier.
 
-Progress lives in ``<step>/.tier-<r>.json`` (``{"peer": {"targets": {node: "done"},
-"done": bool}, "persistent": {"uploaded": bool, "metadata": "pending"|"done"|"gave_up",
-"wait_since": unix_s}}``), so a restarted agent skips finished work and catches up on the
-newest steps the trainer committed while it was down; steps superseded meanwhile are not
-replicated. Every outcome is a :class:`~tierwatch.agent.protocol.CheckpointEvent`; a failure
-(disk full, unwritable URL, peer unreachable) is a ``failed`` event naming the file, retried
-with a backoff, and the worker goes on with other work.
+Progress lives in ``<step>/.tier-<r>.json`` (``{"peer": {"targets": {node: "done"}, "done":
+bool}, "persistent": {"uploaded": bool}}``), so a restarted agent skips finished work and
+catches up on the newest steps the trainer committed while it was down; steps superseded
+meanwhile are not replicated. Every outcome is a
+:class:`~tierwatch.agent.protocol.CheckpointEvent`; a failure (disk full, unwritable URL, peer
+unreachable) is a ``failed`` event naming the file, retried with a backoff, and the worker goes
+on with other work.
 """
 
 from __future__ import annotations
@@ -48,7 +51,11 @@ from tierwatch.agent.checkpoint.manifest import (
     load_manifest,
     xxh3_file,
 )
-from tierwatch.agent.checkpoint.persister import PersistentError, PersistentTier
+from tierwatch.agent.checkpoint.persister import (
+    STAGED_METADATA,
+    PersistentError,
+    PersistentTier,
+)
 from tierwatch.agent.checkpoint.replicator import PeerClient, PeerError, peer_targets
 from tierwatch.agent.checkpoint.store import PROGRESS_PREFIX, MemoryStore
 from tierwatch.agent.protocol import CheckpointEvent, utcnow
@@ -58,6 +65,19 @@ log = logging.getLogger(__name__)
 EventSink = Callable[[CheckpointEvent], None]
 METADATA_WAIT_S = 600.0
 BACKOFF_MAX_S = 60.0
+
+
+@dataclass(frozen=True)
+class PendingMetadata:
+    """A step whose ``.metadata.staged`` this agent uploaded; it waits for every rank's
+    manifest on the persistent tier (``since``: monotonic seconds; ``keep``: the commit
+    marker's ``retain["persistent"]``, None when unknown after a restart)."""
+
+    job_id: str
+    step: int
+    world_size: int
+    keep: list[int] | None
+    since: float
 
 
 @dataclass(frozen=True)
@@ -102,6 +122,8 @@ class TierWorker:
         self._threads: list[threading.Thread] = []
         self._backoff: dict[tuple[Any, ...], tuple[int, float]] = {}
         self._said_once: set[tuple[str, str]] = set()
+        self._pending: dict[tuple[str, int], PendingMetadata] = {}
+        self._pending_loaded = False
         self.scans = {"peer": 0, "persistent": 0}
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -300,21 +322,52 @@ class TierWorker:
     def persistent_pass(self) -> None:
         """Upload the newest persisted step of every local rank, finish pending
         ``.metadata`` writes and apply persistent retention (one pass)."""
-        for commits in self.local_commits().values():
+        commits = self.local_commits()
+        if not self._pending_loaded:
+            self._load_pending(commits)
+        for per_rank in commits.values():
             if self._stop.is_set():
                 return
-            persisted = [c for c in commits if c.marker.persist]
+            persisted = [c for c in per_rank if c.marker.persist]
             if not persisted:
                 continue
             newest = persisted[-1]
-            for c in persisted:
-                progress = self.store.read_progress(c.step_dir, c.rank).get("persistent", {})
-                if c is newest and not progress.get("uploaded"):
-                    self._upload(c)
-                    progress = self.store.read_progress(c.step_dir, c.rank).get(
-                        "persistent", {})
-                if progress.get("metadata") == "pending":
-                    self._finish_metadata(c, progress)
+            progress = self.store.read_progress(newest.step_dir, newest.rank)
+            if not progress.get("persistent", {}).get("uploaded"):
+                self._upload(newest)
+        for key in sorted(self._pending):
+            if self._stop.is_set():
+                return
+            self._finish_metadata(self._pending[key])
+
+    def _load_pending(self, commits: dict[tuple[str, int], list[LocalCommit]]) -> None:
+        """After a start: find steps of local jobs whose ``.metadata.staged`` this agent
+        uploaded before it stopped (the persistent manifest that lists ``.metadata`` names this
+        node) and that still wait for other ranks' manifests."""
+        self._pending_loaded = True
+        newest: dict[str, LocalCommit] = {}
+        for (job_id, _rank), per_rank in commits.items():
+            if job_id not in newest or per_rank[-1].step > newest[job_id].step:
+                newest[job_id] = per_rank[-1]
+        for job_id in self.store.layout.jobs():
+            try:
+                steps = self.persistent.steps(job_id)
+                for step in steps:
+                    if self.persistent.has_metadata(job_id, step) or \
+                            not self.persistent.has_staged_metadata(job_id, step):
+                        continue
+                    manifests = self.persistent.manifests(job_id, step)
+                    # only the agent whose rank lists .metadata (it uploaded the staged copy)
+                    if not any(m.has_metadata() and m.node == self.store.node
+                               for m in manifests):
+                        continue
+                    world = manifests[0].world_size
+                    marker = newest.get(job_id)
+                    keep = marker.marker.retain.get("persistent", []) if marker else None
+                    self._pending[(job_id, step)] = PendingMetadata(
+                        job_id, step, world, keep, time.monotonic())
+            except PersistentError as exc:
+                log.warning("cannot look for pending .metadata of %s: %s", job_id, exc)
 
     def _upload(self, c: LocalCommit) -> None:
         key = ("persistent", c.job_id, c.step, c.rank)
@@ -328,11 +381,12 @@ class TierWorker:
         started = time.monotonic()
         total = 0
         try:
-            for f in manifest.files:
-                if f.name == METADATA:
-                    continue
+            # shards first, then .metadata under its staged name (renamed once every rank's
+            # manifest is there), then the manifest
+            for f in sorted(manifest.files, key=lambda f: (f.name == METADATA, f.name)):
+                name = STAGED_METADATA if f.name == METADATA else f.name
                 total += self.persistent.put_file(c.step_dir / f.name, c.job_id, c.step,
-                                                  f.name, expect=f)
+                                                  name, expect=f)
             self.persistent.put_file(c.step_dir / manifest_name(c.rank), c.job_id, c.step,
                                      manifest_name(c.rank))
         except PersistentError as exc:
@@ -340,89 +394,85 @@ class TierWorker:
             return
         self._backoff.pop(key, None)
         wait = manifest.has_metadata()
-
-        def change(p: dict[str, Any]) -> None:
-            s = p.setdefault("persistent", {})
-            s["uploaded"] = True
-            if wait:
-                s["metadata"] = "pending"
-                s["wait_since"] = time.time()
-
-        try:
-            self.store.update_progress(c.step_dir, c.rank, change)
-        except OSError as exc:
-            log.warning("cannot record progress in %s: %s", c.step_dir, exc)
+        if wait:
+            self._pending[(c.job_id, c.step)] = PendingMetadata(
+                c.job_id, c.step, manifest.world_size, c.marker.retain.get("persistent", []),
+                time.monotonic())
+        self._mark(c, "persistent", uploaded=True)
         self._event(c.job_id, c.step, "persistent", "committed", c.rank, manifest.world_size,
                     bytes=total, seconds=time.monotonic() - started,
                     message=f"rank {c.rank}'s files in {self.persistent.step_url(c.job_id, c.step)}"
                     + ("; .metadata follows once every rank's manifest is there" if wait else ""))
 
-    def _finish_metadata(self, c: LocalCommit, progress: dict[str, Any]) -> None:
-        world = c.marker.world_size
-        key = ("metadata", c.job_id, c.step)
+    def _finish_metadata(self, p: PendingMetadata) -> None:
+        key = ("metadata", p.job_id, p.step)
         if not self._due(key):
             return
+        url = self.persistent.step_url(p.job_id, p.step)
         try:
-            have = self.persistent.manifest_ranks(c.job_id, c.step)
+            if not self.persistent.has_staged_metadata(p.job_id, p.step):
+                self._pending.pop((p.job_id, p.step), None)  # removed by retention meanwhile
+                return
+            have = self.persistent.manifest_ranks(p.job_id, p.step)
         except PersistentError as exc:
-            self._fail(key, c, "persistent", str(exc))
+            self._fail_step(key, p, str(exc))
             return
-        missing = [r for r in range(world) if r not in have]
+        missing = [r for r in range(p.world_size) if r not in have]
         if missing:
-            waited = time.time() - float(progress.get("wait_since", time.time()))
-            if waited > self.metadata_wait_s:
-                self._set_metadata(c, "gave_up")
-                self._event(c.job_id, c.step, "persistent", "failed", None, world,
-                            message=f".metadata of step {c.step} not written: manifests of "
-                            f"rank(s) {missing[:16]} did not reach "
-                            f"{self.persistent.step_url(c.job_id, c.step)} within "
+            if time.monotonic() - p.since > self.metadata_wait_s:
+                self._pending.pop((p.job_id, p.step), None)
+                self.persistent.remove_staged_metadata(p.job_id, p.step)
+                self._event(p.job_id, p.step, "persistent", "failed", None, p.world_size,
+                            message=f".metadata of step {p.step} not written: manifests of "
+                            f"rank(s) {missing[:16]} did not reach {url} within "
                             f"{self.metadata_wait_s:g} s")
             return
         started = time.monotonic()
         try:
-            self.persistent.put_file(c.step_dir / METADATA, c.job_id, c.step, METADATA,
-                                     expect=_metadata_entry(c))
-        except (PersistentError, ManifestError) as exc:
-            self._fail(key, c, "persistent", str(exc))
+            self.persistent.commit_metadata(p.job_id, p.step)
+        except PersistentError as exc:
+            self._fail_step(key, p, str(exc))
             return
         self._backoff.pop(key, None)
-        self._set_metadata(c, "done")
+        self._pending.pop((p.job_id, p.step), None)
         total = 0
-        for m in self.persistent.manifests(c.job_id, c.step):
+        for m in self.persistent.manifests(p.job_id, p.step):
             total += m.total_bytes()
-        self._event(c.job_id, c.step, "persistent", "committed", None, world, bytes=total,
-                    seconds=time.monotonic() - started,
-                    message=f"step {c.step} committed in "
-                    f"{self.persistent.step_url(c.job_id, c.step)} (.metadata written last)")
-        self._retain_persistent(c)
+        self._event(p.job_id, p.step, "persistent", "committed", None, p.world_size,
+                    bytes=total, seconds=time.monotonic() - started,
+                    message=f"step {p.step} committed in {url} (.metadata written last)")
+        if p.keep is not None:
+            self._retain_persistent(p)
 
-    def _set_metadata(self, c: LocalCommit, state: str) -> None:
-        try:
-            self.store.update_progress(
-                c.step_dir, c.rank,
-                lambda p: p.setdefault("persistent", {}).__setitem__("metadata", state))
-        except OSError as exc:
-            log.warning("cannot record progress in %s: %s", c.step_dir, exc)
+    def _fail_step(self, key: tuple[Any, ...], p: PendingMetadata, message: str) -> None:
+        attempts = self._backoff.get(key, (0, 0.0))[0] + 1
+        delay = min(BACKOFF_MAX_S, self.scan_interval_s * 2 ** (attempts - 1))
+        self._backoff[key] = (attempts, time.monotonic() + delay)
+        self._event(p.job_id, p.step, "persistent", "failed", None, p.world_size,
+                    message=f"{message} (attempt {attempts}; retrying in {delay:.1f} s)")
 
-    def _retain_persistent(self, c: LocalCommit) -> None:
-        keep = set(c.marker.retain.get("persistent", []))
+    def _retain_persistent(self, p: PendingMetadata) -> None:
+        """Delete persistent steps older than ``p.step`` that rank 0's decision does not keep
+        (``p.step``, the newest committed, always stays)."""
+        keep = set(p.keep or [])
         try:
-            steps = self.persistent.steps(c.job_id)
+            steps = self.persistent.steps(p.job_id)
         except PersistentError as exc:
-            self._event(c.job_id, c.step, "persistent", "failed", None, c.marker.world_size,
+            self._event(p.job_id, p.step, "persistent", "failed", None, p.world_size,
                         message=f"retention: {exc}")
             return
         for step in steps:
-            if step >= c.step or step in keep:
+            if step >= p.step or step in keep:
                 continue
             try:
-                self.persistent.delete_step(c.job_id, step)
+                self.persistent.delete_step(p.job_id, step)
             except PersistentError as exc:
-                self._event(c.job_id, step, "persistent", "failed", None, c.marker.world_size,
+                self._event(p.job_id, step, "persistent", "failed", None, p.world_size,
                             message=f"retention: {exc}")
                 continue
-            self._event(c.job_id, step, "persistent", "evicted", None, c.marker.world_size,
-                        message=f"retention after step {c.step} (keeps {sorted(keep)})")
+            self._pending.pop((p.job_id, step), None)
+            self._event(p.job_id, step, "persistent", "evicted", None, p.world_size,
+                        message=f"retention after step {p.step} (keeps {sorted(keep)})")
 
     # -- helpers -------------------------------------------------------------------------
     def _mark(self, c: LocalCommit, tier: str, **values: Any) -> None:
@@ -440,9 +490,9 @@ class TierWorker:
         attempts = self._backoff.get(key, (0, 0.0))[0] + 1
         delay = min(BACKOFF_MAX_S, self.scan_interval_s * 2 ** (attempts - 1))
         self._backoff[key] = (attempts, time.monotonic() + delay)
-        log.warning("%s tier: %s (attempt %d, retry in %.0f s)", tier, message, attempts, delay)
+        log.warning("%s tier: %s (attempt %d, retry in %.1f s)", tier, message, attempts, delay)
         self._event(c.job_id, c.step, tier, "failed", c.rank, c.marker.world_size,
-                    message=f"{message} (attempt {attempts}; retrying in {delay:.0f} s)")
+                    message=f"{message} (attempt {attempts}; retrying in {delay:.1f} s)")
 
     def _once(self, what: str, scope: str, job_id: str, step: int, tier: str, message: str,
               rank: int | None) -> bool:
@@ -471,12 +521,4 @@ def _push_order(c: LocalCommit, manifest: Manifest) -> list[tuple[str, Path, Fil
         (commit_name(c.rank), c.step_dir / commit_name(c.rank), None),
     ]
     return [*shards, *meta, *tail]
-
-
-def _metadata_entry(c: LocalCommit) -> FileEntry:
-    m = load_manifest(c.step_dir / manifest_name(c.rank))
-    for f in m.files:
-        if f.name == METADATA:
-            return f
-    raise ManifestError(f"{manifest_name(c.rank)} of step {c.step} does not list .metadata")
 

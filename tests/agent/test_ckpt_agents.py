@@ -269,14 +269,19 @@ def test_persistent_upload_writes_metadata_last_and_applies_retention(
     wait_more_batches(receiver, "node-a", 5)  # the worker polled several times meanwhile
     assert not (pstep / manifest_name(1)).exists()
     assert not (pstep / METADATA).exists()  # never before every rank's manifest
+    meta = (a.step_dir(JOB, 1) / METADATA).read_bytes()
+    # the trainer may drop the step from memory before the other nodes are done
+    evict_memory_step(a.memory_dir, JOB, 1, [0])
     b.start()
     wait_event(receiver, node="node-a", job_id=JOB, step=1, tier="persistent",
                kind="committed", rank=None, agent=a)
-    meta_time = (pstep / METADATA).stat().st_mtime_ns
+    # .metadata got its name last: its inode changed (rename) after every other file's
+    meta_time = (pstep / METADATA).stat().st_ctime_ns
     for name in (shard_name(0), shard_name(1), manifest_name(0), manifest_name(1)):
-        assert (pstep / name).stat().st_mtime_ns <= meta_time
-    assert (pstep / METADATA).read_bytes() == (a.step_dir(JOB, 1) / METADATA).read_bytes()
-    assert not [n for n in os.listdir(pstep) if n.startswith(".tmp")]
+        assert (pstep / name).stat().st_ctime_ns <= meta_time
+    assert (pstep / METADATA).read_bytes() == meta
+    assert sorted(os.listdir(pstep)) == sorted(
+        [METADATA, shard_name(0), shard_name(1), manifest_name(0), manifest_name(1)])
     assert not ckpt_events(receiver, node="node-b", tier="persistent", rank=None)
     # retention: step 2 keeps [1, 2], step 3 keeps [2, 3] -> step 1 removed after step 3
     for step, keep in ((2, [1, 2]), (3, [2, 3])):
@@ -476,3 +481,26 @@ def test_available_and_stage_fall_back_past_corrupt_sources(make_agent, receiver
     bad = httpx.post(f"{a.url}/v1/ckpt/jobs/{JOB}/stage",
                      json={"step": 4, "files": [{**files[0], "name": "../../agent.json"}]})
     assert bad.status_code == 422
+
+
+def test_restarted_metadata_writer_finishes_a_waiting_step(make_agent, receiver,
+                                                           persistent_dir):
+    a = make_agent("node-a", replication=0)
+    b = make_agent("node-b", replication=0)
+    layout = ["node-a", "node-b"]
+    for agent in (a, b):
+        write_step(agent.memory_dir, job_id=JOB, step=7, node=agent.node, layout=layout,
+                   persist=True)
+    a.start()
+    wait_event(receiver, node="node-a", job_id=JOB, step=7, tier="persistent",
+               kind="committed", rank=0, agent=a)
+    a.stop()
+    evict_memory_step(a.memory_dir, JOB, 7, [0])  # gone from memory while the agent was down
+    a.start()
+    b.start()
+    wait_event(receiver, node="node-a", job_id=JOB, step=7, tier="persistent",
+               kind="committed", rank=None, agent=a)
+    pstep = persistent_dir / JOB / "step-7"
+    assert sorted(os.listdir(pstep)) == sorted(
+        [METADATA, shard_name(0), shard_name(1), manifest_name(0), manifest_name(1)])
+    assert not ckpt_events(receiver, node="node-b", tier="persistent", rank=None)
