@@ -32,6 +32,8 @@ def test_wheel_installs_only_under_tierwatch(tmp_path):
         "tierwatch/server/templates/base.html",
         "tierwatch/server/migrations/env.py",
         "tierwatch/server/migrations/versions/0001_initial_schema.py",
+        "tierwatch/server/migrations/versions/0002_checkpoint_ledger.py",
+        "tierwatch/agent/checkpoint/trainer.py",
     ):
         assert expected in names, expected
     assert not any(n.startswith(("app/", "agent/")) for n in names)
@@ -49,7 +51,19 @@ def test_no_generic_top_level_packages_are_importable(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "module", ["tierwatch.agent.cli", "tierwatch.server.main", "tierwatch.agent.protocol"]
+    "module",
+    [
+        "tierwatch",
+        "tierwatch.agent.cli",
+        "tierwatch.server.main",
+        "tierwatch.agent.protocol",
+        "tierwatch.agent.runtime",
+        "tierwatch.agent.checkpoint.api",
+        "tierwatch.agent.checkpoint.worker",
+        "tierwatch.agent.checkpoint.stage",
+        "tierwatch.agent.checkpoint.agreement",
+        "tierwatch.agent.checkpoint.client",
+    ],
 )
 def test_server_and_agent_do_not_import_torch(module, tmp_path):
     code = f"import sys, {module}; print('torch' in sys.modules)"
@@ -57,3 +71,16 @@ def test_server_and_agent_do_not_import_torch(module, tmp_path):
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+def test_training_api_is_a_lazy_re_export(tmp_path):
+    code = ("import sys, tierwatch; before = 'torch' in sys.modules; "
+            "from tierwatch import TieredCheckpointer, RNGState, ResumableDistributedSampler; "
+            "print(before, 'torch' in sys.modules, TieredCheckpointer.__module__)")
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["False", "True", "tierwatch.agent.checkpoint.trainer"]
+    bad = subprocess.run([sys.executable, "-c", "from tierwatch import Nope"], cwd=tmp_path,
+                         capture_output=True, text=True, check=False)
+    assert "cannot import name 'Nope'" in bad.stderr

@@ -86,7 +86,8 @@ def test_sources_order_local_memory_first_persistent_last() -> None:
     holders = [(s["tier"], s["holder"]) for s in req[0]["sources"]]
     assert holders == [("peer", "n0"), ("memory", "n1"), ("peer", "n2"),
                        ("persistent", "persistent")]
-    assert req[0]["size"] == 11 and req[0]["sources"][0]["src"] == "n1"
+    assert req[0]["size"] == 11
+    assert req[0]["sources"][0]["src"] == "n1"
     with pytest.raises(KeyError):
         agreement.stage_request(views[9], ["__7_0.distcp"], node="n0")
     assert agreement.all_file_names(views[9]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]

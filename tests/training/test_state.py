@@ -39,7 +39,8 @@ def test_sampler_resumes_mid_epoch_in_the_same_order() -> None:
     resumed = ResumableDistributedSampler(50, num_replicas=2, rank=1, seed=7)
     resumed.load_state_dict(saved)
     assert head + list(resumed) == order
-    assert resumed.epoch == 1 and resumed.position == 0  # exhausted → next epoch
+    assert resumed.epoch == 1
+    assert resumed.position == 0
 
 
 def test_sampler_refuses_a_different_order() -> None:
@@ -59,8 +60,10 @@ def test_stager_reuses_buffers_and_defers_lazy_copies() -> None:
     stager = Stager()
     staged, pending = stager.stage(state, lambda path, t: path[-1] == "w")
     assert stager.allocations == 3
-    assert staged["n"] == 3 and torch.equal(staged["model"]["b"], b)
-    assert len(pending.pairs) == 1 and pending.nbytes == 64
+    assert staged["n"] == 3
+    assert torch.equal(staged["model"]["b"], b)
+    assert len(pending.pairs) == 1
+    assert pending.nbytes == 64
     w.add_(1.0)  # the lazy copy sees the value at the time it runs
     pending.run()
     assert torch.equal(staged["model"]["w"], w)
@@ -71,7 +74,8 @@ def test_stager_reuses_buffers_and_defers_lazy_copies() -> None:
     buf = staged["model"]["w"]
     staged2, _ = stager.stage(state, lambda path, t: False)
     assert stager.allocations == 3  # no new buffers for the same shapes
-    assert staged2["model"]["w"] is buf and torch.equal(buf, w)
+    assert staged2["model"]["w"] is buf
+    assert torch.equal(buf, w)
     state["model"]["w"] = torch.randn(8, 4)  # shape change: one new buffer
     stager.stage(state, lambda path, t: False)
     assert stager.allocations == 4

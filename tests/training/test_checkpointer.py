@@ -1,0 +1,175 @@
+"""TieredCheckpointer's contract in one training process, with a real agent as its node."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from procs import wait_for
+from torch import nn
+from training import start_cluster
+
+from tierwatch import CheckpointError, ResumableDistributedSampler, RNGState, TieredCheckpointer
+
+pytestmark = pytest.mark.e2e
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.bn = nn.BatchNorm1d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x))
+
+
+def make_state(width: int = 16, seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = Net(width)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
+    return {"model": model, "optim": optim, "sched": sched, "rng": RNGState(),
+            "data": ResumableDistributedSampler(64, num_replicas=1, rank=0), "epoch": 0}
+
+
+def train_step(state: dict) -> None:
+    x = torch.randn(8, state["model"].lin.in_features)
+    loss = state["model"](x).pow(2).mean()
+    state["optim"].zero_grad()
+    loss.backward()
+    state["optim"].step()
+    state["sched"].step()
+
+
+def snapshot(state: dict) -> dict:
+    return {"model": {k: v.clone() for k, v in state["model"].state_dict().items()},
+            "optim": json.dumps(state["optim"].state_dict()["param_groups"]),
+            "exp_avg": [s["exp_avg"].clone() for s in state["optim"].state.values()],
+            "sched": state["sched"].state_dict(), "epoch": state["epoch"],
+            "rng": torch.get_rng_state().clone()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return (all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+            and a["optim"] == b["optim"]
+            and all(torch.equal(x, y) for x, y in zip(a["exp_avg"], b["exp_avg"], strict=True))
+            and a["sched"] == b["sched"] and a["epoch"] == b["epoch"]
+            and torch.equal(a["rng"], b["rng"]))
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory):
+    cluster = start_cluster(tmp_path_factory.mktemp("ckpt-unit"), with_server=False)
+    node = cluster.add_node("unit-node")
+    yield node
+    cluster.stop()
+
+
+def test_snapshot_is_the_state_at_save_even_when_training_goes_on(node) -> None:
+    state = make_state()
+    ckpt = TieredCheckpointer("unit-snapshot", node.url, latency_every=0)
+    assert ckpt.restore(state) is None
+    for step in range(3):
+        train_step(state)
+        state["epoch"] = step
+        ckpt.save(step, state)
+    saved = snapshot(state)
+    # the next step mutates parameters right away: the optimizer pre-hook waits for the
+    # background copy, so the saved step still holds the values above
+    train_step(state)
+    state["epoch"] = 99
+    state["model"].bn.running_mean.add_(5.0)  # a buffer changed after save(): not saved
+    assert ckpt.wait() is True
+    ckpt.close()
+
+    fresh = make_state(seed=1)
+    again = TieredCheckpointer("unit-snapshot", node.url, latency_every=0)
+    assert again.restore(fresh) == 2
+    assert same(snapshot(fresh), saved)
+    train_step(fresh)
+    again.save(3, fresh)
+    allocations = again._stager.allocations
+    for step in (4, 5):
+        train_step(fresh)
+        again.save(step, fresh)
+    assert again._stager.allocations == allocations  # buffers reused: nothing new per save
+    assert again.restore(make_state(seed=2), step=4) == 4
+    again.close()
+
+
+def test_at_most_one_save_in_flight(node) -> None:
+    state = make_state()
+    ckpt = TieredCheckpointer("unit-inflight", node.url, latency_every=0)
+    steps_dir = Path(ckpt.layout.job_dir("unit-inflight"))
+    for step in range(4):
+        train_step(state)
+        ckpt.save(step, state)
+        if step:  # when save(N) returns, step N-1 is committed in the memory tier
+            assert (steps_dir / f"step-{step - 1}" / "commit-0.json").exists()
+    ckpt.close()
+    assert (steps_dir / "step-3" / "commit-0.json").exists()
+    # retention keeps the newest two memory steps
+    wait_for(lambda: sorted(p.name for p in steps_dir.glob("step-*")) == ["step-2", "step-3"],
+             timeout=10, what="memory retention")
+
+
+def test_without_an_optimizer_staging_is_synchronous(node) -> None:
+    w = torch.zeros(4)
+    ckpt = TieredCheckpointer("unit-sync", node.url, latency_every=0)
+    ckpt.save(0, {"w": w})
+    assert ckpt._inflight is not None
+    assert ckpt._inflight.pending.pairs == []
+    w.add_(1.0)  # changed after save() returned
+    ckpt.close()
+    loaded = {"w": torch.full((4,), 7.0)}
+    again = TieredCheckpointer("unit-sync", node.url, latency_every=0)
+    assert again.restore(loaded) == 0
+    assert torch.equal(loaded["w"], torch.zeros(4))
+    again.close()
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda c, s: c.save(-1, s), "step must be an integer"),
+    (lambda c, s: c.save(1.5, s), "step must be an integer"),
+    (lambda c, s: c.save(c._last_step + 1, {}), "non-empty dict"),
+    (lambda c, s: c.save(c._last_step + 1, {"a.b": 1}), "without '.'"),
+    (lambda c, s: c.save(c._last_step + 1, {"optim": s["optim"]}), "belong to no nn.Module"),
+    (lambda c, s: c.restore(s, step=12345), "cannot be restored"),
+])
+def test_bad_calls_raise_clear_errors_and_lose_nothing(node, call, message) -> None:
+    state = make_state()
+    ckpt = TieredCheckpointer("unit-bad", node.url, latency_every=0)
+    ckpt.restore(state)
+    train_step(state)
+    ckpt.save(0 if ckpt._last_step is None else ckpt._last_step + 1, state)
+    good = ckpt._last_step
+    with pytest.raises(CheckpointError, match=message):
+        call(ckpt, state)
+    with pytest.raises(CheckpointError, match="not after the previous"):
+        ckpt.save(good, state)
+    ckpt.close()
+    again = TieredCheckpointer("unit-bad", node.url, latency_every=0)
+    assert again.restore(make_state(seed=3)) == good  # the stored step is intact
+    again.close()
+
+
+@pytest.mark.parametrize("job_id", ["", "../escape", "a/b", "x" * 129, ".hidden"])
+def test_bad_job_ids_are_refused(node, job_id) -> None:
+    with pytest.raises(CheckpointError, match="job_id"):
+        TieredCheckpointer(job_id, node.url)
+
+
+def test_no_agent_and_no_memory_dir_is_a_clear_error(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("TIERWATCH_MEMORY_DIR", raising=False)
+    with pytest.raises(CheckpointError, match="memory_dir"):
+        TieredCheckpointer("unit-noagent", "http://127.0.0.1:9")
+    # with a memory folder the memory tier works without the agent
+    ckpt = TieredCheckpointer("unit-noagent", "http://127.0.0.1:9", memory_dir=tmp_path,
+                              latency_every=0)
+    ckpt.save(0, {"w": torch.ones(2)})
+    assert ckpt.wait() is True
+    ckpt.close(timeout_s=2)
+    assert (tmp_path / "jobs" / "unit-noagent" / "step-0" / "commit-0.json").exists()
