@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", type=Path, default=Path("var/train"))
     p.add_argument("--final", action="store_true", help="write final state digests")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--latency-every", type=int, default=50,
+                   help="time a small all_reduce every this many saves (collective latency)")
     p.add_argument("--exact-resume", action="store_true",
                    help="one DDP gradient bucket per parameter, so a resumed run is bit-exact")
     p.add_argument("--fsdp", action="store_true",
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     state = {"model": model, "optim": optim, "sched": sched, "rng": rng, "data": sampler}
 
     ckpt = TieredCheckpointer(args.job_id, persist_every=args.persist_every,
-                              process_group=None)
+                              latency_every=args.latency_every)
     last = ckpt.restore(state)
     start = 0 if last is None else last + 1
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -267,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[train] step {step} loss {loss.item():.4f}", flush=True)
 
     ckpt.wait()
+    if start < args.steps:
+        ckpt.finish()  # all steps done: `tierwatch-agent ckpt gc --finished` may free memory
     if args.final:
         final = {"model": digest(model.state_dict()), "optim": digest(optim.state_dict()),
                  "sched": digest(sched.state_dict()), "rng": digest(rng.state_dict()),

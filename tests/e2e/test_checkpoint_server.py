@@ -12,8 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 from procs import wait_for
+from sqlalchemy import text
 from test_checkpoint_training import FOUR_ON_TWO, SMALL
 from training import Cluster, committed_steps, read_losses, start_cluster
+
+from tierwatch.server.db import make_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -43,8 +46,8 @@ def test_server_shows_all_three_tiers_of_a_training_job(cluster: Cluster, tmp_pa
     cluster.add_node("node-b")
     viewer = cluster.server.token("viewer")  # type: ignore[union-attr]
     log = tmp_path / "log"
-    procs = cluster.launch(args("tiers", 12, log, "--persist-every", "5"),
-                           placement=FOUR_ON_TWO, log_dir=log)
+    procs = cluster.launch(args("tiers", 12, log, "--persist-every", "5", "--latency-every",
+                                "3"), placement=FOUR_ON_TWO, log_dir=log)
     assert cluster.wait_ranks(procs, 240) == [0, 0, 0, 0]
 
     def settled() -> dict | None:
@@ -78,6 +81,19 @@ def test_server_shows_all_three_tiers_of_a_training_job(cluster: Cluster, tmp_pa
         assert web.get("/").text.count("/jobs/tiers") >= 1  # the cluster page lists the job
     r = httpx.get(f"{cluster.server.url}/metrics")  # type: ignore[union-attr]
     assert 'tierwatch_checkpoint_lag_steps{job="tiers",tier="persistent"} 1.0' in r.text
+
+    # every rank timed an all_reduce on the job's group every 3 saves and its agent sent it
+    engine = make_engine(cluster.server.database_url)  # type: ignore[union-attr]
+
+    def latency_ranks() -> set[int]:
+        with engine.connect() as conn:
+            rows = conn.execute(text("SELECT rank, latency_ms FROM latency_samples "
+                                     "WHERE job_id = 'tiers'")).all()
+        return {r for r, ms in rows if ms >= 0}
+
+    assert wait_for(lambda: latency_ranks() == {0, 1, 2, 3}, timeout=30,
+                    what="collective latency of all 4 ranks on the server")
+    engine.dispose()
 
 
 def _tiny_tmpfs(path: Path) -> bool:
