@@ -153,6 +153,7 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
     sources: dict[str, str] = {}
     template: dict[str, Any] | None = None
     notes: list[str] = []  # bad copies met on the way (staging errors), for the report
+    phases: dict[str, float] = {}  # seconds per phase, for the report
     for _attempt in range(MAX_ATTEMPTS):
         chosen, reasons = agreement.choose_step(views, ckpt.world_size, excluded=excluded,
                                                 wanted=wanted)
@@ -173,10 +174,13 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
         view = views[chosen]
         signature = next(iter(view.manifests.values())).signature
         if template is None:
+            t_tpl = time.monotonic()
             template = _template(ckpt, state)
+            phases["template"] = time.monotonic() - t_tpl
         ours = ckpt._signature_of(template, state)
 
         meta = agreement.stage_request(view, [METADATA], node=ckpt.node)
+        t_stage = time.monotonic()
         answer = _stage(ckpt, chosen, meta)
         notes += [f"step {chosen}: {e}" for e in answer.get("errors", [])]
         problem = None if answer.get("ok") else "; ".join(answer.get("errors", []))[:1000]
@@ -200,6 +204,7 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
             if not answer2.get("ok"):
                 problem = "; ".join(answer2.get("errors", []))[:1000]
             else:
+                phases["stage"] = phases.get("stage", 0.0) + time.monotonic() - t_stage
                 sources = {f["name"]: f"{f.get('tier')}:{f.get('holder')}"
                            for f in [*answer.get("files", []), *answer2.get("files", [])]}
         outcomes = ckpt._all_gather(problem)
@@ -220,9 +225,12 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
     assert chosen is not None
     assert staged_dir is not None
     assert template is not None
+    phases["agree+stage"] = time.monotonic() - t0 - phases.get("template", 0.0)
+    t_load = time.monotonic()
     dcp_load(template, storage_reader=FileSystemReader(staged_dir),
              process_group=ckpt._group, no_dist=not ckpt.distributed)
     _apply(ckpt, state, template)
+    phases["load"] = time.monotonic() - t_load
 
     if ckpt.rank == 0:
         complete = agreement.restorable_steps(views, ckpt.world_size)
@@ -231,8 +239,9 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
         ckpt.seed_history([s for s in complete if s <= chosen], persisted)
     ckpt._last_step = chosen
     last_done = max([s for s in views if views[s].manifests] + [chosen])
+    timing = ", ".join(f"{k} {v:.3f} s" for k, v in phases.items() if k != "stage")
     _report(ckpt, chosen, t0, sources, ok=True, steps_lost=last_done - chosen,
-            message="; ".join(notes)[:2000])
+            message="; ".join([f"phases: {timing}", *notes])[:2000])
     return chosen
 
 
