@@ -504,3 +504,35 @@ def test_restarted_metadata_writer_finishes_a_waiting_step(make_agent, receiver,
     assert sorted(os.listdir(pstep)) == sorted(
         [METADATA, shard_name(0), shard_name(1), manifest_name(0), manifest_name(1)])
     assert not ckpt_events(receiver, node="node-b", tier="persistent", rank=None)
+
+
+def test_two_local_ranks_stage_the_same_files_at_once(make_agent, receiver):
+    a, b = make_agent("node-a"), make_agent("node-b")
+    layout = ["node-a", "node-b"]
+    a.start()
+    b.start()
+    m = write_step(b.memory_dir, job_id=JOB, step=2, node="node-b", layout=layout,
+                   shard_bytes=2 * 1024 * 1024)[1]
+    entry = m.files[0]
+    files = [{"name": entry.name, "size": entry.size, "xxh3": entry.xxh3,
+              "sources": [{"tier": "memory", "holder": "node-b", "url": b.url,
+                           "src": "node-b"}]}]
+    results: list[dict] = []
+
+    def stage() -> None:
+        r = httpx.post(f"{a.url}/v1/ckpt/jobs/{JOB}/stage", json={"step": 2, "files": files},
+                       timeout=60)
+        results.append(r.json())
+
+    import threading
+
+    threads = [threading.Thread(target=stage) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [r["ok"] for r in results] == [True, True], results
+    assert all(r["errors"] == [] for r in results)
+    staged = a.memory_dir / "restore" / JOB / "step-2"
+    assert xxh3_file(staged / entry.name) == (entry.size, entry.xxh3)
+    assert sorted(os.listdir(staged)) == [entry.name]  # no temporary files left
