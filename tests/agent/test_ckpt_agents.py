@@ -536,3 +536,21 @@ def test_two_local_ranks_stage_the_same_files_at_once(make_agent, receiver):
     staged = a.memory_dir / "restore" / JOB / "step-2"
     assert xxh3_file(staged / entry.name) == (entry.size, entry.xxh3)
     assert sorted(os.listdir(staged)) == [entry.name]  # no temporary files left
+
+
+def test_unreachable_peer_is_a_failed_event_then_retried(make_agent, receiver):
+    a, b = make_agent("node-a"), make_agent("node-b")  # node-b's agent not started yet
+    layout = ["node-a", "node-b"]
+    a.start()
+    write_step(a.memory_dir, job_id=JOB, step=1, node="node-a", layout=layout,
+               peer_urls=urls(a, b))
+    a.notify(JOB, 1)
+    ev = wait_event(receiver, node="node-a", job_id=JOB, step=1, tier="peer", kind="failed",
+                    rank=0, agent=a)
+    assert shard_name(0) in ev.message
+    assert "cannot push to node-b" in ev.message
+    assert "retrying" in ev.message
+    b.start()
+    wait_event(receiver, node="node-a", job_id=JOB, step=1, tier="peer", kind="committed",
+               rank=0, agent=a, timeout=60)
+    assert (b.replica_dir("node-a", JOB, 1) / "commit-0.json").is_file()
