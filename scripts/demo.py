@@ -113,6 +113,7 @@ def main() -> int:
                 "--collector", "simulated", "--interval", str(args.interval),
                 "--listen", f"127.0.0.1:{args.agent_port + i}",
                 "--spool-dir", str(VAR / "spool" / node),
+                "--memory-dir", str(VAR / "memory" / node),
                 "--sim-gpus", str(args.gpus), "--sim-seed", str(i + 1),
                 "--sim-job", "demo-allreduce", "--sim-rank", str(i),
             ],

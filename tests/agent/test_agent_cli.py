@@ -22,7 +22,8 @@ runner = CliRunner()
 
 def _agent(receiver, tmp_path, collector):
     settings = AgentSettings(node="node-a", server=receiver.url, token=TOKEN,
-                             spool_dir=tmp_path / "spool", listen="127.0.0.1:0")
+                             spool_dir=tmp_path / "spool", listen="127.0.0.1:0",
+                             memory_dir=tmp_path / "memory")
     runtime = AgentRuntime(settings, collector=collector, flush_timeout_s=1.0)
     runtime.start(serve_api=True)
     return runtime
@@ -104,7 +105,8 @@ def test_run_process_reports_and_exits_0_on_sigterm(receiver, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "tierwatch.agent.cli", "run", "--node", "node-a",
          "--server", receiver.url, "--collector", "simulated", "--sim-gpus", "2",
-         "--interval", "0.1", "--listen", "127.0.0.1:0", "--spool-dir", str(tmp_path)],
+         "--interval", "0.1", "--listen", "127.0.0.1:0", "--spool-dir", str(tmp_path),
+         "--memory-dir", str(tmp_path / "memory")],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:

@@ -17,7 +17,8 @@ from tierwatch.agent.server import create_app
 
 def _settings(receiver, tmp_path, **kw) -> AgentSettings:
     return AgentSettings(node="node-a", server=receiver.url, token=TOKEN,
-                         spool_dir=tmp_path / "spool", listen="127.0.0.1:0", **kw)
+                         spool_dir=tmp_path / "spool", listen="127.0.0.1:0",
+                         memory_dir=tmp_path / "memory", **kw)
 
 
 @pytest.fixture

@@ -216,6 +216,7 @@ def make_agent(
         "--spool-dir", str(d / "spool"),
         "--sim-gpus", "8",
         "--sim-seed", "7",
+        "--memory-dir", str(d / "memory"),
         *(extra_args or []),
     ]
     proc = Proc(node, args, base_env(), d / "agent.log")

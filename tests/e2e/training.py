@@ -127,6 +127,9 @@ class Cluster:
 
     def stop(self) -> None:
         self.kill_ranks()
+        for node in self.nodes.values():  # signal every agent first, then wait for each
+            if node.proc.popen is not None and node.proc.running:
+                node.proc.popen.send_signal(signal.SIGTERM)
         for node in self.nodes.values():
             node.stop()
         if self.server:
