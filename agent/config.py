@@ -147,6 +147,8 @@ class AgentSettings(BaseSettings):
             (507): an int or a size such as ``8GiB``; default 50 % of the size of the
             filesystem that holds ``memory_dir``.
         ckpt_scan_interval: Seconds between two scans of the memory folder for committed steps.
+        ckpt_nice: Nice value (0-19) of the threads that replicate and upload checkpoints, so
+            they yield the node's cores to training (0: the agent's own priority).
     """
 
     model_config = SettingsConfigDict(env_prefix="TIERWATCH_", extra="ignore")
@@ -172,6 +174,7 @@ class AgentSettings(BaseSettings):
     replication: int = Field(1, ge=0, le=64)
     memory_budget: int | None = None
     ckpt_scan_interval: float = Field(2.0, gt=0, le=3600)
+    ckpt_nice: int = Field(10, ge=0, le=19)
 
     @field_validator("memory_budget", mode="before")
     @classmethod

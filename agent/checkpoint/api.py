@@ -77,7 +77,8 @@ class CheckpointService:
         self.peer_url = ""
         self.worker = TierWorker(self.store, self.persistent, emit=emit,
                                  peer_token=self.peer_token, replication=settings.replication,
-                                 scan_interval_s=settings.ckpt_scan_interval)
+                                 scan_interval_s=settings.ckpt_scan_interval,
+                                 nice=settings.ckpt_nice)
         self._peer = PeerClient(self.peer_token) if self.peer_token else None
         self.stager = Stager(self.store.layout, node=self.node, peer=self._peer, emit=emit)
         self.agent_info: dict[str, Any] = {}

@@ -65,13 +65,13 @@ from tierwatch.agent.checkpoint.layout import (
     commit_name,
     manifest_name,
     parse_step_dirname,
-    shard_name,
 )
 from tierwatch.agent.checkpoint.manifest import (
     CommitMarker,
     atomic_write_json,
     make_manifest,
 )
+from tierwatch.agent.checkpoint.priority import DEFAULT_NICE, lower_this_thread
 from tierwatch.agent.checkpoint.staging import PendingCopies, Stager
 from tierwatch.agent.protocol import CheckpointEvent, JobProgress, LatencySample, utcnow
 
@@ -142,6 +142,10 @@ class TieredCheckpointer:
         process_group: The job's training group (for the latency probe; default: WORLD).
         timeout_s: Timeout of the checkpoint group's collectives (seconds).
         agent_token: Agent token when the agent is not on loopback (``$TIERWATCH_TOKEN``).
+        write_threads: Threads DCP writes a rank's shard with (each writes its own
+            ``__<r>_<i>.distcp`` file; 2 halves the write time on tmpfs).
+        background_nice: Nice value (0-19) of the background writer thread, so it yields
+            the cores to training (0: the training process's own priority).
 
     Raises:
         CheckpointError: a bad job id or argument, or no memory folder can be found (agent
@@ -163,6 +167,8 @@ class TieredCheckpointer:
         process_group: Any = None,
         timeout_s: float = 600.0,
         agent_token: str | None = None,
+        write_threads: int = 2,
+        background_nice: int = DEFAULT_NICE,
     ) -> None:
         try:
             self.job_id = check_job_id(job_id)
@@ -175,6 +181,8 @@ class TieredCheckpointer:
         self.persist_every = persist_every
         self.keep = {"memory": keep_memory, "peer": keep_peer, "persistent": keep_persistent}
         self.latency_every = latency_every
+        self.write_threads = max(1, int(write_threads))
+        self.background_nice = background_nice
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -269,8 +277,8 @@ class TieredCheckpointer:
                 shutil.rmtree(p, ignore_errors=True)
 
     def _own_names(self, step_dir: Path) -> list[str]:
-        names = [shard_name(self.rank), manifest_name(self.rank), commit_name(self.rank),
-                 f".tier-{self.rank}.json"]
+        names = [p.name for p in step_dir.glob(f"__{self.rank}_*.distcp")]
+        names += [manifest_name(self.rank), commit_name(self.rank), f".tier-{self.rank}.json"]
         if self.rank == 0:
             names.append(METADATA)
         return [n for n in names if (step_dir / n).exists()]
@@ -460,6 +468,7 @@ class TieredCheckpointer:
 
     # -- background writer --------------------------------------------------------------------
     def _work(self) -> None:
+        lower_this_thread(self.background_nice)
         while True:
             job = self._queue.get()
             if job is None:
@@ -505,7 +514,8 @@ class TieredCheckpointer:
         names: list[str] = []
         try:
             shutil.rmtree(tmp, ignore_errors=True)
-            dcp_save(job.staged, storage_writer=FileSystemWriter(tmp, sync_files=False),
+            dcp_save(job.staged, storage_writer=FileSystemWriter(tmp, sync_files=False,
+                                                       thread_count=self.write_threads),
                      process_group=self._group, no_dist=not self.distributed)
             step_dir.mkdir(parents=True, exist_ok=True)
             self._remove_stale(step_dir)
@@ -588,10 +598,42 @@ class TieredCheckpointer:
         return {"committed": True, "persist": persist, "retain": retain}
 
     def _retain_memory(self, keep: list[int], newest: int) -> None:
+        """Remove this rank's files of memory steps rank 0 did not retain.
+
+        The newest step marked for the persistent tier stays until this node's agent has
+        uploaded it (``.tier-<r>.json`` says so): the agent reads the upload from memory,
+        and with saves every step retention would otherwise evict it mid-upload. An older
+        persist step is superseded (the agent uploads the newest one) and goes.
+        """
         keep_set = set(keep) | {newest}
-        for step in self.layout.steps(self.job_id):
-            if step not in keep_set and step < newest and self._remove_own(step):
+        steps = self.layout.steps(self.job_id)
+        pinned = self._pending_upload(steps)
+        for step in steps:
+            if step in keep_set or step >= newest or step == pinned:
+                continue
+            if self._remove_own(step):
                 self._event(step, "memory", "evicted")
+
+    def _pending_upload(self, steps: list[int]) -> int | None:
+        """The newest step of ``steps`` marked persist whose upload this rank's agent has not
+        finished, or None."""
+        import json
+
+        for step in sorted(steps, reverse=True):
+            d = self.layout.step_dir(self.job_id, step)
+            try:
+                marker = json.loads((d / commit_name(self.rank)).read_text())
+            except (OSError, ValueError):
+                continue
+            if not marker.get("persist"):
+                continue
+            try:
+                progress = json.loads((d / f".tier-{self.rank}.json").read_text())
+            except (OSError, ValueError):
+                progress = {}
+            done = (progress.get("persistent") or {}).get("uploaded")
+            return None if done else step
+        return None
 
     def seed_history(self, committed: list[int], persisted: list[int]) -> None:
         """Tell rank 0 which steps the tiers already hold (called by restore)."""

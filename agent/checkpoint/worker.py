@@ -56,6 +56,7 @@ from tierwatch.agent.checkpoint.persister import (
     PersistentError,
     PersistentTier,
 )
+from tierwatch.agent.checkpoint.priority import DEFAULT_NICE, lower_this_thread
 from tierwatch.agent.checkpoint.replicator import PeerClient, PeerError, peer_targets
 from tierwatch.agent.checkpoint.store import PROGRESS_PREFIX, MemoryStore
 from tierwatch.agent.protocol import CheckpointEvent, utcnow
@@ -104,12 +105,16 @@ class TierWorker:
         metadata_wait_s: How long the ``.metadata`` writer waits for the other ranks'
             manifests on the persistent tier, seconds.
         http_timeout_s: Per-request timeout towards peers, seconds.
+        nice: Nice value of the worker threads, so they yield the cores to training
+            (:mod:`~tierwatch.agent.checkpoint.priority`; 0 keeps the agent's).
     """
 
     def __init__(self, store: MemoryStore, persistent: PersistentTier, *, emit: EventSink,
                  peer_token: str | None, replication: int, scan_interval_s: float,
-                 metadata_wait_s: float = METADATA_WAIT_S, http_timeout_s: float = 60.0) -> None:
+                 metadata_wait_s: float = METADATA_WAIT_S, http_timeout_s: float = 60.0,
+                 nice: int = DEFAULT_NICE) -> None:
         self.store = store
+        self.nice = nice
         self.persistent = persistent
         self.emit = emit
         self.peer_token = peer_token
@@ -152,6 +157,7 @@ class TierWorker:
             e.set()
 
     def _loop(self, tier: str, fn: Callable[[], None]) -> None:
+        lower_this_thread(self.nice)
         wake = self._wake[tier]
         while not self._stop.is_set():
             wake.clear()

@@ -109,11 +109,15 @@ def test_at_most_one_save_in_flight(node) -> None:
         ckpt.save(step, state)
         if step:  # when save(N) returns, step N-1 is committed in the memory tier
             assert (steps_dir / f"step-{step - 1}" / "commit-0.json").exists()
+    # retention keeps the newest two memory steps, and the persist step (0) until the
+    # agent has uploaded it
+    persisted = node.memory_dir.parent.parent.parent / "persistent" / "unit-inflight"
+    wait_for(lambda: (persisted / "step-0" / ".metadata").exists(), timeout=30,
+             what="step 0 on the persistent tier")
+    train_step(state)
+    ckpt.save(4, state)
     ckpt.close()
-    assert (steps_dir / "step-3" / "commit-0.json").exists()
-    # retention keeps the newest two memory steps
-    wait_for(lambda: sorted(p.name for p in steps_dir.glob("step-*")) == ["step-2", "step-3"],
-             timeout=10, what="memory retention")
+    assert sorted(p.name for p in steps_dir.glob("step-*")) == ["step-3", "step-4"]
 
 
 def test_without_an_optimizer_staging_is_synchronous(node) -> None:
