@@ -316,13 +316,13 @@ def fmt_s(x: float) -> str:
     return f"{x * 1000:.0f} ms" if x < 10 else f"{x:.1f} s"
 
 
-def report(p1: dict, p2: dict) -> str:
+def report(p1: dict, p2: dict, when: datetime | None = None) -> str:
     r = p1["results"]
     base = r["no checkpoint"]["step_s"]
     torch_b = r["torch.save + fsync"]["blocking_s"]
     async_b = r["dcp.async_save"]["blocking_s"]
     lines = [
-        f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
+        f"- date: {when or datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         f"- machine: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
         f"torch {torch.__version__}, no GPU (CPU tensors)",
         f"- state: {p1['state_bytes'] / 2**30:.2f} GiB (model {WIDTH}×{WIDTH} × {LAYERS} "
@@ -369,6 +369,28 @@ def report(p1: dict, p2: dict) -> str:
            else "no (not permitted here), so the persistent read is warm") + "."
         " The persistent folder is on this machine's disk, which the host caches; a"
         " network filesystem or object store would be slower.",
+        "",
+        "Notes:",
+        "",
+        "- Every method's background work (copying, DCP writing, checksums, the agent's"
+        " replication and upload) runs on the same 2 cores as the training step; nothing is"
+        " isolated. The benchmark model (square Linear layers, batch 8) makes the training step"
+        " bound by memory bandwidth, which the background copies use too, so lowering the"
+        " background threads' priority (nice 10) cannot give the cycles back.",
+        "- Saving every step: a save's background work takes longer than one step here, and at"
+        " most one save is in flight, so `save(N+1)` waits for step N's commit; the blocking"
+        " time is then the part of the background work the step did not cover. On a GPU node"
+        " the step runs on the GPU and the background work on otherwise idle host cores.",
+        "- Restore phases: `template` is torch's optimizer-state initialisation for a fresh"
+        " optimizer (`get_optimizer_state_dict` runs one zero-gradient optimizer step);"
+        " `agree+stage` is the ranks' agreement plus assembling the files (hard links from"
+        " local memory, HTTP from the other node's agent, or reads from the persistent folder);"
+        " `load` is `dcp.load` plus `set_*_state_dict`.",
+        "- Persistent throughput: bytes of the step over the time from rank 0's commit marker to"
+        " `.metadata` appearing in the persistent folder (both agents upload their ranks' files"
+        " at the same time as they replicate to each other); the peer is one fsync'd"
+        " sequential write of the same size to the same disk, right after. This disk's speed"
+        " varies from run to run, so only the ratio within one run means anything.",
     ]
     return "\n".join(lines)
 
@@ -387,6 +409,15 @@ def write_doc(block: str) -> None:
 
 
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--render":
+        # Re-render the table of a finished run from its raw.json (same measurements).
+        raw = Path(sys.argv[2])
+        data = json.loads(raw.read_text())
+        when = datetime.fromtimestamp(raw.stat().st_mtime, UTC)
+        block = report(data["part1"], data["part2"], when)
+        print(block)
+        write_doc(block)
+        return 0
     root = Path(tempfile.mkdtemp(prefix="tw-bench-"))
     disk = REPO / "var" / "bench-checkpoint"
     shutil.rmtree(disk, ignore_errors=True)
