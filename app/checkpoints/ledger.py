@@ -143,3 +143,55 @@ def newest_committed_step(rows: Sequence[tuple[int, bool, bool]]) -> int | None:
     """The newest step that is complete and not evicted, from ``(step, complete, evicted)``."""
     steps = [step for step, complete, evicted in rows if complete and not evicted]
     return max(steps) if steps else None
+
+
+# -- observed failures ----------------------------------------------------------------------
+INCIDENT_WINDOW_S = 120.0
+MIN_OBSERVED_FAILURES = 3
+# The failure class a restore reveals, by the slowest tier it had to read: a restore that
+# needed the persistent tier lost every memory copy (rack class); one that needed a peer
+# replica lost a node; one served from memory alone lost only processes.
+_CLASS_BY_TIER = {"persistent": "rack", "peer": "node", "memory": "process"}
+TIER_SERVES = {"memory": "process", "peer": "node", "persistent": "rack"}
+
+
+def failure_incidents(
+    restores: Iterable[tuple[float, Mapping[str, int]]], *, window_s: float = INCIDENT_WINDOW_S
+) -> list[str]:
+    """Failure classes of the restore incidents of one job, oldest first.
+
+    Args:
+        restores: ``(ts seconds, files_by_tier)`` of every rank's successful restore that
+            loaded a step. The ranks of one restart restore within seconds of each other.
+        window_s: restores starting within this many seconds of an incident's first restore
+            belong to that incident (seconds).
+
+    Returns:
+        One failure class per incident (process | node | rack), from the slowest tier any of
+        its ranks read.
+    """
+    order = {"process": 0, "node": 1, "rack": 2}
+    incidents: list[tuple[float, str]] = []
+    for ts, by_tier in sorted(restores, key=lambda r: r[0]):
+        used = [t for t, n in by_tier.items() if n and t in _CLASS_BY_TIER]
+        klass = max((_CLASS_BY_TIER[t] for t in used), key=order.__getitem__,
+                    default="process")
+        if incidents and ts - incidents[-1][0] <= window_s:
+            start, prev = incidents[-1]
+            incidents[-1] = (start, max(prev, klass, key=order.__getitem__))
+        else:
+            incidents.append((ts, klass))
+    return [k for _, k in incidents]
+
+
+def observed_mtbf_s(incidents: Sequence[str], span_s: float, klass: str, *,
+                    min_failures: int = MIN_OBSERVED_FAILURES) -> float | None:
+    """Observed MTBF (seconds) of one failure class: observed time / incidents of that class.
+
+    None with fewer than ``min_failures`` incidents of the class (too few to estimate; the
+    caller falls back to the Llama 3 table) or a non-positive span.
+    """
+    n = sum(1 for k in incidents if k == klass)
+    if n < min_failures or span_s <= 0:
+        return None
+    return span_s / n

@@ -19,7 +19,8 @@ class AdviceOut(BaseModel):
         cost_s: δ, the measured blocking cost of a save (median of recent staged events).
         commit_s: the tier's median commit time: the floor of the interval.
         mtbf_s: M, MTBF of the failures this tier serves, for the job's GPU count.
-        mtbf_source: ``llama3_table`` (observed MTBF is not derived yet).
+        mtbf_source: ``observed`` (at least 3 restore incidents of the class this tier serves)
+            or ``llama3_table``.
         young_s: √(2δM).
         daly_s: Daly's higher-order interval.
         recommended_s: ``max(daly_s, commit_s)``.

@@ -15,9 +15,11 @@ Definitions (see ``ledger`` for the pure rules):
   recent ``staged`` events in that tier (when the agent reports none for the tier: of
   all the job's staged events, since every checkpoint starts with one staged save);
   commit floor = median ``seconds`` of the tier's recent ``committed`` events; gpus =
-  world_size; M = the Llama 3 table's rate for the failures the tier serves, scaled to
-  the job's GPUs (observed MTBF is not derived yet: ``mtbf_source`` says
-  ``llama3_table``). The interval in steps is ``recommended_s / median step time``.
+  world_size; M = the observed MTBF of the failures the tier serves when the job has
+  seen at least ``ledger.MIN_OBSERVED_FAILURES`` of them (restore incidents classified by
+  the slowest tier they read, over the job's observed time; ``mtbf_source`` "observed"),
+  else the Llama 3 table's rate for that class scaled to the job's GPUs
+  (``llama3_table``). The interval in steps is ``recommended_s / median step time``.
 """
 
 from __future__ import annotations
@@ -232,17 +234,18 @@ def _pending(session: Session, job: Job, tier: str, newest_step: int | None) -> 
 
 def _advice(
     tier: str, *, cost_s: float | None, commit_s: float | None, gpus: int | None,
-    step_time_s: float | None,
+    step_time_s: float | None, observed_mtbf_s: float | None = None,
 ) -> dict[str, Any] | None:
     """Interval advice for one tier, or None without a world size or any measurement."""
     if gpus is None or (cost_s is None and commit_s is None):
         return None
-    a = advice.advise(tier, cost_s=cost_s or 0.0, commit_s=commit_s or 0.0, gpus=gpus)
+    a = advice.advise(tier, cost_s=cost_s or 0.0, commit_s=commit_s or 0.0, gpus=gpus,
+                      mtbf_s=observed_mtbf_s)
     return {
         "cost_s": a.cost_s,
         "commit_s": a.floor_s,
         "mtbf_s": a.mtbf_s,
-        "mtbf_source": MTBF_SOURCE,
+        "mtbf_source": MTBF_SOURCE if observed_mtbf_s is None else "observed",
         "young_s": a.young_s,
         "daly_s": a.daly_s,
         "recommended_s": a.recommended_s,
@@ -266,6 +269,9 @@ def job_status(session: Session, job: Job) -> dict[str, Any]:
     job_blocking = _recent_event_values(
         session, job, kind="staged", column=CheckpointEventRow.blocking_s, tier=None
     )
+    incidents = _incidents(session, job)
+    span_s = (job.last_seen - job.first_seen).total_seconds() \
+        if job.last_seen and job.first_seen else 0.0
     tiers: dict[str, dict[str, Any]] = {}
     for tier in ledger.TIERS:
         row = newest.get(tier)
@@ -291,6 +297,8 @@ def job_status(session: Session, job: Job) -> dict[str, Any]:
                 commit_s=ledger.median(commit_times),
                 gpus=job.world_size,
                 step_time_s=facts.step_time_s,
+                observed_mtbf_s=ledger.observed_mtbf_s(incidents, span_s,
+                                                       ledger.TIER_SERVES[tier]),
             ),
         }
     newest_steps = {t: tiers[t]["newest_step"] for t in ledger.TIERS}
@@ -314,6 +322,16 @@ def job_status(session: Session, job: Job) -> dict[str, Any]:
         "events": recent_events(session, job),
         "restores": recent_restores(session, job),
     }
+
+
+def _incidents(session: Session, job: Job) -> list[str]:
+    """Failure classes of the job's restore incidents (see ``ledger.failure_incidents``)."""
+    rows = session.execute(
+        select(RestoreRow.ts, RestoreRow.files_by_tier)
+        .where(RestoreRow.job_pk == job.id, RestoreRow.ok.is_(True),
+               RestoreRow.step.is_not(None))
+    ).all()
+    return ledger.failure_incidents((ts.timestamp(), by_tier or {}) for ts, by_tier in rows)
 
 
 def recent_events(session: Session, job: Job, limit: int = EVENT_LIMIT) -> list[dict[str, Any]]:

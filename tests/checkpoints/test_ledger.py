@@ -103,3 +103,37 @@ def test_newest_committed_step(rows, expected):
 )
 def test_median(values, expected):
     assert median(values) == expected
+
+
+# -- observed failures ----------------------------------------------------------------------
+from tierwatch.server.checkpoints.ledger import (  # noqa: E402
+    failure_incidents,
+    observed_mtbf_s,
+)
+
+
+@pytest.mark.parametrize(("restores", "classes"), [
+    ([], []),
+    # one restart: four ranks within seconds, all from memory
+    ([(0, {"memory": 2}), (1, {"memory": 2}), (2, {"memory": 1, "peer": 0}),
+      (3, {"memory": 2})], ["process"]),
+    # a rank that needed a peer replica makes the incident a node failure
+    ([(0, {"memory": 2}), (2, {"memory": 1, "peer": 1})], ["node"]),
+    # persistent wins over everything in its incident
+    ([(0, {"peer": 3}), (5, {"persistent": 3})], ["rack"]),
+    # incidents further apart than the window are separate, in time order
+    ([(1000, {"memory": 1}), (0, {"persistent": 1}), (500, {"peer": 1})],
+     ["rack", "node", "process"]),
+    # a restore that read nothing counts as process (the step was all local)
+    ([(0, {})], ["process"]),
+])
+def test_failure_incidents(restores, classes) -> None:
+    assert failure_incidents(restores) == classes
+
+
+def test_observed_mtbf_needs_enough_failures() -> None:
+    incidents = ["process", "process", "node", "process"]
+    assert observed_mtbf_s(incidents, 3600.0, "process") == 1200.0
+    assert observed_mtbf_s(incidents, 3600.0, "node") is None  # one is too few
+    assert observed_mtbf_s(incidents, 0.0, "process") is None
+    assert observed_mtbf_s(incidents, 3600.0, "node", min_failures=1) == 3600.0

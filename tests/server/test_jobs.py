@@ -374,3 +374,32 @@ def test_checkpoint_metrics_pass_promtool(client, scripted):
         ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_observed_failures_replace_the_table_mtbf(client, scripted, session):
+    """Three restore incidents served from memory give the memory tier an observed MTBF;
+    the peer tier, with one node incident, keeps the Llama 3 table's."""
+    from sqlalchemy import update
+
+    from tierwatch.server.checkpoints.models import Job
+
+    agents, viewer = scripted
+    for t, tier in ((100, "memory"), (300, "memory"), (500, "memory"), (700, "peer")):
+        for node in ("n1", "n2"):
+            agents.post(node, restores=[
+                RestoreReport(job_id=JOB, rank=r, world_size=WORLD, step=20, ts=at(t + r),
+                              seconds=1.0, files_by_tier={"memory": 1, tier: 1})
+                for r, n in NODE_OF.items() if n == node])
+    session.execute(update(Job).where(Job.job_id == JOB)
+                    .values(first_seen=utcnow() - timedelta(hours=1)))
+    session.commit()
+    tiers = job_json(client, viewer)["tiers"]
+    memory, peer = tiers["memory"]["advice"], tiers["peer"]["advice"]
+    assert memory["mtbf_source"] == "observed"
+    assert 3500 / 3 < memory["mtbf_s"] <= 3600 / 3  # last report, minus first_seen
+    blocking = statistics.median(BLOCKING.values())
+    expected = advise("memory", cost_s=blocking, commit_s=memory["commit_s"], gpus=WORLD,
+                      mtbf_s=memory["mtbf_s"])
+    assert memory["recommended_s"] == expected.recommended_s
+    assert peer["mtbf_source"] == "llama3_table"
+    assert peer["mtbf_s"] == advise("peer", cost_s=0, commit_s=0, gpus=WORLD).mtbf_s
