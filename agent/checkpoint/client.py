@@ -90,6 +90,14 @@ class AgentClient:
         """
         self._request("POST", "/v1/ckpt/notify", json={"job_id": job_id, "step": step})
 
+    def post_latency(self, samples: list[dict[str, Any]]) -> None:
+        """``POST /v1/trainer/latency``: collective-latency samples (ms) for the next report.
+
+        Raises:
+            AgentUnavailable: unreachable or an HTTP error.
+        """
+        self._request("POST", "/v1/trainer/latency", json=samples)
+
     def available(self, job_id: str, *, persistent: bool) -> dict[str, Any]:
         """``GET /v1/ckpt/jobs/{job_id}/available``.
 

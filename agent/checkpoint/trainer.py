@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import queue
@@ -64,7 +65,6 @@ from tierwatch.agent.checkpoint.layout import (
     check_job_id,
     commit_name,
     manifest_name,
-    parse_step_dirname,
 )
 from tierwatch.agent.checkpoint.manifest import (
     CommitMarker,
@@ -96,6 +96,7 @@ class _SaveJob:
     committed: bool = False
     error: str | None = None
     write_s: float = 0.0
+    blocking_s: float = 0.0  # time the training thread spent in save()
 
 
 def _human(n: float) -> str:
@@ -387,7 +388,6 @@ class TieredCheckpointer:
             raise CheckpointError(f"step {step} is not after the previous save's step "
                                   f"{self._last_step}: steps must increase")
         self._finish_inflight()
-        wait_s = time.monotonic() - t0
 
         live, param_ptrs, optim_keys = self._live_state(state)
         if self._signature is None:
@@ -414,8 +414,7 @@ class TieredCheckpointer:
             step_time = (t0 - self._last_save_at) / max(1, step - self._last_step)
         self._last_step, self._last_save_at = step, t0
         self._saves += 1
-        job.blocking_s = time.monotonic() - t0  # type: ignore[attr-defined]
-        job.wait_s = wait_s  # type: ignore[attr-defined]
+        job.blocking_s = time.monotonic() - t0
         self.events.progress(JobProgress(
             job_id=self.job_id, rank=self.rank, world_size=self.world_size, step=step,
             step_time_s=step_time, ts=utcnow(),
@@ -440,8 +439,10 @@ class TieredCheckpointer:
         threading.Thread(target=self._post_latency, args=(sample,), daemon=True).start()
 
     def _post_latency(self, sample: LatencySample) -> None:
-        with contextlib.suppress(Exception):
-            self.client._http.post("/v1/trainer/latency", json=[sample.model_dump(mode="json")])
+        try:
+            self.client.post_latency([sample.model_dump(mode="json")])
+        except AgentUnavailable as exc:
+            log.debug("collective latency not delivered: %s", exc)
 
     def _finish_inflight(self) -> None:
         """Wait for the in-flight save to commit in memory and report its staging."""
@@ -449,7 +450,7 @@ class TieredCheckpointer:
         if job is None:
             return
         job.done.wait()
-        blocking = getattr(job, "blocking_s", 0.0) + self._hook_wait
+        blocking = job.blocking_s + self._hook_wait
         self._hook_wait = 0.0
         self._inflight = None
         self.events.event(CheckpointEvent(
@@ -617,8 +618,6 @@ class TieredCheckpointer:
     def _pending_upload(self, steps: list[int]) -> int | None:
         """The newest step of ``steps`` marked persist whose upload this rank's agent has not
         finished, or None."""
-        import json
-
         for step in sorted(steps, reverse=True):
             d = self.layout.step_dir(self.job_id, step)
             try:
@@ -668,8 +667,6 @@ class TieredCheckpointer:
         data_path = self.layout.job_file(self.job_id)
         self._write_job_file()
         try:
-            import json
-
             data = json.loads(data_path.read_text())
             data["finished"] = True
             atomic_write_json(data_path, data, fsync=False)
@@ -696,8 +693,3 @@ class TieredCheckpointer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def steps_in_memory(layout: MemoryLayout, job_id: str) -> list[int]:
-    """Step folders of ``job_id`` in a memory folder (ascending)."""
-    return sorted(s for p in layout.job_dir(job_id).glob("step-*")
-                  if (s := parse_step_dirname(p.name)) is not None)
