@@ -13,10 +13,12 @@ import logging
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from tierwatch.agent.checkpoint.manifest import atomic_write_json
 from tierwatch.agent.protocol import CheckpointEvent, JobProgress, RestoreReport
 
 log = logging.getLogger(__name__)
@@ -127,8 +129,11 @@ class EventSender:
     """
 
     def __init__(self, client: AgentClient, *, period_s: float = 1.0,
-                 max_queued: int = 10000) -> None:
+                 max_queued: int = 10000, progress_file: Path | None = None) -> None:
         self.client = client
+        self.progress_file = progress_file
+        self._last_step: int | None = None
+        self._written_step: int | None = None
         self.period_s = period_s
         self._events: deque[CheckpointEvent] = deque(maxlen=max_queued)
         self._progress: deque[JobProgress] = deque(maxlen=max_queued)
@@ -148,8 +153,16 @@ class EventSender:
         with self._lock:
             self._events.append(event)
 
-    def progress(self, progress: JobProgress) -> None:
-        """Queue a progress report, replacing an unsent one of the same rank."""
+    def progress(self, progress: JobProgress, *, completed: bool = True) -> None:
+        """Queue a progress report, replacing an unsent one of the same rank.
+
+        Args:
+            progress: the report.
+            completed: ``progress.step`` was really trained (False for the layout report a
+                rank sends at start); only completed steps go to the progress file.
+        """
+        if completed:
+            self._last_step = progress.step
         with self._lock:
             if self._progress and self._progress[-1].rank == progress.rank \
                     and progress.layout is None and self._progress[-1].layout is None:
@@ -219,4 +232,16 @@ class EventSender:
         while not self._stop.is_set():
             self._wake.wait(self.period_s)
             self._wake.clear()
+            self._write_progress()
             self._send_once()
+
+    def _write_progress(self) -> None:
+        """Record the newest completed step in the memory folder (restore's steps lost)."""
+        step = self._last_step
+        if self.progress_file is None or step is None or step == self._written_step:
+            return
+        try:
+            atomic_write_json(self.progress_file, {"step": step}, fsync=False)
+            self._written_step = step
+        except OSError as exc:
+            log.debug("cannot write %s: %s", self.progress_file, exc)

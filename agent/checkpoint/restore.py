@@ -238,11 +238,20 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
                             if src.tier == "persistent"})
         ckpt.seed_history([s for s in complete if s <= chosen], persisted)
     ckpt._last_step = chosen
-    last_done = max([s for s in views if views[s].manifests] + [chosen])
+    last_done = max([s for s in ckpt._all_gather(_last_trained(ckpt)) if s is not None]
+                    + [s for s in views if views[s].manifests] + [chosen])
     timing = ", ".join(f"{k} {v:.3f} s" for k, v in phases.items() if k != "stage")
     _report(ckpt, chosen, t0, sources, ok=True, steps_lost=last_done - chosen,
             message="; ".join([f"phases: {timing}", *notes])[:2000])
     return chosen
+
+
+def _last_trained(ckpt: TieredCheckpointer) -> int | None:
+    """The newest step this rank's previous run completed (its progress file), if known."""
+    try:
+        return int(json.loads(ckpt.progress_file.read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _template(ckpt: TieredCheckpointer, state: dict[str, Any]) -> dict[str, Any]:

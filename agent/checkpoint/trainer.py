@@ -220,7 +220,8 @@ class TieredCheckpointer:
         self.peer_urls: dict[str, str] = dict(nodes)
         self._clean_torn_writes()
 
-        self.events = EventSender(self.client)
+        self.progress_file = self.job_dir / f"progress-{self.rank}.json"
+        self.events = EventSender(self.client, progress_file=self.progress_file)
         self._stager = Stager()
         self._queue: queue.Queue[_SaveJob | None] = queue.Queue()
         self._inflight: _SaveJob | None = None
@@ -241,7 +242,7 @@ class TieredCheckpointer:
         if self.rank == 0:
             self.events.progress(JobProgress(job_id=self.job_id, rank=0,
                                              world_size=self.world_size, step=0, ts=utcnow(),
-                                             layout=self.nodes_by_rank))
+                                             layout=self.nodes_by_rank), completed=False)
         self._write_job_file()
 
     # -- collectives -----------------------------------------------------------------------
@@ -684,6 +685,7 @@ class TieredCheckpointer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self.events._write_progress()
         self.events.close(min(timeout_s, 5.0))
         self.client.close()
 

@@ -106,6 +106,12 @@ def test_resume_is_bit_exact(cluster: Cluster, tmp_path: Path) -> None:
     assert total // 2 - 1 <= resumed_from < total - 1
     rep = restores(run_log)[-1]
     assert rep["step"] == resumed_from
+    # steps lost: from the ranks' progress files (written about once a second), so at most
+    # the steps the killed run logged after the restored one
+    lines = [json.loads(x) for x in (run_log / "rank-0.jsonl").read_text().splitlines()]
+    first_run_last = max(x["step"] for x in lines if x["restored_from"] is None)
+    assert rep["steps_lost"] is not None
+    assert 0 <= rep["steps_lost"] <= first_run_last - resumed_from
     assert rep["files_by_tier"].get("persistent", 0) == 0
     for rank in range(4):
         want, got = read_losses(base_log, rank), read_losses(run_log, rank)
