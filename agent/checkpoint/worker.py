@@ -71,14 +71,16 @@ BACKOFF_MAX_S = 60.0
 @dataclass(frozen=True)
 class PendingMetadata:
     """A step whose ``.metadata.staged`` this agent uploaded; it waits for every rank's
-    manifest on the persistent tier (``since``: monotonic seconds; ``keep``: the commit
-    marker's ``retain["persistent"]``, None when unknown after a restart)."""
+    manifest on the persistent tier (``since``: monotonic seconds when this agent's upload
+    of the step ended; ``started``: when it began, for the step's commit time; ``keep``: the
+    commit marker's ``retain["persistent"]``, None when unknown after a restart)."""
 
     job_id: str
     step: int
     world_size: int
     keep: list[int] | None
     since: float
+    started: float | None = None
 
 
 @dataclass(frozen=True)
@@ -403,7 +405,7 @@ class TierWorker:
         if wait:
             self._pending[(c.job_id, c.step)] = PendingMetadata(
                 c.job_id, c.step, manifest.world_size, c.marker.retain.get("persistent", []),
-                time.monotonic())
+                time.monotonic(), started)
         self._mark(c, "persistent", uploaded=True)
         self._event(c.job_id, c.step, "persistent", "committed", c.rank, manifest.world_size,
                     bytes=total, seconds=time.monotonic() - started,
@@ -444,8 +446,10 @@ class TierWorker:
         total = 0
         for m in self.persistent.manifests(p.job_id, p.step):
             total += m.total_bytes()
+        # the step's commit time: from this agent's first upload of it to .metadata
+        began = p.started if p.started is not None else started
         self._event(p.job_id, p.step, "persistent", "committed", None, p.world_size,
-                    bytes=total, seconds=time.monotonic() - started,
+                    bytes=total, seconds=time.monotonic() - began,
                     message=f"step {p.step} committed in {url} (.metadata written last)")
         if p.keep is not None:
             self._retain_persistent(p)
