@@ -57,7 +57,44 @@ def parse_bytes(text: str | int) -> int:
     if not m or unit not in _BYTE_UNITS:
         raise ValueError(f"size {text!r}: use bytes or a number with a unit such as 512MiB, "
                          "8GiB, 2GB")
-    return int(float(m.group(1)) * _BYTE_UNITS[unit])
+    number = float(m.group(1)) * _BYTE_UNITS[unit]
+    if number == float("inf"):
+        raise ValueError(f"size {text!r} is too large")
+    return int(number)
+
+
+MAX_MEMORY_BUDGET = 2**62
+
+
+def parse_memory_budget(value: object) -> int:
+    """Parse ``--memory-budget``: a positive size in bytes, at most 2**62.
+
+    Raises:
+        PydanticCustomError: (a ValueError for pydantic) a one-line message naming
+            ``--memory-budget`` (not a size, zero, negative or absurdly large).
+    """
+    from pydantic_core import PydanticCustomError
+
+    def bad(why: str) -> PydanticCustomError:
+        return PydanticCustomError(
+            "memory_budget", "--memory-budget (TIERWATCH_MEMORY_BUDGET) {value}: {why}",
+            {"value": repr(value) if not isinstance(value, int) else str(value), "why": why})
+
+    positive = "must be a positive size such as 8GiB"
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise bad(positive)
+    if isinstance(value, str) and value.strip().startswith("-"):
+        raise bad(positive)
+    try:
+        size = parse_bytes(value)
+    except (ValueError, OverflowError):
+        raise bad(positive) from None
+    if size <= 0:
+        raise bad(positive)
+    if size > MAX_MEMORY_BUDGET:
+        raise bad(f"{size} bytes is more than any machine has (at most 2**62 bytes); "
+                  "use a size such as 8GiB")
+    return size
 
 
 class SettingsError(ValueError):
@@ -181,9 +218,7 @@ class AgentSettings(BaseSettings):
     def _memory_budget(cls, value: object) -> int | None:
         if value is None or value == "":
             return None
-        if not isinstance(value, str | int):
-            raise ValueError(f"memory_budget {value!r}: use bytes or a size such as 8GiB")
-        return parse_bytes(value)
+        return parse_memory_budget(value)
 
     @field_validator("advertise_url")
     @classmethod

@@ -24,7 +24,7 @@ def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "-1", "8 GiBs", "lots", "1e9", -5])
+@pytest.mark.parametrize("text", ["", "-1", "8 GiBs", "lots", "1e9", -5, "1" * 400])
 def test_parse_bytes_refuses(text):
     with pytest.raises(ValueError, match="size"):
         parse_bytes(text)
@@ -52,13 +52,32 @@ def test_checkpoint_settings_from_env(monkeypatch, tmp_path):
         AgentSettings(node="gpu-1", memory_budget="much")
 
 
-def test_run_refuses_a_bad_memory_budget():
+@pytest.mark.parametrize("budget", ["eight gigs", "0", "0B", "-1", "-8GiB", "0.1",
+                                    "9000000PiB", "1" * 400])
+def test_run_refuses_a_bad_memory_budget(budget):
     out = subprocess.run(
         [str(BIN / "tierwatch-agent"), "run", "--node", "n", "--server", "http://x:1",
-         "--token", "t", "--memory-budget", "eight gigs"],
+         "--token", "t", "--memory-budget", budget],
         capture_output=True, text=True, timeout=60, env=base_env())
     assert out.returncode == 2
-    assert "memory_budget" in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr  # one line, no traceback
+    assert "--memory-budget" in lines[0]
+    assert "Value error" not in lines[0]
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("budget", [0, "0", -1, "-1", 2**62 + 1, "5EiB", "8 GiBs", None.__class__])
+def test_memory_budget_must_be_positive_and_sane(budget):
+    with pytest.raises(ValidationError, match="--memory-budget") as info:
+        AgentSettings(node="gpu-1", memory_budget=budget)
+    assert len(info.value.errors()) == 1
+
+
+def test_memory_budget_accepts_sizes_up_to_2_62():
+    assert AgentSettings(node="gpu-1", memory_budget=2**62).memory_budget == 2**62
+    assert AgentSettings(node="gpu-1", memory_budget="1").memory_budget == 1
+    assert AgentSettings(node="gpu-1", memory_budget="8GiB").memory_budget == 8 * 1024**3
 
 
 @pytest.mark.parametrize(
