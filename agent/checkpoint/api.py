@@ -6,7 +6,8 @@ the stager for one agent. :func:`ckpt_router` exposes them:
 Trainer-facing (control endpoints: loopback, or the agent token):
 
 - ``GET /v1/ckpt/info`` → ``{node, memory_dir, peer_url, memory_budget_bytes,
-  memory_used_bytes, persistent_url, replication, peer_tier}``
+  memory_used_bytes, persistent_url, persistent_error, replication, peer_tier}``
+  (``persistent_error``: why the persistent tier is unavailable, null when it works)
 - ``POST /v1/ckpt/events`` ``{events, progress, restores}`` → ``{queued: {events, progress,
   restores}}``: queued into the next report
 - ``POST /v1/ckpt/notify`` ``{job_id, step}`` → ``{ok: true}``: wake the tier worker
@@ -63,7 +64,10 @@ class CheckpointService:
 
     Raises:
         OSError: the memory folder cannot be created.
-        PersistentError: the persistent URL cannot be used (unknown protocol, s3fs missing).
+
+    A persistent URL that cannot be used (unknown protocol, s3fs missing) does not stop the
+    service: the persistent tier is marked unavailable (``persistent_error`` in :meth:`info`),
+    a WARNING is logged at start and every step to persist gets a ``failed`` event.
     """
 
     def __init__(self, settings: AgentSettings, *, emit: EventSink) -> None:
@@ -72,7 +76,11 @@ class CheckpointService:
         self.node = settings.node or ""
         self.store = MemoryStore(settings.resolved_memory_dir(), node=self.node,
                                  budget_bytes=settings.resolved_memory_budget())
-        self.persistent = PersistentTier(settings.resolved_persistent_url())
+        url = settings.resolved_persistent_url()
+        try:
+            self.persistent = PersistentTier(url)
+        except PersistentError as exc:  # the memory and peer tiers work without it
+            self.persistent = PersistentTier.unavailable(url, str(exc))
         self.peer_token = settings.peer_token_value
         self.peer_url = ""
         self.worker = TierWorker(self.store, self.persistent, emit=emit,
@@ -97,6 +105,13 @@ class CheckpointService:
         self.agent_info = self.store.write_agent_file(peer_url=self.peer_url,
                                                       persistent_url=self.persistent.url)
         self.worker.start()
+        problem = self.persistent.write_problem()
+        if not self.persistent.available:
+            log.warning("persistent tier unavailable: %s; the memory and peer tiers work, "
+                        "every step to persist gets a failed event", problem)
+        elif problem is not None:
+            log.warning("persistent tier %s looks unwritable: %s; uploads will fail until "
+                        "that is fixed", self.persistent.url, problem)
         log.info("checkpoint store: memory %s (budget %d bytes), persistent %s, peer URL %s, "
                  "replication %d%s", self.store.root, self.store.budget_bytes,
                  self.persistent.url, self.peer_url, self.settings.replication,
@@ -117,6 +132,7 @@ class CheckpointService:
             "memory_budget_bytes": self.store.budget_bytes,
             "memory_used_bytes": self.store.used_bytes(),
             "persistent_url": self.persistent.url,
+            "persistent_error": self.persistent.error,
             "replication": self.settings.replication,
             "peer_tier": bool(self.peer_token) and self.settings.replication > 0,
         }
@@ -129,7 +145,9 @@ class CheckpointService:
         """
         entries = self.store.available(job_id, self.peer_url)
         errors: list[str] = []
-        if persistent:
+        if persistent and not self.persistent.available:
+            errors.append(f"persistent tier unavailable: {self.persistent.error}")
+        elif persistent:
             try:
                 for step in self.persistent.steps(job_id):
                     if not self.persistent.has_metadata(job_id, step):

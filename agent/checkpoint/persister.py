@@ -69,6 +69,7 @@ class PersistentTier:
         from fsspec.core import url_to_fs
 
         self.url = url.rstrip("/")
+        self.error: str | None = None
         try:
             self.fs, self.root = url_to_fs(self.url)
         except (ImportError, ValueError) as exc:
@@ -79,6 +80,41 @@ class PersistentTier:
         protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
         self.local = "file" in protocols or "local" in protocols
         self.root = self.root.rstrip("/") or "/"
+
+    @classmethod
+    def unavailable(cls, url: str, error: str) -> PersistentTier:
+        """A tier whose URL cannot be used (unknown protocol, s3fs missing): :attr:`error`
+        says why, and every read or write fails with it (an ``OSError`` inside, so callers
+        report a :class:`PersistentError` or a failed file as for any broken tier)."""
+        tier = cls.__new__(cls)
+        tier.url = url.rstrip("/")
+        tier.error = error
+        tier.fs = _UnavailableFS(error)
+        tier.root = "/"
+        tier.local = False
+        return tier
+
+    @property
+    def available(self) -> bool:
+        """Whether the URL could be opened (see :attr:`error`)."""
+        return self.error is None
+
+    def write_problem(self) -> str | None:
+        """Why files cannot be written here, when that is visible without writing: the URL
+        is unusable, or (``file://``) its nearest existing folder is not a folder or not
+        writable. None when nothing is known to be wrong (object stores are not probed)."""
+        if self.error is not None:
+            return self.error
+        if not self.local:
+            return None
+        path = Path(self.root)
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        if not path.is_dir():
+            return f"{self.url}: {path} is not a folder"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"{self.url}: {path} is not writable by this agent (uid {os.getuid()})"
+        return None
 
     # -- paths ---------------------------------------------------------------------------
     def step_url(self, job_id: str, step: int) -> str:
@@ -282,9 +318,24 @@ class PersistentTier:
             raise PersistentError(f"cannot delete {self.step_url(job_id, step)}: {exc}") from None
 
     def info(self) -> dict[str, Any]:
-        """``{url, local}``."""
-        return {"url": self.url, "local": self.local}
+        """``{url, local, error}``."""
+        return {"url": self.url, "local": self.local, "error": self.error}
 
 
 class _Mismatch(Exception):
     pass
+
+
+class _UnavailableFS:
+    """Stands for the filesystem of an unusable URL: every call raises ``OSError(error)``."""
+
+    protocol = "unavailable"
+
+    def __init__(self, error: str) -> None:
+        self._error = error
+
+    def __getattr__(self, name: str) -> Any:
+        def fail(*_args: Any, **_kwargs: Any) -> Any:
+            raise OSError(self._error)
+
+        return fail

@@ -131,6 +131,7 @@ class TierWorker:
         self._said_once: set[tuple[str, str]] = set()
         self._pending: dict[tuple[str, int], PendingMetadata] = {}
         self._pending_loaded = False
+        self._unavailable_said: dict[tuple[str, int], int] = {}
         self.scans = {"peer": 0, "persistent": 0}
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -331,6 +332,9 @@ class TierWorker:
         """Upload the newest persisted step of every local rank, finish pending
         ``.metadata`` writes and apply persistent retention (one pass)."""
         commits = self.local_commits()
+        if not self.persistent.available:
+            self._report_unavailable(commits)
+            return
         if not self._pending_loaded:
             self._load_pending(commits)
         for per_rank in commits.values():
@@ -347,6 +351,23 @@ class TierWorker:
             if self._stop.is_set():
                 return
             self._finish_metadata(self._pending[key])
+
+    def _report_unavailable(self, commits: dict[tuple[str, int], list[LocalCommit]]) -> None:
+        """The persistent URL is unusable: one ``failed`` event per local rank and step to
+        persist (the newest of each rank; nothing is uploaded)."""
+        for (job_id, rank), per_rank in commits.items():
+            persisted = [c for c in per_rank if c.marker.persist]
+            if not persisted:
+                continue
+            c = persisted[-1]
+            if self._unavailable_said.get((job_id, rank), -1) >= c.step:
+                continue
+            self._unavailable_said[(job_id, rank)] = c.step
+            log.debug("persistent tier unavailable: step %d of %s rank %d not persisted",
+                      c.step, job_id, rank)
+            self._event(job_id, c.step, "persistent", "failed", rank, c.marker.world_size,
+                        message=f"step {c.step} not persisted: the persistent tier "
+                        f"{self.persistent.url} is unavailable ({self.persistent.error})")
 
     def _load_pending(self, commits: dict[tuple[str, int], list[LocalCommit]]) -> None:
         """After a start: find steps of local jobs whose ``.metadata.staged`` this agent

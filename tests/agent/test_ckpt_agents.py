@@ -554,3 +554,47 @@ def test_unreachable_peer_is_a_failed_event_then_retried(make_agent, receiver):
     wait_event(receiver, node="node-a", job_id=JOB, step=1, tier="peer", kind="committed",
                rank=0, agent=a, timeout=60)
     assert (b.replica_dir("node-a", JOB, 1) / "commit-0.json").is_file()
+
+
+@pytest.mark.parametrize("url", ["foo://bar", "s3://bucket/x"])
+def test_unusable_persistent_url_keeps_memory_and_peer_tiers(make_agent, receiver, url):
+    a, b = make_agent("node-a", persistent_url=url), make_agent("node-b", persistent_url=url)
+    layout = ["node-a", "node-b"]
+    peers = urls(a, b)
+    a.start()
+    b.start()
+    info = httpx.get(f"{a.url}/v1/ckpt/info").json()
+    assert info["persistent_url"] == url
+    assert info["persistent_error"]
+    warning = [ln for ln in a.log_tail().splitlines() if "persistent tier unavailable" in ln]
+    assert warning
+    assert "WARNING" in warning[0]
+    assert "checkpoint store disabled" not in a.log_tail()
+    for step in (1, 2):
+        for agent in (a, b):
+            write_step(agent.memory_dir, job_id=JOB, step=step, node=agent.node, layout=layout,
+                       peer_urls=peers, persist=True)
+            agent.notify(JOB, step)
+        for agent, rank in ((a, 0), (b, 1)):
+            wait_event(receiver, node=agent.node, job_id=JOB, step=step, tier="peer",
+                       kind="committed", rank=rank, agent=agent)
+            ev = wait_event(receiver, node=agent.node, job_id=JOB, step=step,
+                            tier="persistent", kind="failed", rank=rank, agent=agent)
+            assert info["persistent_error"] in ev.message
+    wait_more_batches(receiver, "node-a", 3)
+    # one failed event per step, not one per scan
+    assert len(ckpt_events(receiver, node="node-a", tier="persistent", kind="failed")) == 2
+    avail = httpx.get(f"{a.url}/v1/ckpt/jobs/{JOB}/available", params={"persistent": 1}).json()
+    assert {e["tier"] for e in avail["entries"]} == {"memory", "peer"}
+    assert any("unavailable" in e for e in avail["errors"])
+
+
+def test_unwritable_file_url_warns_at_start(make_agent, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a regular file where the persistent folder should be")
+    a = make_agent("node-a", persistent_url=f"file://{blocker}/ckpt").start()
+    wait_until(lambda: "looks unwritable" in a.log_tail(), timeout=10, what="start warning")
+    line = next(ln for ln in a.log_tail().splitlines() if "looks unwritable" in ln)
+    assert "WARNING" in line
+    assert str(blocker) in line
+    assert httpx.get(f"{a.url}/v1/ckpt/info").json()["persistent_error"] is None
