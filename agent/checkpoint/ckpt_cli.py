@@ -93,6 +93,8 @@ class StepCopy:
         if world is None:
             return False, "no manifests" if not self.manifests else "manifests disagree on " \
                 "world_size"
+        if len({m.signature for m in self.manifests.values()}) > 1:
+            return False, "manifests disagree on signature"
         missing = [r for r in range(world) if r not in self.manifests]
         if missing:
             return False, f"ranks {_ranges(missing)} missing"
@@ -219,6 +221,23 @@ class Place:
         return self.persistent().open_read(job_id, copy.step, name)
 
 
+def _mixed(copy: StepCopy) -> str | None:
+    """Why the copy's manifests belong to more than one checkpoint (they disagree on
+    world_size or signature), None when they agree."""
+    worlds = sorted({m.world_size for m in copy.manifests.values()})
+    sigs = sorted({m.signature for m in copy.manifests.values()})
+    if len(worlds) <= 1 and len(sigs) <= 1:
+        return None
+    what = []
+    if len(worlds) > 1:
+        what.append("world_size " + ", ".join(
+            f"{w} (rank(s) {_ranges([r for r, m in copy.manifests.items() if m.world_size == w])})"
+            for w in worlds))
+    if len(sigs) > 1:
+        what.append(f"{len(sigs)} different signatures")
+    return "manifests of more than one checkpoint disagree on " + "; ".join(what)
+
+
 def _persistent_complete(copy: StepCopy) -> tuple[bool, str]:
     ok, why = copy.complete()
     if ok and copy.tier == "persistent" and METADATA not in copy.names:
@@ -304,6 +323,10 @@ def verify(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
         for problem in c.bad_manifests:
             typer.echo(f"BAD  {label}: {problem}")
             bad += 1
+        mixed = _mixed(c)
+        if mixed:
+            typer.echo(f"BAD  {label}: {mixed}")
+            bad += 1
         count = 0
         for m in c.manifests.values():
             for f in m.files:
@@ -326,7 +349,7 @@ def verify(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
                     bad += 1
                 else:
                     count += 1
-        if not c.bad_manifests:
+        if not c.bad_manifests and not mixed:
             typer.echo(f"ok   {label}: {count} file(s) of rank(s) "
                        f"{_ranges(list(c.manifests)) or '-'}")
     if bad:

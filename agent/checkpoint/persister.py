@@ -186,6 +186,27 @@ class PersistentTier:
                 out.append(m)
         return out
 
+    def manifest(self, job_id: str, step: int, rank: int) -> Manifest | None:
+        """Rank ``rank``'s manifest of the step (None: missing, unreadable or not matching).
+
+        Raises:
+            PersistentError: the tier cannot be read (other than a missing file).
+        """
+        name = f"manifest-{rank}.json"
+        try:
+            with self.fs.open(self.file_path(job_id, step, name), "rb") as f:
+                m = read_manifest(f.read(), where=f"{self.step_url(job_id, step)}/{name}")
+        except FileNotFoundError:
+            return None
+        except ManifestError:
+            return None
+        except OSError as exc:
+            raise PersistentError(f"cannot read {self.step_url(job_id, step)}/{name}: "
+                                  f"{exc}") from None
+        if m.job_id != job_id or m.step != step or m.rank != rank:
+            return None
+        return m
+
     def open_read(self, job_id: str, step: int, name: str) -> BinaryIO:
         """Open one file for reading (binary).
 

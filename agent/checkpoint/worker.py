@@ -40,6 +40,7 @@ from tierwatch.agent.checkpoint.layout import (
     commit_name,
     manifest_name,
     parse_commit_name,
+    parse_manifest_name,
     parse_step_dirname,
 )
 from tierwatch.agent.checkpoint.manifest import (
@@ -344,8 +345,9 @@ class TierWorker:
             if not persisted:
                 continue
             newest = persisted[-1]
-            progress = self.store.read_progress(newest.step_dir, newest.rank)
-            if not progress.get("persistent", {}).get("uploaded"):
+            progress = self.store.read_progress(newest.step_dir, newest.rank).get(
+                "persistent", {})
+            if not progress.get("uploaded") and not progress.get("conflict"):
                 self._upload(newest)
         for key in sorted(self._pending):
             if self._stop.is_set():
@@ -407,6 +409,18 @@ class TierWorker:
         except ManifestError as exc:
             self._fail(key, c, "persistent", f"{manifest_name(c.rank)}: {exc}")
             return
+        try:
+            conflict = self._conflict(c, manifest)
+        except PersistentError as exc:
+            self._fail(key, c, "persistent", str(exc))
+            return
+        if conflict is not None:
+            self._backoff.pop(key, None)
+            log.warning("persistent tier: %s", conflict)
+            self._mark(c, "persistent", conflict=conflict)
+            self._event(c.job_id, c.step, "persistent", "failed", c.rank, manifest.world_size,
+                        message=conflict)
+            return
         started = time.monotonic()
         total = 0
         try:
@@ -432,6 +446,38 @@ class TierWorker:
                     bytes=total, seconds=time.monotonic() - started,
                     message=f"rank {c.rank}'s files in {self.persistent.step_url(c.job_id, c.step)}"
                     + ("; .metadata follows once every rank's manifest is there" if wait else ""))
+
+    def _conflict(self, c: LocalCommit, manifest: Manifest) -> str | None:
+        """Why rank ``c.rank``'s files of the step must not go to the persistent tier: the
+        step folder there already holds a checkpoint of another world size or model (a
+        manifest with another world_size or signature, or a ``.metadata`` without any
+        manifest). Reads this rank's manifest and the lowest-ranked other one.
+
+        Raises:
+            PersistentError: the folder cannot be read.
+        """
+        names = self.persistent.names(c.job_id, c.step)
+        ranks = sorted(r for n in names if (r := parse_manifest_name(n)) is not None)
+        if not ranks:
+            if METADATA in names:
+                return (f"step {c.step} in {self.persistent.step_url(c.job_id, c.step)} "
+                        "already holds a checkpoint (.metadata without manifests) of another "
+                        f"world size/model; left alone, rank {c.rank}'s files not uploaded")
+            return None
+        read = [r for r in ranks if r == c.rank] + [r for r in ranks if r != c.rank][:1]
+        for r in read:
+            there = self.persistent.manifest(c.job_id, c.step, r)
+            if there is None:
+                continue
+            if there.world_size != manifest.world_size or \
+                    there.signature != manifest.signature:
+                return (f"step {c.step} in {self.persistent.step_url(c.job_id, c.step)} "
+                        "already holds a checkpoint of another world size/model "
+                        f"({manifest_name(r)}: world_size {there.world_size}, signature "
+                        f"{there.signature!r}; this step: world_size {manifest.world_size}, "
+                        f"signature {manifest.signature!r}); left alone, rank {c.rank}'s "
+                        "files not uploaded")
+        return None
 
     def _finish_metadata(self, p: PendingMetadata) -> None:
         key = ("metadata", p.job_id, p.step)

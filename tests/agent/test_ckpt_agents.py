@@ -598,3 +598,41 @@ def test_unwritable_file_url_warns_at_start(make_agent, tmp_path):
     assert "WARNING" in line
     assert str(blocker) in line
     assert httpx.get(f"{a.url}/v1/ckpt/info").json()["persistent_error"] is None
+
+
+def _persistent_step_of_world(tmp_path: Path, persistent_dir: Path, step: int,
+                              world: int) -> dict[str, bytes]:
+    """Put a complete ``world``-rank step into the persistent tier; return its files."""
+    scratch = tmp_path / f"scratch-{world}"
+    write_step(scratch, job_id=JOB, step=step, node="old", layout=["old"] * world, seed=7)
+    src = scratch / "jobs" / JOB / f"step-{step}"
+    dst = persistent_dir / JOB / f"step-{step}"
+    dst.mkdir(parents=True)
+    for p in src.iterdir():
+        if p.name.startswith(("__", "manifest-", ".metadata")):
+            (dst / p.name).write_bytes(p.read_bytes())
+    return {p.name: p.read_bytes() for p in dst.iterdir()}
+
+
+@pytest.mark.parametrize("old_world", [4, 1])
+def test_persistent_step_of_another_world_size_is_left_alone(make_agent, receiver, tmp_path,
+                                                             persistent_dir, old_world):
+    before = _persistent_step_of_world(tmp_path, persistent_dir, 1, old_world)
+    a, b = make_agent("node-a"), make_agent("node-b")
+    layout = ["node-a"] if old_world == 4 else ["node-a", "node-b"]
+    agents = [a] if old_world == 4 else [a, b]
+    for agent in agents:
+        agent.start()
+        write_step(agent.memory_dir, job_id=JOB, step=1, node=agent.node, layout=layout,
+                   peer_urls=urls(*agents), persist=True)
+        agent.notify(JOB, 1)
+    for rank, agent in enumerate(agents):
+        ev = wait_event(receiver, node=agent.node, job_id=JOB, step=1, tier="persistent",
+                        kind="failed", rank=rank, agent=agent)
+        assert "already holds a checkpoint of another world size/model" in ev.message
+        assert "left alone" in ev.message
+    wait_more_batches(receiver, "node-a", 3)
+    dst = persistent_dir / JOB / "step-1"
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before  # untouched
+    assert not ckpt_events(receiver, tier="persistent", kind="committed")
+    assert len(ckpt_events(receiver, node="node-a", tier="persistent", kind="failed")) == 1
