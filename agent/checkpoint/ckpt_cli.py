@@ -17,12 +17,14 @@ correctly; 2 bad input (names, missing options, no such step, a destination in u
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -45,15 +47,18 @@ EXIT_USAGE = 2
 
 JobOpt = Annotated[str | None, typer.Option("--job", help="Job id.")]
 StepOpt = Annotated[int | None, typer.Option("--step", help="One step (default: all).")]
+ExportStepOpt = Annotated[int | None, typer.Option(
+    "--step", help="The step to export (default: the newest complete step).")]
+# typer shows each envvar itself ("[env var: …]"): the help texts do not repeat it
 MemOpt = Annotated[Path | None, typer.Option(
     "--memory-dir", envvar="TIERWATCH_MEMORY_DIR",
-    help="Memory folder (default /dev/shm/tierwatch/<node>) [TIERWATCH_MEMORY_DIR].")]
+    help="Memory folder (default /dev/shm/tierwatch/<node>).")]
 NodeOpt = Annotated[str | None, typer.Option(
-    "--node", envvar="TIERWATCH_NODE", help="This node's name [TIERWATCH_NODE].")]
+    "--node", envvar="TIERWATCH_NODE", help="This node's name.")]
 UrlOpt = Annotated[str | None, typer.Option(
     "--persistent-url", envvar="TIERWATCH_PERSISTENT_URL",
-    help="Persistent tier fsspec URL (default: agent.json's, else file://<cwd>/var/checkpoints)"
-    " [TIERWATCH_PERSISTENT_URL].")]
+    help="Persistent tier fsspec URL (default: agent.json's, else "
+    "file://<cwd>/var/checkpoints).")]
 
 
 class Usage(Exception):
@@ -63,6 +68,29 @@ class Usage(Exception):
 def _die(message: str, code: int = EXIT_USAGE) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _one_line_errors(fn: F) -> F:
+    """A command whose unexpected ``OSError`` (a folder it cannot read, a destination it
+    cannot create) prints one ``error: …`` line and exits 2 instead of a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except OSError as exc:
+            raise _die(_os_error(exc)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _os_error(exc: OSError) -> str:
+    """``<file>: <reason>`` of an OSError (its str when it names no file)."""
+    if exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
 
 
 @dataclass
@@ -138,6 +166,9 @@ class Place:
                 raise Usage(str(exc)) from None
             memory_dir = Path("/dev/shm/tierwatch") / node
         self.layout = MemoryLayout(memory_dir)
+        if not memory_dir.is_dir():
+            typer.echo(f"warning: memory folder {memory_dir} does not exist "
+                       "(check --memory-dir / --node)", err=True)
         if persistent_url is None:
             try:
                 persistent_url = json.loads(self.layout.agent_file.read_text()).get(
@@ -277,6 +308,7 @@ def _console() -> Any:
 
 
 @app.command("ls")
+@_one_line_errors
 def ls(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
        node: NodeOpt = None, persistent_url: UrlOpt = None) -> None:
     """List a job's steps per tier: ranks present, bytes, complete or not."""
@@ -302,6 +334,7 @@ def ls(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
 
 
 @app.command()
+@_one_line_errors
 def verify(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
            node: NodeOpt = None, persistent_url: UrlOpt = None) -> None:
     """Check the size and xxh3 checksum of every file the manifests list (exit 1 when bad)."""
@@ -358,8 +391,10 @@ def verify(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
 
 
 @app.command()
-def export(to: Annotated[Path | None, typer.Option("--to", help="Destination folder.")] = None,
-           job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
+@_one_line_errors
+def export(to: Annotated[Path | None, typer.Option(
+               "--to", help="Destination folder (new or empty).")] = None,
+           job: JobOpt = None, step: ExportStepOpt = None, memory_dir: MemOpt = None,
            node: NodeOpt = None, persistent_url: UrlOpt = None) -> None:
     """Copy a complete step (persistent, else this node's memory) to DEST as a DCP folder."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
@@ -367,7 +402,11 @@ def export(to: Annotated[Path | None, typer.Option("--to", help="Destination fol
     job_id, one = _job(job), _step(step)
     if to is None:
         raise _die("--to DEST is required (a new or empty folder)")
-    if to.exists() and (not to.is_dir() or any(to.iterdir())):
+    try:
+        in_use = to.exists() and (not to.is_dir() or any(to.iterdir()))
+    except OSError as exc:
+        raise _die(f"--to {to}: cannot use it ({_os_error(exc)})") from None
+    if in_use:
         raise _die(f"--to {to}: exists and is not an empty folder; pick a new one")
     place = _place(memory_dir, node, persistent_url)
     try:
@@ -388,7 +427,10 @@ def export(to: Annotated[Path | None, typer.Option("--to", help="Destination fol
                     for f in m.files}, key=lambda t: (t[0] == METADATA, t[0]))
     manifests = [manifest_name(r) for r in sorted(chosen.manifests)]
     total = sum(size for _, size, _ in files)
-    to.mkdir(parents=True, exist_ok=True)
+    try:
+        to.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _die(f"--to {to}: cannot create it ({_os_error(exc)})") from None
     import xxhash
 
     failed = []
@@ -418,7 +460,12 @@ def export(to: Annotated[Path | None, typer.Option("--to", help="Destination fol
                 failed.append(f"{name}: {n} bytes with xxh3 {h.hexdigest()}, the manifest says "
                               f"{size} bytes with {digest}")
                 continue
-            tmp.replace(to / name)
+            try:
+                tmp.replace(to / name)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                failed.append(f"{name}: cannot write it in {to} ({_os_error(exc)})")
+                continue
             progress.remove_task(task)
     if failed:
         for line in failed:
@@ -430,6 +477,7 @@ def export(to: Annotated[Path | None, typer.Option("--to", help="Destination fol
 
 
 @app.command()
+@_one_line_errors
 def gc(job: JobOpt = None,
        finished: Annotated[bool, typer.Option(
            "--finished", help="Remove every job whose job.json says \"finished\": true.")]

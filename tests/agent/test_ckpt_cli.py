@@ -171,3 +171,60 @@ def test_verify_reports_a_step_of_two_checkpoints_as_bad(place, field):
     assert not [ln for ln in out.stdout.splitlines() if ln.startswith("ok   persistent")]
     ls = ckpt("ls", "--job", JOB, "--step", "2", *opts(place))
     assert "disagree" in ls.stdout
+
+
+@pytest.mark.parametrize("dest", ["/proc/nope", "FILE/sub", "/proc/self/status"])
+def test_export_to_an_unusable_destination_is_one_error_line(place, tmp_path, dest):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    dest = dest.replace("FILE", str(blocker))
+    out = ckpt("export", "--job", JOB, "--to", dest, *opts(place))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("error: --to ")
+
+
+@pytest.mark.parametrize("cmd", ["ls", "verify", "export", "gc"])
+def test_an_os_error_in_a_command_is_one_error_line(place, tmp_path, monkeypatch, cmd):
+    from typer.testing import CliRunner
+
+    from tierwatch.agent.checkpoint import ckpt_cli
+
+    def unreadable(*_a, **_k):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "mem" / "jobs"))
+
+    monkeypatch.setattr(ckpt_cli.Place, "copies", unreadable)
+    monkeypatch.setattr(ckpt_cli.MemoryLayout, "jobs", unreadable)
+    args = [cmd, "--job", JOB, *opts(place)]
+    if cmd == "export":
+        args += ["--to", str(tmp_path / "out")]
+    if cmd == "gc":
+        args = ["gc", "--finished", "--memory-dir", str(place[0])]
+    out = CliRunner().invoke(ckpt_cli.app, args)
+    assert out.exit_code == 2, out.output
+    assert out.exception is None or isinstance(out.exception, SystemExit)
+    assert "error: " in out.output
+    assert "Permission denied" in out.output
+
+
+def test_ls_warns_about_a_missing_memory_folder(tmp_path):
+    out = ckpt("ls", "--job", JOB, "--memory-dir", str(tmp_path / "nonexistent"),
+               "--persistent-url", f"file://{tmp_path / 'p'}")
+    assert out.returncode == 2
+    assert "warning: memory folder" in out.stderr
+    assert "does not exist" in out.stderr
+
+
+def test_help_texts_show_each_env_var_once_and_export_step_default():
+    for cmd in ("ls", "verify", "export", "gc"):
+        out = ckpt(cmd, "--help", env={"COLUMNS": "200", "TERM": "dumb"})
+        assert out.returncode == 0, out.stderr
+        for var in ("TIERWATCH_MEMORY_DIR", "TIERWATCH_NODE"):
+            assert out.stdout.count(var) == 1, (cmd, out.stdout)
+        if cmd != "gc":
+            assert out.stdout.count("TIERWATCH_PERSISTENT_URL") == 1, (cmd, out.stdout)
+    out = ckpt("export", "--help", env={"COLUMNS": "200"})
+    assert "newest complete step" in out.stdout
+    assert "default: all" not in out.stdout
