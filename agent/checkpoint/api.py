@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from tierwatch.agent.checkpoint.layout import LayoutError, check_job_id, check_step
 from tierwatch.agent.checkpoint.persister import PersistentError, PersistentTier
@@ -312,6 +313,10 @@ def ckpt_router(get_service: ServiceGetter, *, control: list[Any],
             got = await run_in_threadpool(upload.finish)
         except StoreError as exc:
             return await _refuse(request, exc, svc, job_id, step, name, src_node)
+        except ClientDisconnect:  # the sender went away mid-upload: nothing is kept
+            log.warning("replica %s/%s/%s/%s: the sender disconnected after %d bytes; "
+                        "partial file removed", src_node, job_id, step, name, upload.written)
+            return Response(status_code=400)
         finally:
             upload.abort()
         evicted = svc.evicted_events(src_node, job_id, step, got.evicted)

@@ -636,3 +636,35 @@ def test_persistent_step_of_another_world_size_is_left_alone(make_agent, receive
     assert {p.name: p.read_bytes() for p in dst.iterdir()} == before  # untouched
     assert not ckpt_events(receiver, tier="persistent", kind="committed")
     assert len(ckpt_events(receiver, node="node-a", tier="persistent", kind="failed")) == 1
+
+
+def test_upload_cut_off_mid_body_leaves_nothing_and_no_traceback(make_agent):
+    import socket
+
+    a = make_agent("node-a").start()
+    total, sent = 4 * 1024 * 1024, 2 * 1024 * 1024 + 123
+    head = (f"PUT /v1/peer/replicas/node-b/{JOB}/1/__2_0.distcp HTTP/1.1\r\n"
+            f"Host: 127.0.0.1:{a.port}\r\nAuthorization: Bearer {PEER_TOKEN}\r\n"
+            f"X-Tierwatch-Xxh3: {'0' * 16}\r\nContent-Length: {total}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", a.port), timeout=10) as s:
+        s.sendall(head)
+        s.sendall(os.urandom(sent))
+        # let the agent write the first buffered chunk to its temporary file
+        wait_until(lambda: any(a.memory_dir.rglob(".tmp-upload-*")), timeout=10,
+                   what="temporary upload file")
+    wait_until(lambda: "disconnected" in a.log_tail(), timeout=15,
+               what=f"disconnect logged\n{a.log_tail()}")
+    log_text = a.log_tail(20000)
+    assert "Traceback" not in log_text
+    assert "Exception in ASGI application" not in log_text
+    assert "ClientDisconnect" not in log_text
+    lines = [ln for ln in log_text.splitlines() if "disconnected" in ln]
+    assert len(lines) == 1
+    assert "__2_0.distcp" in lines[0]
+    wait_until(lambda: not [p for p in a.memory_dir.rglob("*")
+                            if p.is_file() and p.name != "agent.json"],
+               timeout=10, what="partial upload removed")
+    info = httpx.get(f"{a.url}/v1/ckpt/info").json()
+    assert info["memory_used_bytes"] < 4096  # the reservation is released
+    assert httpx.put(f"{a.url}/v1/peer/replicas/node-b/{JOB}/1/__2_0.distcp", content=b"ok",
+                     headers={**AUTH, "X-Tierwatch-Xxh3": xxh3_of(b"ok")}).status_code == 200
