@@ -202,6 +202,9 @@ class TierWorker:
                     try:
                         marker = load_commit(step_dir / name)
                     except ManifestError as exc:
+                        if not (step_dir / name).exists():  # removed by retention meanwhile
+                            log.debug("%s vanished while being read: %s", step_dir / name, exc)
+                            continue
                         self._once("bad-commit", f"{step_dir / name}", job_id, step, "peer",
                                    f"{name}: unreadable commit marker, skipped ({exc})", rank)
                         continue
@@ -277,6 +280,8 @@ class TierWorker:
         try:
             manifest = load_manifest(c.step_dir / manifest_name(c.rank))
         except ManifestError as exc:
+            if self._evicted(c):
+                return
             self._fail(key, c, "peer", f"{manifest_name(c.rank)}: {exc}")
             return
         files = _push_order(c, manifest)
@@ -407,6 +412,8 @@ class TierWorker:
         try:
             manifest = load_manifest(c.step_dir / manifest_name(c.rank))
         except ManifestError as exc:
+            if self._evicted(c):
+                return
             self._fail(key, c, "persistent", f"{manifest_name(c.rank)}: {exc}")
             return
         try:
@@ -558,6 +565,15 @@ class TierWorker:
                                        lambda p: p.setdefault(tier, {}).update(values))
         except OSError as exc:
             log.warning("cannot record progress in %s: %s", c.step_dir, exc)
+
+    def _evicted(self, c: LocalCommit) -> bool:
+        """Whether the trainer removed the step meanwhile (its commit marker is gone): not a
+        failure, the next scan no longer sees it."""
+        if (c.step_dir / commit_name(c.rank)).exists():
+            return False
+        log.debug("step %d of %s rank %d was removed while being read", c.step, c.job_id,
+                  c.rank)
+        return True
 
     def _due(self, key: tuple[Any, ...]) -> bool:
         entry = self._backoff.get(key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 
@@ -128,3 +129,72 @@ def test_budget_counts_hard_links_once_and_reserves_uploads(tmp_path):
     assert exc.value.status == 507
     assert not (tmp_path / "mem" / "replicas" / "node-b" / "j" / "step-2").exists()
     assert store.used_bytes() == 9000
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _worker(tmp_path, events):
+    from tierwatch.agent.checkpoint.persister import PersistentTier
+    from tierwatch.agent.checkpoint.worker import TierWorker
+
+    store = MemoryStore(tmp_path / "mem", node="node-a", budget_bytes=2**30)
+    return TierWorker(store, PersistentTier(f"file://{tmp_path / 'pers'}"), emit=events.append,
+                      peer_token=None, replication=1, scan_interval_s=0.1)
+
+
+def test_commit_marker_removed_while_scanning_is_not_a_warning(tmp_path, monkeypatch):
+    from ckpt_helpers import write_step
+
+    from tierwatch.agent.checkpoint import worker as worker_mod
+
+    events: list = []
+    w = _worker(tmp_path, events)
+    write_step(w.store.root, job_id="job-1", step=3, node="node-a", layout=["node-a"])
+    real = worker_mod.load_commit
+
+    def racing(path):  # the trainer's retention removes the step between listing and reading
+        path.unlink()
+        return real(path)
+
+    monkeypatch.setattr(worker_mod, "load_commit", racing)
+    records = _Records()
+    logger = logging.getLogger("tierwatch.agent.checkpoint.worker")
+    logger.addHandler(records)
+    old_level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        assert w.local_commits() == {}
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(old_level)
+    assert not events
+    assert not [r for r in records.records if r.levelno >= logging.WARNING]
+    assert [r for r in records.records if r.levelno == logging.DEBUG and "vanished" in
+            r.getMessage()]
+
+
+def test_unparsable_commit_marker_is_still_a_warning(tmp_path):
+    from ckpt_helpers import write_step
+
+    events: list = []
+    w = _worker(tmp_path, events)
+    write_step(w.store.root, job_id="job-1", step=3, node="node-a", layout=["node-a"])
+    (w.store.root / "jobs" / "job-1" / "step-3" / "commit-0.json").write_text("{not json")
+    records = _Records()
+    logger = logging.getLogger("tierwatch.agent.checkpoint.worker")
+    logger.addHandler(records)
+    try:
+        assert w.local_commits() == {}
+    finally:
+        logger.removeHandler(records)
+    warnings = [r for r in records.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "unreadable commit marker" in warnings[0].getMessage()
+    assert len(events) == 1
