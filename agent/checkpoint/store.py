@@ -115,6 +115,8 @@ class MemoryStore:
         self._lock = threading.Lock()
         self._reserved: dict[str, int] = {}
         self._progress_lock = threading.Lock()
+        self._agent_info: dict[str, Any] | None = None
+        self._agent_lock = threading.Lock()
 
     # -- identity ------------------------------------------------------------------------
     def write_agent_file(self, *, peer_url: str, persistent_url: str,
@@ -137,7 +139,30 @@ class MemoryStore:
             "started_at": started_at or utcnow().isoformat(),
         }
         atomic_write_json(self.layout.agent_file, info)
+        self._agent_info = info
         return info
+
+    def ensure_agent_file(self) -> bool:
+        """Rewrite ``agent.json`` (and recreate the memory folder) when it went missing, e.g.
+        the folder was deleted while the agent runs; the content is what
+        :meth:`write_agent_file` last wrote. Nothing happens before that first write.
+
+        Returns:
+            Whether it was rewritten.
+
+        Raises:
+            OSError: it cannot be written.
+        """
+        info = self._agent_info
+        if info is None or self.layout.agent_file.exists():
+            return False
+        with self._agent_lock:
+            if self.layout.agent_file.exists():
+                return False
+            self.root.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self.layout.agent_file, info)
+        log.warning("%s was missing (memory folder deleted?): rewritten", self.layout.agent_file)
+        return True
 
     # -- budget --------------------------------------------------------------------------
     def used_bytes(self) -> int:

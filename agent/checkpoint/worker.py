@@ -133,6 +133,7 @@ class TierWorker:
         self._pending: dict[tuple[str, int], PendingMetadata] = {}
         self._pending_loaded = False
         self._unavailable_said: dict[tuple[str, int], int] = {}
+        self._agent_file_warned = False
         self.scans = {"peer": 0, "persistent": 0}
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -179,6 +180,13 @@ class TierWorker:
         Also removes progress files whose rank's commit marker is gone (the trainer evicted
         the step) and then the step folder if it is empty.
         """
+        try:
+            if self.store.ensure_agent_file():
+                self._agent_file_warned = False
+        except OSError as exc:
+            if not self._agent_file_warned:  # once until it works again
+                self._agent_file_warned = True
+                log.warning("cannot rewrite %s: %s", self.store.layout.agent_file, exc)
         out: dict[tuple[str, int], list[LocalCommit]] = {}
         layout = self.store.layout
         for job_id in layout.jobs():

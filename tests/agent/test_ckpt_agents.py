@@ -668,3 +668,19 @@ def test_upload_cut_off_mid_body_leaves_nothing_and_no_traceback(make_agent):
     assert info["memory_used_bytes"] < 4096  # the reservation is released
     assert httpx.put(f"{a.url}/v1/peer/replicas/node-b/{JOB}/1/__2_0.distcp", content=b"ok",
                      headers={**AUTH, "X-Tierwatch-Xxh3": xxh3_of(b"ok")}).status_code == 200
+
+
+def test_agent_json_is_rewritten_when_the_memory_folder_is_deleted(make_agent):
+    import shutil
+
+    a = make_agent("node-a").start()
+    first = read_json(a.memory_dir / "agent.json")
+    shutil.rmtree(a.memory_dir)
+    wait_until(lambda: (a.memory_dir / "agent.json").is_file(), timeout=10,
+               what=f"agent.json rewritten\n{a.log_tail()}")
+    again = read_json(a.memory_dir / "agent.json")
+    assert again == first
+    (a.memory_dir / "agent.json").unlink()
+    wait_until(lambda: (a.memory_dir / "agent.json").is_file(), timeout=10,
+               what="agent.json rewritten again")
+    assert httpx.get(f"{a.url}/v1/ckpt/info").status_code == 200
