@@ -64,7 +64,7 @@ def utcnow() -> datetime:
 
 
 def _check_node_name(value: str) -> str:
-    if not _NODE_NAME_RE.match(value):
+    if not _NODE_NAME_RE.fullmatch(value):
         raise ValueError(
             "node name must be 1-128 characters of letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"

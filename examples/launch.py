@@ -69,13 +69,22 @@ def main(argv: list[str] | None = None) -> int:
                 q.send_signal(sig)
 
     signal.signal(signal.SIGTERM, lambda *_: stop_all())
+    def exit_code(rc: int) -> int:
+        return 128 - rc if rc < 0 else rc  # killed by signal N → 128 + N, as a shell says
+
     code = 0
     try:
-        while any(q.poll() is None for q in procs):
-            bad = [q.returncode for q in procs if q.returncode not in (None, 0)]
+        while True:
+            codes = [q.poll() for q in procs]  # poll every rank, so a dead one is seen
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
-                code = bad[0]
+                rank, rc = bad[0]
+                code = exit_code(rc)
+                print(f"[launch] rank {rank} exited with {code}; stopping the others",
+                      file=sys.stderr, flush=True)
                 stop_all()
+                break
+            if all(c == 0 for c in codes):
                 break
             time.sleep(0.2)
     except KeyboardInterrupt:
@@ -86,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             q.wait(30)
         except subprocess.TimeoutExpired:
             q.kill()
-    return code or next((q.returncode for q in procs if q.returncode), 0)
+            q.wait(10)
+    return code
 
 
 if __name__ == "__main__":

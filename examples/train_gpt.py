@@ -259,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         sched.step()
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        if (step + 1) % args.save_every == 0 or step == args.steps - 1:
-            ckpt.save(step, state)
+        last_step = step == args.steps - 1
+        if (step + 1) % args.save_every == 0 or last_step:
+            ckpt.save(step, state, persist=last_step or None)  # the final step persists too
         log.write(json.dumps({"step": step, "loss": loss.item(), "lr": sched.get_last_lr()[0],
                               "rank": rank, "restored_from": last,
                               "step_s": round(time.monotonic() - t0, 4)}) + "\n")

@@ -47,7 +47,7 @@ def check_job_id(job_id: str) -> str:
         LayoutError: not 1-128 characters of letters, digits, ``.``, ``_``, ``-`` starting with a
             letter or digit (so it can never escape its folder).
     """
-    if not isinstance(job_id, str) or not _JOB_ID_RE.match(job_id):
+    if not isinstance(job_id, str) or not _JOB_ID_RE.fullmatch(job_id):
         raise LayoutError(
             f"job_id {job_id!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a "
             "letter or digit"
@@ -73,7 +73,7 @@ def step_dirname(step: int) -> str:
 
 def parse_step_dirname(name: str) -> int | None:
     """The step of a ``step-<N>`` folder name; None for any other name."""
-    m = _STEP_RE.match(name)
+    m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -94,13 +94,13 @@ def commit_name(rank: int) -> str:
 
 def parse_manifest_name(name: str) -> int | None:
     """The rank of a ``manifest-<r>.json`` file name; None otherwise."""
-    m = _MANIFEST_RE.match(name)
+    m = _MANIFEST_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
 def parse_commit_name(name: str) -> int | None:
     """The rank of a ``commit-<r>.json`` file name; None otherwise."""
-    m = _COMMIT_RE.match(name)
+    m = _COMMIT_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -112,8 +112,8 @@ def check_file_name(name: str) -> str:
     Raises:
         LayoutError: any other name (in particular anything with a path separator).
     """
-    if name == METADATA or _SHARD_RE.match(name) or _MANIFEST_RE.match(name) \
-            or _COMMIT_RE.match(name):
+    if name == METADATA or _SHARD_RE.fullmatch(name) or _MANIFEST_RE.fullmatch(name) \
+            or _COMMIT_RE.fullmatch(name):
         return name
     raise LayoutError(
         f"file name {name!r} is not part of a checkpoint step (.metadata, __<r>_<i>.distcp, "
@@ -127,7 +127,7 @@ def check_node_name(node: str) -> str:
     Raises:
         LayoutError: otherwise.
     """
-    if not isinstance(node, str) or not _JOB_ID_RE.match(node):
+    if not isinstance(node, str) or not _JOB_ID_RE.fullmatch(node):
         raise LayoutError(f"node name {node!r} is not a valid node name")
     return node
 
@@ -187,7 +187,7 @@ class MemoryLayout:
         if not self.jobs_dir.is_dir():
             return []
         return sorted(p.name for p in self.jobs_dir.iterdir()
-                      if p.is_dir() and _JOB_ID_RE.match(p.name))
+                      if p.is_dir() and _JOB_ID_RE.fullmatch(p.name))
 
 
 def persistent_step_path(base_url: str, job_id: str, step: int) -> str:

@@ -162,6 +162,19 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
             views = _gather_views(ckpt, persistent)
             continue
         if chosen is None:
+            sizes = {m.world_size for v in views.values() for m in v.manifests.values()}
+            if sizes - {ckpt.world_size}:
+                others = {s: max(st for st, v in views.items()
+                                 if any(m.world_size == s for m in v.manifests.values()))
+                          for s in sizes - {ckpt.world_size}}
+                listing = ", ".join(f"world_size {s} (newest step {n})"
+                                    for s, n in sorted(others.items()))
+                message = (f"job_id {ckpt.job_id!r} holds steps saved at {listing}, none at "
+                           f"world_size {ckpt.world_size}: restart at the same world size, or "
+                           "load a persistent step with plain torch.distributed.checkpoint "
+                           "and use a new job_id")
+                _report(ckpt, None, t0, {}, ok=False, message=message)
+                raise CheckpointError(message)
             if wanted is None:
                 log.info("rank %d: nothing to restore for %s", ckpt.rank, ckpt.job_id)
                 _report(ckpt, None, t0, {}, ok=True, message="no complete step in any tier")

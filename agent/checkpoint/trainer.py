@@ -97,6 +97,7 @@ class _SaveJob:
     error: str | None = None
     write_s: float = 0.0
     blocking_s: float = 0.0  # time the training thread spent in save()
+    persist: bool = False  # the caller asked for the persistent tier
 
 
 def _human(n: float) -> str:
@@ -363,11 +364,19 @@ class TieredCheckpointer:
         job = self._inflight
         if job is not None and not job.copy_done.is_set():
             t0 = time.monotonic()
-            job.copy_done.wait()
+            while not job.copy_done.wait(1.0):
+                self._check_worker()
             self._hook_wait += time.monotonic() - t0
 
+    def _check_worker(self) -> None:
+        """Raise if the background writer is gone (it never is, unless the interpreter is
+        shutting down): waiting for it would hang training."""
+        if not self._worker.is_alive():
+            raise CheckpointError("the checkpoint writer thread has stopped; see the log for "
+                                  "the error, then restart the job")
+
     # -- save --------------------------------------------------------------------------------
-    def save(self, step: int, state: dict[str, Any]) -> None:
+    def save(self, step: int, state: dict[str, Any], *, persist: bool | None = None) -> None:
         """Checkpoint ``state`` as it is after ``step`` completed.
 
         Returns once the state is staged (see the class notes); the write, checksums,
@@ -376,9 +385,13 @@ class TieredCheckpointer:
         Args:
             step: The step just completed (an int ≥ 0, larger than the previous save's).
             state: name → model / optimizer / scheduler / Stateful / value.
+            persist: True sends this step to the persistent tier whatever the cadence (e.g.
+                the last step of a run); None leaves it to ``persist_every``. Rank 0's value
+                decides for all ranks.
 
         Raises:
-            CheckpointError: a bad step or state, or the checkpointer is closed.
+            CheckpointError: a bad step or state, the job id holds steps of another model or
+                world size in this node's memory tier, or the checkpointer is closed.
         """
         t0 = time.monotonic()
         if self.closed:
@@ -392,7 +405,9 @@ class TieredCheckpointer:
 
         live, param_ptrs, optim_keys = self._live_state(state)
         if self._signature is None:
-            self._signature = self._signature_of(live, state)
+            signature = self._signature_of(live, state)
+            self._refuse_foreign_steps(signature)
+            self._signature = signature
         lazy_allowed = bool(optim_keys)
         self._hook_optimizers(state)
 
@@ -403,7 +418,8 @@ class TieredCheckpointer:
 
         staged, pending = self._stager.stage(live, lazy)
         job = _SaveJob(step=step, staged=staged, pending=pending,
-                       staged_bytes=self._stager.staged_bytes, started=t0)
+                       staged_bytes=self._stager.staged_bytes, started=t0,
+                       persist=bool(persist))
         if not pending.pairs:
             job.copy_done.set()
         self._hook_wait = 0.0
@@ -450,7 +466,8 @@ class TieredCheckpointer:
         job = self._inflight
         if job is None:
             return
-        job.done.wait()
+        while not job.done.wait(1.0):
+            self._check_worker()
         blocking = job.blocking_s + self._hook_wait
         self._hook_wait = 0.0
         self._inflight = None
@@ -477,7 +494,10 @@ class TieredCheckpointer:
                 return
             try:
                 self._write(job)
-            except Exception as exc:  # noqa: BLE001 - becomes an event; training goes on
+            # BaseException: torch.distributed.checkpoint's CheckpointException derives from
+            # it, and a writer thread that died would leave the next optimizer step waiting
+            # for a copy nobody makes.
+            except BaseException as exc:  # noqa: BLE001 - becomes an event; training goes on
                 log.exception("rank %d: checkpoint of step %d failed", self.rank, job.step)
                 job.error = f"{type(exc).__name__}: {exc}"
                 self._event(job.step, "memory", "failed", message=job.error[:2000])
@@ -533,7 +553,8 @@ class TieredCheckpointer:
                                      created_at=utcnow().isoformat())
             atomic_write_json(step_dir / manifest_name(self.rank), manifest, fsync=False)
             nbytes = manifest.total_bytes()
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank below (DCP's
+            # CheckpointException is a BaseException)
             error = f"{type(exc).__name__}: {exc}"[:1500]
             nbytes = 0
             shutil.rmtree(tmp, ignore_errors=True)
@@ -543,7 +564,7 @@ class TieredCheckpointer:
         outcomes = self._all_gather(error)
         decision = None
         if self.rank == 0:
-            decision = self._decide(job.step, outcomes)
+            decision = self._decide(job.step, outcomes, force_persist=job.persist)
         decision = self._broadcast_from_0(decision)
         if not decision["committed"]:
             self._remove_own(job.step)
@@ -564,6 +585,29 @@ class TieredCheckpointer:
         except AgentUnavailable as exc:
             log.debug("notify failed (the agent scans on its own): %s", exc)
 
+    def _refuse_foreign_steps(self, signature: str) -> None:
+        """Refuse to save over steps of another model or world size in this node's memory
+        tier: retention would evict them.
+
+        Raises:
+            CheckpointError: a manifest of this rank in the job's folder has another
+                signature or world size (names the step and what to do).
+        """
+        from tierwatch.agent.checkpoint.manifest import ManifestError, load_manifest
+
+        for path in sorted(self.job_dir.glob(f"step-*/{manifest_name(self.rank)}")):
+            try:
+                m = load_manifest(path)
+            except ManifestError:
+                continue
+            if m.world_size != self.world_size or (m.signature and m.signature != signature):
+                what = (f"world_size {m.world_size}" if m.world_size != self.world_size
+                        else "a different model (other FQNs or shapes)")
+                raise CheckpointError(
+                    f"job_id {self.job_id!r} already holds step {m.step} of {what} in "
+                    f"{self.job_dir}; saving would evict it. Use another job_id, or free this "
+                    f"one with `tierwatch-agent ckpt gc --job {self.job_id}` on every node")
+
     def _remove_stale(self, step_dir: Path) -> None:
         """Remove files this rank left in ``step_dir`` from an earlier run of the same step."""
         for n in sorted(self._own_names(step_dir),
@@ -581,12 +625,13 @@ class TieredCheckpointer:
                     "raise the agent's --memory-budget or keep fewer steps (keep_memory)")
         return None
 
-    def _decide(self, step: int, outcomes: list[str | None]) -> dict[str, Any]:
+    def _decide(self, step: int, outcomes: list[str | None], *,
+                force_persist: bool = False) -> dict[str, Any]:
         failed = [f"rank {r}: {e}" for r, e in enumerate(outcomes) if e]
         if failed:
             return {"committed": False, "why": "; ".join(failed)[:1800]}
         last_persisted = self._persisted[-1] if self._persisted else None
-        persist = last_persisted is None or \
+        persist = force_persist or last_persisted is None or \
             step // self.persist_every > last_persisted // self.persist_every
         self._committed = [s for s in self._committed if s < step] + [step]
         if persist:

@@ -53,15 +53,16 @@ def test_server_shows_all_three_tiers_of_a_training_job(cluster: Cluster, tmp_pa
     def settled() -> dict | None:
         j = job(cluster, viewer, "tiers")
         t = j["tiers"]
+        # persist_every 5 → steps 0, 5, 10; the run's last step (11) is persisted too
         ok = (j["step"] == 11 and t["memory"]["newest_step"] == 11
-              and t["peer"]["newest_step"] == 11 and t["persistent"]["newest_step"] == 10)
+              and t["peer"]["newest_step"] == 11 and t["persistent"]["newest_step"] == 11)
         return j if ok else None
 
-    j = wait_for(settled, timeout=60, what="memory 11, peer 11, persistent 10 on the server")
+    j = wait_for(settled, timeout=60, what="memory, peer and persistent at 11 on the server")
     assert j["world_size"] == 4
     assert j["layout"] == FOUR_ON_TWO
     assert j["tiers"]["memory"]["lag_steps"] == 0
-    assert j["tiers"]["persistent"]["lag_steps"] == 1
+    assert j["tiers"]["persistent"]["lag_steps"] == 0
     assert j["tiers"]["memory"]["last_blocking_s"] is not None
     assert j["tiers"]["persistent"]["advice"]["recommended_s"] > 0
     kinds = {(e["tier"], e["kind"]) for e in j["events"]}
@@ -77,10 +78,11 @@ def test_server_shows_all_three_tiers_of_a_training_job(cluster: Cluster, tmp_pa
         assert r.status_code == 200
         row = re.search(r'<tr data-row="newest_step">(.*?)</tr>', r.text).group(1)  # type: ignore[union-attr]
         cells = dict(re.findall(r'<td data-tier="(\w+)"[^>]*>([^<]*)</td>', row))
-        assert cells == {"memory": "11", "peer": "11", "persistent": "10"}
+        assert cells == {"memory": "11", "peer": "11", "persistent": "11"}
         assert web.get("/").text.count("/jobs/tiers") >= 1  # the cluster page lists the job
     r = httpx.get(f"{cluster.server.url}/metrics")  # type: ignore[union-attr]
-    assert 'tierwatch_checkpoint_lag_steps{job="tiers",tier="persistent"} 1.0' in r.text
+    assert 'tierwatch_checkpoint_lag_steps{job="tiers",tier="persistent"} 0.0' in r.text
+    assert 'tierwatch_checkpoint_newest_step{job="tiers",tier="persistent"} 11.0' in r.text
 
     # every rank timed an all_reduce on the job's group every 3 saves and its agent sent it
     engine = make_engine(cluster.server.database_url)  # type: ignore[union-attr]

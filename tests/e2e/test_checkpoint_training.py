@@ -230,6 +230,56 @@ def test_same_job_id_with_another_model_is_refused(cluster: Cluster, tmp_path: P
     assert "ckpt gc --job reused" in out
 
 
+def test_restart_at_another_world_size_is_refused_not_started_from_scratch(
+        cluster: Cluster, tmp_path: Path) -> None:
+    cluster.add_node("node-a")
+    cluster.add_node("node-b")
+    log = tmp_path / "log"
+    procs = cluster.launch(train_args("resized", 4, log, "--persist-every", "1"),
+                           placement=["node-a", "node-b"], log_dir=log)
+    assert cluster.wait_ranks(procs, 120) == [0, 0]
+    before = sorted(p.name for p in cluster.persistent_dir.rglob("*") if p.is_file())
+    procs = cluster.launch(train_args("resized", 8, log), placement=["node-a"], log_dir=log)
+    assert cluster.wait_ranks(procs, 120) != [0]
+    out = procs[0].log_tail(6000)
+    assert "holds steps saved at world_size 2 (newest step 3)" in out
+    after = sorted(p.name for p in cluster.persistent_dir.rglob("*") if p.is_file())
+    assert after == before  # nothing of the 2-rank job was overwritten
+
+
+def test_launcher_stops_the_job_when_a_rank_dies(cluster: Cluster, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from procs import REPO_ROOT, base_env
+
+    a, b = cluster.add_node("node-a"), cluster.add_node("node-b")
+    log = tmp_path / "log"
+    launcher = subprocess.Popen(
+        [sys.executable, str(REPO_ROOT / "examples" / "launch.py"), "--node",
+         f"node-a={a.url}", "--node", f"node-b={b.url}", "--", str(REPO_ROOT / "examples" /
+         "train_gpt.py"), *train_args("launched", 100_000, log)],
+        env=base_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"),
+        stderr=subprocess.PIPE, text=True)
+    try:
+        wait_committed(b, "launched", 1, 2)
+        ranks = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                               text=True, check=False).stdout.split()
+        assert len(ranks) == 2
+        subprocess.run(["kill", "-9", ranks[-1]], check=True)
+        # 137 = 128 + SIGKILL; the surviving rank may abort first when gloo sees its peer go
+        # (134 = 128 + SIGABRT): either way the launcher ends the job with a failure code
+        assert launcher.wait(60) in (134, 137, 143)
+        assert "stopping the others" in launcher.stderr.read()
+        for pid in ranks:
+            wait_for(lambda p=pid: not Path(f"/proc/{p}").exists()
+                     or "Z" in Path(f"/proc/{p}/stat").read_text().split()[2],
+                     timeout=30, what=f"rank process {pid} gone")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
 def test_corrupt_file_in_each_tier_is_detected_and_another_source_used(
         cluster: Cluster, tmp_path: Path) -> None:
     a, b = cluster.add_node("node-a"), cluster.add_node("node-b")

@@ -177,3 +177,41 @@ def test_no_agent_and_no_memory_dir_is_a_clear_error(tmp_path, monkeypatch) -> N
     assert ckpt.wait() is True
     ckpt.close(timeout_s=2)
     assert (tmp_path / "jobs" / "unit-noagent" / "step-0" / "commit-0.json").exists()
+
+
+def test_a_failed_write_is_reported_and_training_goes_on(node) -> None:
+    """DCP raises CheckpointException (a BaseException) when it cannot write; the step is
+    not committed, and the next optimizer step and saves go on."""
+    state = make_state()
+    ckpt = TieredCheckpointer("unit-failwrite", node.url, latency_every=0)
+    train_step(state)
+    ckpt.save(0, state)
+    assert ckpt.wait() is True
+    blocker = ckpt.layout.tmp_step_dir("unit-failwrite", 1, 0)
+    blocker.write_text("a file where the temporary folder must go\n")  # mkdir fails
+    train_step(state)
+    ckpt.save(1, state)
+    train_step(state)  # the optimizer pre-hook must not wait forever
+    assert ckpt.wait() is False
+    blocker.unlink()
+    ckpt.save(2, state)
+    assert ckpt.wait() is True
+    ckpt.close()
+    steps = sorted(p.name for p in ckpt.job_dir.glob("step-*/commit-0.json"))
+    assert not (ckpt.job_dir / "step-1" / "commit-0.json").exists()
+    assert (ckpt.job_dir / "step-2" / "commit-0.json").exists(), steps
+
+
+def test_saving_another_model_under_a_used_job_id_is_refused(node) -> None:
+    state = make_state(width=16)
+    ckpt = TieredCheckpointer("unit-foreign", node.url, latency_every=0)
+    train_step(state)
+    ckpt.save(0, state)
+    ckpt.close()
+    other = make_state(width=32)
+    again = TieredCheckpointer("unit-foreign", node.url, latency_every=0)
+    with pytest.raises(CheckpointError, match="different model") as err:
+        again.save(5, other)
+    assert "ckpt gc --job unit-foreign" in str(err.value)
+    again.close()
+    assert (again.job_dir / "step-0" / "commit-0.json").exists()  # nothing evicted
