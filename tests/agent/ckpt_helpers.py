@@ -150,7 +150,8 @@ class CkptAgent:
         return self.workdir / self.node / "agent.log"
 
     def start(self) -> CkptAgent:
-        """Start the process and wait until its checkpoint API answers."""
+        """Start the process and wait until its checkpoint API answers and agent.json is
+        written."""
         d = self.workdir / self.node
         d.mkdir(parents=True, exist_ok=True)
         args = [
@@ -177,9 +178,12 @@ class CkptAgent:
         if self.popen is not None and self.popen.poll() is not None:
             raise AssertionError(f"agent {self.node} exited:\n{self.log_tail()}")
         try:
-            return httpx.get(f"{self.url}/v1/ckpt/info", timeout=1).status_code == 200
+            if httpx.get(f"{self.url}/v1/ckpt/info", timeout=1).status_code != 200:
+                return False
         except httpx.HTTPError:
             return False
+        # the local API answers before the checkpoint store has written agent.json
+        return (self.memory_dir / "agent.json").is_file()
 
     def stop(self) -> int | None:
         """SIGTERM and wait (SIGKILL after 15 s)."""
