@@ -704,6 +704,10 @@ class TieredCheckpointer:
 
         if self.closed:
             raise CheckpointError("restore() after close()")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)
+                                 or step < 0):
+            raise CheckpointError(f"step must be None (the newest) or an integer ≥ 0, not "
+                                  f"{step!r}")
         self._finish_inflight()
         return restore_state(self, state, wanted=step)
 

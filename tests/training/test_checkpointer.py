@@ -142,6 +142,7 @@ def test_without_an_optimizer_staging_is_synchronous(node) -> None:
     (lambda c, s: c.save(c._last_step + 1, {"a.b": 1}), "without '.'"),
     (lambda c, s: c.save(c._last_step + 1, {"optim": s["optim"]}), "belong to no nn.Module"),
     (lambda c, s: c.restore(s, step=12345), "cannot be restored"),
+    (lambda c, s: c.restore(s, step=-3), "integer ≥ 0"),
 ])
 def test_bad_calls_raise_clear_errors_and_lose_nothing(node, call, message) -> None:
     state = make_state()
