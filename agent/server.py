@@ -134,6 +134,8 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
 
     from tierwatch.agent.checkpoint.api import ckpt_router
 
-    app.include_router(ckpt_router(lambda: runtime.ckpt, control=control,
+    # the store counts once it has started (agent.json written, peer URL known)
+    app.include_router(ckpt_router(lambda: runtime.ckpt if runtime.ckpt is not None
+                                   and runtime.ckpt.started else None, control=control,
                                    queue_events=runtime.add_checkpoint_reports))
     return app

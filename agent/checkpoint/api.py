@@ -75,6 +75,7 @@ class CheckpointService:
         self.settings = settings
         self.emit = emit
         self.node = settings.node or ""
+        self.started = False  # set by start(): agent.json written, worker running
         self.store = MemoryStore(settings.resolved_memory_dir(), node=self.node,
                                  budget_bytes=settings.resolved_memory_budget())
         url = settings.resolved_persistent_url()
@@ -106,6 +107,7 @@ class CheckpointService:
         self.agent_info = self.store.write_agent_file(peer_url=self.peer_url,
                                                       persistent_url=self.persistent.url)
         self.worker.start()
+        self.started = True
         problem = self.persistent.write_problem()
         if not self.persistent.available:
             log.warning("persistent tier unavailable: %s; the memory and peer tiers work, "
@@ -225,9 +227,9 @@ def ckpt_router(get_service: ServiceGetter, *, control: list[Any],
     def service() -> CheckpointService:
         svc = get_service()
         if svc is None:
-            raise HTTPException(status_code=503, detail="the checkpoint store is not running "
-                                "on this agent (see its log: memory folder or persistent URL "
-                                "problem)")
+            raise HTTPException(status_code=503, detail="the checkpoint store of this agent is "
+                                "not running: it is starting, or it could not start (its log "
+                                "says why: memory folder problem)")
         return svc
 
     Service = Annotated[CheckpointService, Depends(service)]
