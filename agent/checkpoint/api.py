@@ -169,7 +169,8 @@ class CheckpointService:
                        evicted: list[tuple[int, list[int]]]) -> list[int]:
         """Emit an ``evicted`` peer event per (step, rank) a commit marker evicted."""
         for step, ranks in evicted:
-            for rank in ranks or [None]:
+            targets: list[int | None] = list(ranks) if ranks else [None]
+            for rank in targets:
                 self.emit(CheckpointEvent(
                     job_id=job_id, step=step, tier="peer", kind="evicted", rank=rank,
                     ts=utcnow(), message=f"replica of {src_node} on {self.node} evicted by "

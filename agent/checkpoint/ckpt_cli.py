@@ -353,8 +353,8 @@ def verify(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
     bad = 0
     for c in copies:
         label = f"{c.tier} ({c.where}) step {c.step}"
-        for problem in c.bad_manifests:
-            typer.echo(f"BAD  {label}: {problem}")
+        for bad_manifest in c.bad_manifests:
+            typer.echo(f"BAD  {label}: {bad_manifest}")
             bad += 1
         mixed = _mixed(c)
         if mixed:
