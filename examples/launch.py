@@ -24,6 +24,18 @@ import sys
 import time
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies, even by kill -9
+    (Linux prctl PR_SET_PDEATHSIG; elsewhere nothing), so no rank outlives its launcher."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
 def free_port() -> int:
     """An unused TCP port on 127.0.0.1."""
     with socket.socket() as s:
@@ -61,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                        LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(args.ranks_per_node),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        TIERWATCH_AGENT_URL=url, TIERWATCH_NODE=name)
-            procs.append(subprocess.Popen([sys.executable, *script], env=env))
+            procs.append(subprocess.Popen([sys.executable, *script], env=env,
+                                          preexec_fn=_die_with_parent))
 
     def stop_all(sig: int = signal.SIGTERM) -> None:
         for q in procs:

@@ -65,6 +65,7 @@ from tierwatch.agent.checkpoint.layout import (
     check_job_id,
     commit_name,
     manifest_name,
+    parse_step_dirname,
 )
 from tierwatch.agent.checkpoint.manifest import (
     CommitMarker,
@@ -106,6 +107,24 @@ def _human(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n} B"
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line per cause of a failed write, without tracebacks.
+
+    ``torch.distributed.checkpoint``'s ``CheckpointException`` carries the exception of every
+    rank that failed (``failures``: rank → exception, as raised on that rank); the line names
+    the ranks and the first cause, e.g. ``on rank(s) [2, 3]: FileNotFoundError: …``.
+    """
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        cause = first[0] if isinstance(first, tuple) else first
+        text = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) \
+            else str(cause)
+        return f"write failed on rank(s) {sorted(failures)}: {text.splitlines()[0]}"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -244,7 +263,8 @@ class TieredCheckpointer:
             self.events.progress(JobProgress(job_id=self.job_id, rank=0,
                                              world_size=self.world_size, step=0, ts=utcnow(),
                                              layout=self.nodes_by_rank), completed=False)
-        self._write_job_file()
+        # job.json is written at the first save, once the job's existing steps are known to
+        # be this model's at this world size (a refused restart leaves the old job's alone)
 
     # -- collectives -----------------------------------------------------------------------
     def _all_gather(self, obj: Any) -> list[Any]:
@@ -408,6 +428,7 @@ class TieredCheckpointer:
             signature = self._signature_of(live, state)
             self._refuse_foreign_steps(signature)
             self._signature = signature
+            self._write_job_file()
         lazy_allowed = bool(optim_keys)
         self._hook_optimizers(state)
 
@@ -499,7 +520,7 @@ class TieredCheckpointer:
             # for a copy nobody makes.
             except BaseException as exc:  # noqa: BLE001 - becomes an event; training goes on
                 log.exception("rank %d: checkpoint of step %d failed", self.rank, job.step)
-                job.error = f"{type(exc).__name__}: {exc}"
+                job.error = describe_error(exc)
                 self._event(job.step, "memory", "failed", message=job.error[:2000])
             finally:
                 job.copy_done.set()
@@ -555,7 +576,7 @@ class TieredCheckpointer:
             nbytes = manifest.total_bytes()
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below (DCP's
             # CheckpointException is a BaseException)
-            error = f"{type(exc).__name__}: {exc}"[:1500]
+            error = describe_error(exc)[:1500]
             nbytes = 0
             shutil.rmtree(tmp, ignore_errors=True)
         job.write_s = time.monotonic() - t0
@@ -595,7 +616,9 @@ class TieredCheckpointer:
         """
         from tierwatch.agent.checkpoint.manifest import ManifestError, load_manifest
 
-        for path in sorted(self.job_dir.glob(f"step-*/{manifest_name(self.rank)}")):
+        paths = self.job_dir.glob(f"step-*/{manifest_name(self.rank)}")
+        for path in sorted(paths, key=lambda p: parse_step_dirname(p.parent.name) or -1,
+                           reverse=True):  # the newest step first, for the message
             try:
                 m = load_manifest(path)
             except ManifestError:

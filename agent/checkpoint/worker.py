@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 EventSink = Callable[[CheckpointEvent], None]
 METADATA_WAIT_S = 600.0
 BACKOFF_MAX_S = 60.0
+FAILED_EVENT_EVERY_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ class TierWorker:
         self._threads: list[threading.Thread] = []
         self._backoff: dict[tuple[Any, ...], tuple[int, float]] = {}
         self._said_once: set[tuple[str, str]] = set()
+        self._failing: dict[tuple[str, str, int | None], tuple[float | None, int]] = {}
         self._pending: dict[tuple[str, int], PendingMetadata] = {}
         self._pending_loaded = False
         self._unavailable_said: dict[tuple[str, int], int] = {}
@@ -591,9 +593,20 @@ class TierWorker:
         attempts = self._backoff.get(key, (0, 0.0))[0] + 1
         delay = min(BACKOFF_MAX_S, self.scan_interval_s * 2 ** (attempts - 1))
         self._backoff[key] = (attempts, time.monotonic() + delay)
+        # One failed event per (tier, job, rank) a minute while the failure lasts: a peer
+        # that is down for a while fails every new step, which is one outage, not many.
+        ongoing = (tier, c.job_id, c.rank)
+        now = time.monotonic()
+        last, quiet = self._failing.get(ongoing, (None, 0))
+        if last is not None and now - last < FAILED_EVENT_EVERY_S:
+            self._failing[ongoing] = (last, quiet + 1)
+            log.debug("%s tier: %s (attempt %d; reported already)", tier, message, attempts)
+            return
+        self._failing[ongoing] = (now, 0)
+        more = f"; {quiet} more failure(s) since the last report" if quiet else ""
         log.warning("%s tier: %s (attempt %d, retry in %.1f s)", tier, message, attempts, delay)
         self._event(c.job_id, c.step, tier, "failed", c.rank, c.marker.world_size,
-                    message=f"{message} (attempt {attempts}; retrying in {delay:.1f} s)")
+                    message=f"{message} (attempt {attempts}; retrying in {delay:.1f} s{more})")
 
     def _once(self, what: str, scope: str, job_id: str, step: int, tier: str, message: str,
               rank: int | None) -> bool:
@@ -608,6 +621,8 @@ class TierWorker:
     def _event(self, job_id: str, step: int, tier: str, kind: str, rank: int | None,
                world_size: int | None, *, bytes: int | None = None,  # noqa: A002
                seconds: float | None = None, message: str = "") -> None:
+        if kind == "committed":  # a success ends an ongoing failure of this tier and rank
+            self._failing.pop((tier, job_id, rank), None)
         self.emit(CheckpointEvent(job_id=job_id, step=step, tier=tier, kind=kind, rank=rank,
                                   world_size=world_size, ts=utcnow(), bytes=bytes,
                                   seconds=seconds, message=message[:2000]))

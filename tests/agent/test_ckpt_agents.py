@@ -550,10 +550,18 @@ def test_unreachable_peer_is_a_failed_event_then_retried(make_agent, receiver):
     assert shard_name(0) in ev.message
     assert "cannot push to node-b" in ev.message
     assert "retrying" in ev.message
+    # while node-b stays down, newer steps fail too: one outage, reported once a minute
+    for step in (2, 3):
+        write_step(a.memory_dir, job_id=JOB, step=step, node="node-a", layout=layout,
+                   peer_urls=urls(a, b))
+        a.notify(JOB, step)
+        wait_more_batches(receiver, "node-a", 2)  # several worker passes fail meanwhile
+    failed = ckpt_events(receiver, node="node-a", job_id=JOB, tier="peer", kind="failed")
+    assert len(failed) == 1, [e.message for e in failed]
     b.start()
-    wait_event(receiver, node="node-a", job_id=JOB, step=1, tier="peer", kind="committed",
+    wait_event(receiver, node="node-a", job_id=JOB, step=3, tier="peer", kind="committed",
                rank=0, agent=a, timeout=60)
-    assert (b.replica_dir("node-a", JOB, 1) / "commit-0.json").is_file()
+    assert (b.replica_dir("node-a", JOB, 3) / "commit-0.json").is_file()
 
 
 @pytest.mark.parametrize("url", ["foo://bar", "s3://bucket/x"])

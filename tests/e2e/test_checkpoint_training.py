@@ -277,7 +277,32 @@ def test_launcher_stops_the_job_when_a_rank_dies(cluster: Cluster, tmp_path: Pat
                      timeout=30, what=f"rank process {pid} gone")
     finally:
         if launcher.poll() is None:
-            launcher.kill()
+            launcher.kill()  # its ranks get SIGTERM (PR_SET_PDEATHSIG)
+
+
+def test_ranks_do_not_outlive_a_killed_launcher(cluster: Cluster, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from procs import REPO_ROOT, base_env
+
+    a = cluster.add_node("node-a")
+    log = tmp_path / "log"
+    launcher = subprocess.Popen(
+        [sys.executable, str(REPO_ROOT / "examples" / "launch.py"), "--node",
+         f"node-a={a.url}", "--ranks-per-node", "2", "--", str(REPO_ROOT / "examples" /
+         "train_gpt.py"), *train_args("orphans", 100_000, log)],
+        env=base_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"))
+    wait_committed(a, "orphans", 1, 1)
+    ranks = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                           text=True, check=False).stdout.split()
+    assert len(ranks) == 2
+    launcher.kill()
+    launcher.wait(10)
+    for pid in ranks:
+        wait_for(lambda p=pid: not Path(f"/proc/{p}").exists()
+                 or "Z" in Path(f"/proc/{p}/stat").read_text().split()[2],
+                 timeout=30, what=f"rank {pid} gone after its launcher was killed")
 
 
 def test_corrupt_file_in_each_tier_is_detected_and_another_source_used(

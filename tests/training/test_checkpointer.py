@@ -192,8 +192,13 @@ def test_a_failed_write_is_reported_and_training_goes_on(node) -> None:
     blocker.write_text("a file where the temporary folder must go\n")  # mkdir fails
     train_step(state)
     ckpt.save(1, state)
+    job = ckpt._inflight
     train_step(state)  # the optimizer pre-hook must not wait forever
     assert ckpt.wait() is False
+    assert job is not None
+    assert job.error is not None
+    assert "not committed" in job.error or "write failed" in job.error
+    assert "Traceback" not in job.error  # one line per cause
     blocker.unlink()
     ckpt.save(2, state)
     assert ckpt.wait() is True
