@@ -153,6 +153,7 @@ class JobOut(BaseModel):
     worst_lag: WorstLagOut | None
     at_risk: dict[str, AtRiskOut]
     events: list[CheckpointEventOut]
+    failures: list[CheckpointEventOut] = []  # newest failed events, whatever came after
     restores: list[RestoreOut]
 
 

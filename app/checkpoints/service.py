@@ -54,6 +54,7 @@ RESTORE_LIMIT = 20
 MISSING_RANKS_SHOWN = 64
 HISTORY_MAX_POINTS = 2000
 MTBF_SOURCE = "llama3_table"
+FAILURE_LIMIT = 20
 
 __all__ = ["NotFoundError", "get_job", "job_status", "list_jobs", "job_history", "prune"]
 
@@ -320,6 +321,8 @@ def job_status(session: Session, job: Job) -> dict[str, Any]:
         "worst_lag": _worst(tiers),
         "at_risk": at_risk,
         "events": recent_events(session, job),
+        # failures stay visible when newer commits push them out of ``events``
+        "failures": recent_events(session, job, FAILURE_LIMIT, kind="failed"),
         "restores": recent_restores(session, job),
     }
 
@@ -334,8 +337,10 @@ def _incidents(session: Session, job: Job) -> list[str]:
     return ledger.failure_incidents((ts.timestamp(), by_tier or {}) for ts, by_tier in rows)
 
 
-def recent_events(session: Session, job: Job, limit: int = EVENT_LIMIT) -> list[dict[str, Any]]:
-    """The job's newest checkpoint events (all kinds, failures included), newest first."""
+def recent_events(session: Session, job: Job, limit: int = EVENT_LIMIT, *,
+                  kind: str | None = None) -> list[dict[str, Any]]:
+    """The job's newest checkpoint events (all kinds, failures included, or one ``kind``),
+    newest first."""
     q = (
         select(CheckpointEventRow, Node.name)
         .join(Node, Node.id == CheckpointEventRow.node_id, isouter=True)
@@ -343,6 +348,8 @@ def recent_events(session: Session, job: Job, limit: int = EVENT_LIMIT) -> list[
         .order_by(CheckpointEventRow.ts.desc(), CheckpointEventRow.id.desc())
         .limit(limit)
     )
+    if kind is not None:
+        q = q.where(CheckpointEventRow.kind == kind)
     return [
         {
             "ts": e.ts,

@@ -132,15 +132,20 @@ def test_broken_persistent_tier_never_stops_training(cluster: Cluster, tmp_path:
 
         def reported() -> dict | None:
             j = job(cluster, viewer, "broken-persist")
-            failed = [e for e in j["events"] if e["tier"] == "persistent"
-                      and e["kind"] == "failed"]
+            failed = [e for e in j["failures"] if e["tier"] == "persistent"]
             t = j["tiers"]
             ok = failed and t["memory"]["newest_step"] == 9 and t["peer"]["newest_step"] == 9
             return j if ok else None
 
-        j = wait_for(reported, timeout=60, what="persistent failure + memory/peer at step 9")
+        try:
+            j = wait_for(reported, timeout=60, what="persistent failure + memory/peer at step 9")
+        except TimeoutError:
+            j = job(cluster, viewer, "broken-persist")
+            raise AssertionError({t: v["newest_step"] for t, v in j["tiers"].items()},
+                                 [(e["tier"], e["kind"], e["step"], e["message"][:80])
+                                  for e in j["failures"]]) from None
         assert j["tiers"]["persistent"]["newest_step"] is None
-        messages = " ".join(e["message"] for e in j["events"] if e["kind"] == "failed")
+        messages = " ".join(e["message"] for e in j["failures"])
         assert "distcp" in messages or "manifest" in messages, messages
     finally:
         if mounted is not None:
@@ -160,7 +165,7 @@ def test_memory_budget_refuses_a_step_with_a_clear_error_and_training_goes_on(
 
     def failed() -> list[dict]:
         j = job(cluster, viewer, "budget")
-        return [e for e in j["events"] if e["tier"] == "memory" and e["kind"] == "failed"]
+        return [e for e in j["failures"] if e["tier"] == "memory"]
 
     events = wait_for(failed, timeout=60, what="memory failure events")
     assert "memory budget exceeded" in events[0]["message"]

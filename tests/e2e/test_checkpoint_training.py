@@ -239,12 +239,15 @@ def test_restart_at_another_world_size_is_refused_not_started_from_scratch(
                            placement=["node-a", "node-b"], log_dir=log)
     assert cluster.wait_ranks(procs, 120) == [0, 0]
     before = sorted(p.name for p in cluster.persistent_dir.rglob("*") if p.is_file())
+    job_file = cluster.nodes["node-a"].memory_dir / "jobs" / "resized" / "job.json"
+    job_before = job_file.read_text()
     procs = cluster.launch(train_args("resized", 8, log), placement=["node-a"], log_dir=log)
     assert cluster.wait_ranks(procs, 120) != [0]
     out = procs[0].log_tail(6000)
     assert "holds steps saved at world_size 2 (newest step 3)" in out
     after = sorted(p.name for p in cluster.persistent_dir.rglob("*") if p.is_file())
     assert after == before  # nothing of the 2-rank job was overwritten
+    assert job_file.read_text() == job_before
 
 
 def test_launcher_stops_the_job_when_a_rank_dies(cluster: Cluster, tmp_path: Path) -> None:
