@@ -285,14 +285,8 @@ class TierWorker:
                        f"--node {marker.layout[c.rank]}?)", c.rank)
             return
         key = ("peer", c.job_id, c.step, c.rank)
-        if not self._due(key):
-            return
-        try:
-            manifest = load_manifest(c.step_dir / manifest_name(c.rank))
-        except ManifestError as exc:
-            if self._evicted(c):
-                return
-            self._fail(key, c, "peer", f"{manifest_name(c.rank)}: {exc}")
+        manifest = self._due_manifest(key, c, "peer")
+        if manifest is None:
             return
         files = _push_order(c, manifest)
         done_targets = dict(peer.get("targets", {}))
@@ -415,16 +409,22 @@ class TierWorker:
             except PersistentError as exc:
                 log.warning("cannot look for pending .metadata of %s: %s", job_id, exc)
 
+    def _due_manifest(self, key: tuple[Any, ...], c: LocalCommit, tier: str) -> Manifest | None:
+        """The local rank's manifest of a step whose ``tier`` work is due now, or None (not
+        due, evicted meanwhile, or unreadable: then a failed event with a retry)."""
+        if not self._due(key):
+            return None
+        try:
+            return load_manifest(c.step_dir / manifest_name(c.rank))
+        except ManifestError as exc:
+            if not self._evicted(c):
+                self._fail(key, c, tier, f"{manifest_name(c.rank)}: {exc}")
+            return None
+
     def _upload(self, c: LocalCommit) -> None:
         key = ("persistent", c.job_id, c.step, c.rank)
-        if not self._due(key):
-            return
-        try:
-            manifest = load_manifest(c.step_dir / manifest_name(c.rank))
-        except ManifestError as exc:
-            if self._evicted(c):
-                return
-            self._fail(key, c, "persistent", f"{manifest_name(c.rank)}: {exc}")
+        manifest = self._due_manifest(key, c, "persistent")
+        if manifest is None:
             return
         try:
             conflict = self._conflict(c, manifest)
