@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,3 +37,30 @@ def start_agent(tmp_path: Path, server: Server) -> Iterator:
     yield _start
     for a in agents:
         a.stop()
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+@pytest.fixture
+def browser() -> Iterator:
+    """Headless Chromium from the system, driven by Playwright (never a downloaded one).
+
+    Skipped when /usr/bin/chromium is missing, except with TIERWATCH_REQUIRE_BROWSER=1 (CI),
+    where that fails the test.
+    """
+    if not CHROMIUM.exists():
+        reason = f"{CHROMIUM} is not installed (apt-get install chromium)"
+        if os.environ.get("TIERWATCH_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"TIERWATCH_REQUIRE_BROWSER=1 but {reason}")
+        pytest.skip(reason)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()

@@ -7,44 +7,15 @@ CI), where a missing browser is a failure.
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 LIVE_TIMEOUT_MS = 30_000  # agents start, report, and the page polls them in
 NODES = ("node-a", "node-b")
 
-
-@pytest.fixture
-def browser() -> Iterator:
-    """Headless Chromium from the system, driven by Playwright."""
-    if not CHROMIUM.exists():
-        reason = f"{CHROMIUM} is not installed (apt-get install chromium)"
-        if os.environ.get("TIERWATCH_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"TIERWATCH_REQUIRE_BROWSER=1 but {reason}")
-        pytest.skip(reason)
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
 
 
 def test_dashboard_shows_live_nodes_and_charts(browser, server, start_agent, tmp_path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,28 +18,8 @@ from tierwatch.agent.protocol import CheckpointEvent, JobProgress, ReportBatch, 
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 JOB = "browser-job"
 
-
-@pytest.fixture
-def chromium() -> Iterator:
-    """Headless Chromium from the system, driven by Playwright."""
-    if not CHROMIUM.exists():
-        reason = f"{CHROMIUM} is not installed (apt-get install chromium)"
-        if os.environ.get("TIERWATCH_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"TIERWATCH_REQUIRE_BROWSER=1 but {reason}")
-        pytest.skip(reason)
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 def post_reports(server) -> None:
@@ -64,11 +43,11 @@ def post_reports(server) -> None:
         assert r.status_code == 200, r.text
 
 
-def test_job_page_shows_tier_table_and_chart(chromium, server, tmp_path):
+def test_job_page_shows_tier_table_and_chart(browser, server, tmp_path):
     from playwright.sync_api import expect
 
     post_reports(server)
-    page = chromium.new_page(viewport={"width": 1400, "height": 1000})
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(15_000)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
