@@ -219,6 +219,11 @@ class RestoreReport(_Model):
         files_by_tier: how many files came from each tier (memory | peer | persistent).
         sources: per file name, ``"<tier>:<node>"`` it came from.
         ok: False when the restore failed (``message`` says why).
+        request_id: the operator's restore request this rank carried out (None: a restore
+            at start with no request).
+        phase: ``staging`` (the rank started on ``request_id``; ``step`` is the target,
+            ``seconds`` 0), ``loaded`` or ``failed`` (the outcome); None means the outcome
+            (``ok`` tells which).
     """
 
     job_id: JobId
@@ -234,6 +239,8 @@ class RestoreReport(_Model):
                        Field(max_length=4096)] = {}
     ok: bool = True
     message: Annotated[Text, Field(max_length=2000)] = ""
+    request_id: Annotated[int, Field(ge=1, le=2**62)] | None = None
+    phase: Literal["staging", "loaded", "failed"] | None = None
 
 
 class ReportBatch(_Model):
@@ -260,6 +267,7 @@ class ReportBatch(_Model):
     checkpoint_events: Annotated[list[CheckpointEvent], Field(max_length=4096)] = []
     progress: Annotated[list[JobProgress], Field(max_length=4096)] = []
     restores: Annotated[list[RestoreReport], Field(max_length=1024)] = []
+    command_results: Annotated[list[CommandResult], Field(max_length=1024)] = []
     dropped_batches: Count = 0
 
     @model_validator(mode="after")
@@ -281,12 +289,45 @@ class ReportBatch(_Model):
         return self
 
 
-class Command(_Model):
-    """A command for the agent, delivered in the answer to a report (later issues fill it)."""
+COMMAND_KINDS = ("isolate", "release", "restore")
+CommandId = Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
-    id: str
-    kind: str
+
+class Command(_Model):
+    """A command for the agent, delivered in the answer to a report.
+
+    ``kind`` and ``args``:
+
+    - ``isolate`` / ``release``: ``{"reason": str, "actor": str}``; the agent runs its
+      node-local isolation driver (``--isolation-command``) with them.
+    - ``restore``: ``{"request_id": int, "job_id": str, "step": int, "tier": str | None,
+      "reason": str, "actor": str}``; the agent hands the request to the job's ranks on this
+      node, which roll back in-process at an agreed step boundary (or restore that step at
+      their next start).
+
+    A command is executed at most once per ``id`` (re-deliveries are answered with the
+    recorded result). ``expires_at``: the agent refuses to start it after this time.
+    """
+
+    id: CommandId
+    kind: Annotated[Text, Field(min_length=1, max_length=32)]
     args: dict[str, Any] = {}
+    expires_at: AwareDatetime | None = None
+
+
+class CommandResult(_Model):
+    """What became of a command on the agent (reported in the next batch).
+
+    ``state``: ``running`` (accepted and started; a restore waits for its ranks), then
+    ``succeeded`` or ``failed``. ``exit_code`` and ``output`` (the last 4,000 characters of
+    stdout+stderr) come from a driver executable when one ran.
+    """
+
+    id: CommandId
+    state: Literal["running", "succeeded", "failed"]
+    ts: AwareDatetime
+    exit_code: int | None = None
+    output: Annotated[Text, Field(max_length=4000)] = ""
 
 
 class ReportAck(_Model):

@@ -50,6 +50,7 @@ from tierwatch.agent.protocol import (
     AgentEvent,
     CheckpointEvent,
     Command,
+    CommandResult,
     GpuInfo,
     GpuSample,
     JobProgress,
@@ -363,6 +364,7 @@ class Reporter:
         checkpoint_events: Sequence[CheckpointEvent] = (),
         progress: Sequence[JobProgress] = (),
         restores: Sequence[RestoreReport] = (),
+        command_results: Sequence[CommandResult] = (),
         urgent: bool = False,
     ) -> ReportBatch:
         """Build the next batch, spool it and wake the sender.
@@ -376,6 +378,7 @@ class Reporter:
             checkpoint_events: Checkpoint events (at most 4096).
             progress: Training progress of local ranks (at most 4096).
             restores: Restore outcomes (at most 1024).
+            command_results: What became of commands from the server (at most 1024).
             urgent: Cut a running retry backoff short (see :meth:`push_now`).
 
         Returns:
@@ -418,6 +421,7 @@ class Reporter:
                 checkpoint_events=list(checkpoint_events),
                 progress=list(progress),
                 restores=list(restores),
+                command_results=list(command_results),
                 dropped_batches=dropped,
             )
             late_drops = self.spool.put(batch.model_dump_json().encode(), batch.epoch,
