@@ -5,6 +5,8 @@ from __future__ import annotations
 from alembic import context
 
 from tierwatch.server import tokens as _tokens  # noqa: F401
+from tierwatch.server.actions import models as _action_models  # noqa: F401
+from tierwatch.server.alerts import models as _alert_models  # noqa: F401
 from tierwatch.server.checkpoints import models as _checkpoint_models  # noqa: F401
 from tierwatch.server.config import get_settings
 from tierwatch.server.db import Base, make_engine
