@@ -11,6 +11,9 @@ from typing import Annotated
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tierwatch.server.actions.drivers import IsolationSettings
+from tierwatch.server.actions.settings import PolicySettings, QueueSettings
+from tierwatch.server.alerts.service import AlertSettings
 from tierwatch.server.fleet.rules import HealthThresholds
 
 DEFAULT_DATABASE_URL = "sqlite:///var/tierwatch.db"
@@ -41,7 +44,15 @@ class Settings(BaseSettings):
         token_cache_s: how long a process remembers a valid token (seconds); a revoked
             token stops working within this time (0: checked on every request).
         dashboard_refresh_s: how often dashboard pages poll for fresh data (seconds).
+        login_attempts: failed dashboard sign-ins allowed per client address within
+            ``login_window_s`` before further attempts are refused with 429.
+        login_window_s: the sign-in rate limit's window (seconds).
         health: health-rule thresholds (see ``tierwatch.server.fleet.rules``).
+        isolation: the isolation driver (``TIERWATCH_ISOLATION__DRIVER=none|command|slurm|
+            kubernetes``; see ``tierwatch.server.actions.drivers``).
+        commands: the command queue (``TIERWATCH_COMMANDS__TTL_S`` …).
+        policy: the auto-isolation policy (``TIERWATCH_POLICY__ENABLED`` …).
+        alerts: webhooks (``TIERWATCH_ALERTS__WEBHOOKS='["https://…"]'`` …).
     """
 
     model_config = SettingsConfigDict(
@@ -59,7 +70,13 @@ class Settings(BaseSettings):
     token_cache_s: Annotated[float, Field(ge=0)] = 30.0
     max_clock_skew_s: Annotated[float, Field(gt=0)] = 300.0
     dashboard_refresh_s: Annotated[float, Field(gt=0)] = 1.5
+    login_attempts: Annotated[int, Field(ge=1)] = 10
+    login_window_s: Annotated[float, Field(gt=0)] = 60.0
     health: HealthThresholds = HealthThresholds()
+    isolation: IsolationSettings = IsolationSettings()
+    commands: QueueSettings = QueueSettings()
+    policy: PolicySettings = PolicySettings()
+    alerts: AlertSettings = AlertSettings()
 
     def check_serving(self) -> None:
         """Refuse settings that are unsafe for serving.

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,23 +13,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.concurrency import run_in_threadpool
 from starlette.middleware.gzip import GZipMiddleware
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tierwatch import __version__
-from tierwatch.agent.protocol import utcnow
+from tierwatch.server.actions import api as actions_api
+from tierwatch.server.alerts import api as alerts_api
+from tierwatch.server.alerts import views as alerts_views
+from tierwatch.server.background import BackgroundWork
 from tierwatch.server.checkpoints import api as checkpoints_api
 from tierwatch.server.config import Settings, get_settings
 from tierwatch.server.db import make_engine, make_sessionmaker
 from tierwatch.server.fleet import api as fleet_api
-from tierwatch.server.fleet import service as fleet_service
 from tierwatch.server.ingest import api as ingest_api
 from tierwatch.server.ingest.writer import IngestWriter
 from tierwatch.server.metrics import make_registry
 from tierwatch.server.resources import resource_dir
-from tierwatch.server.security import TokenResolver, principal_from_request
+from tierwatch.server.security import LoginLimiter, TokenResolver, principal_from_request
 from tierwatch.server.web import views as web_views
 
 log = logging.getLogger("tierwatch.server")
@@ -111,23 +110,6 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     )
 
 
-async def _prune_forever(app: FastAPI, settings: Settings) -> None:
-    while True:
-        await asyncio.sleep(settings.prune_interval_s)
-        try:
-            with app.state.sessionmaker() as session:
-                deleted = await run_in_threadpool(
-                    fleet_service.prune,
-                    session,
-                    now=utcnow(),
-                    sample_retention_s=settings.sample_retention_s,
-                    event_retention_s=settings.event_retention_s,
-                )
-            log.info("pruned %s", deleted)
-        except Exception:  # keep pruning on the next round; the error is logged
-            log.exception("pruning failed")
-
-
 def _register_wire_schemas(app: FastAPI) -> None:
     """Add the agent wire models to the OpenAPI components (the ingest route parses its
     body itself, so FastAPI would not list ``ReportBatch`` on its own)."""
@@ -163,17 +145,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = None
-        if settings.prune_interval_s > 0:
-            task = asyncio.create_task(_prune_forever(app, settings))
         await app.state.ingest_writer.start()
+        app.state.background.start()
         yield
+        await app.state.background.stop()
         await app.state.ingest_writer.stop()
         writer_engine.dispose()
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
         engine.dispose()
 
     app = FastAPI(
@@ -192,6 +169,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     writer_engine = make_engine(settings.database_url, pool_size=1, max_overflow=1, pre_ping=False)
     app.state.ingest_writer = IngestWriter(make_sessionmaker(writer_engine), settings)
     app.state.token_resolver = TokenResolver(engine, settings.token_cache_s)
+    app.state.background = BackgroundWork(app.state.sessionmaker, engine, settings)
+    app.state.login_limiter = LoginLimiter(settings.login_attempts, settings.login_window_s)
 
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_middleware(
@@ -209,7 +188,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(ingest_api.router)
     app.include_router(fleet_api.router)
     app.include_router(checkpoints_api.router)
+    app.include_router(actions_api.router)
+    app.include_router(alerts_api.router)
     app.include_router(web_views.router)
+    app.include_router(alerts_views.router)
     app.mount("/static", StaticFiles(directory=resource_dir("static")), name="static")
 
     _register_wire_schemas(app)

@@ -6,6 +6,7 @@ Routes declare what they need with the ``Annotated`` aliases at the bottom
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -214,3 +215,30 @@ ReaderDep = PrincipalDep  # any valid token may read
 AgentDep = Annotated[Principal, Depends(require_agent)]
 OperatorDep = Annotated[Principal, Depends(require_role("operator"))]
 AdminDep = Annotated[Principal, Depends(require_role("admin"))]
+
+
+class LoginLimiter:
+    """Rate limit of failed dashboard sign-ins per client address (moving window, in this
+    process's memory; the ``limits`` library keeps the counters).
+
+    Args:
+        attempts: failed attempts allowed per ``window_s``.
+        window_s: the window (seconds; rounded up to whole seconds).
+    """
+
+    def __init__(self, attempts: int, window_s: float) -> None:
+        from limits import RateLimitItemPerSecond
+        from limits.storage import MemoryStorage
+        from limits.strategies import MovingWindowRateLimiter
+
+        self._item = RateLimitItemPerSecond(attempts, max(1, math.ceil(window_s)))
+        self._limiter = MovingWindowRateLimiter(MemoryStorage())
+        self.window_s = max(1, math.ceil(window_s))
+
+    def blocked(self, client: str) -> bool:
+        """Whether ``client`` has used up its failed attempts for now."""
+        return not self._limiter.test(self._item, "login", client)
+
+    def failed(self, client: str) -> None:
+        """Count one failed attempt of ``client``."""
+        self._limiter.hit(self._item, "login", client)

@@ -168,6 +168,7 @@ def store_checkpoint_content(
                 "message": r.message,
             }
             for r in b.restores
+            if r.phase != "staging"  # a start notice, not an outcome
         ]
     if event_rows:
         session.execute(insert(CKPT_EVENTS), event_rows)

@@ -98,6 +98,8 @@ class Node(Base):
 
     ``state`` is the health state from the node's reasons (healthy | degraded | unhealthy);
     ``unreachable`` is derived at read time from ``last_seen`` and ``interval_s``.
+    ``isolated`` is the operator's (or the policy's) overlay, with who/when/why; it holds
+    whatever the health state until the node is released (``released_at``).
     """
 
     __tablename__ = "nodes"
@@ -106,6 +108,10 @@ class Node(Base):
     name: Mapped[str] = mapped_column(String(128), unique=True)
     state: Mapped[str] = mapped_column(String(16), default="healthy")
     isolated: Mapped[bool] = mapped_column(Boolean, default=False)
+    isolated_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    isolated_by: Mapped[str] = mapped_column(String(128), default="")
+    isolated_reason: Mapped[str] = mapped_column(Text, default="")
+    released_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     simulated: Mapped[bool] = mapped_column(Boolean, default=False)
     collector: Mapped[str] = mapped_column(String(32), default="")
     agent_version: Mapped[str] = mapped_column(String(32), default="")

@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from tierwatch.agent.protocol import Text
 from tierwatch.server.fleet.models import METRIC_FIELDS
 from tierwatch.server.fleet.rules import RULES
-from tierwatch.server.fleet.service import NodeView, throttle_names
+from tierwatch.server.fleet.service import NodeView, isolation_of, throttle_names
 
 
 class ReasonOut(BaseModel):
@@ -59,14 +59,28 @@ class GpuOut(BaseModel):
     xid_count: int = 0
 
 
+class IsolationOut(BaseModel):
+    """Who isolated a node, when and why (the overlay; the driver run is a command)."""
+
+    at: datetime | None
+    by: str
+    reason: str
+
+
 class NodeOut(BaseModel):
-    """A node: effective state (unreachable overrides health), reasons and GPUs."""
+    """A node: effective state (unreachable overrides health), reasons and GPUs.
+
+    ``isolated`` is the operator's overlay (it holds whatever the health state until the
+    node is released); ``isolation`` says who/when/why while it is set.
+    """
 
     name: str
     state: str
     health_state: str
     reasons: list[ReasonOut]
     isolated: bool
+    isolation: IsolationOut | None = None
+    released_at: datetime | None = None
     simulated: bool
     collector: str
     agent_version: str
@@ -163,6 +177,8 @@ def node_out(view: NodeView, *, detail: dict[str, Any] | None = None) -> NodeOut
             for r in view.reasons
         ],
         "isolated": n.isolated,
+        "isolation": isolation_of(n),
+        "released_at": n.released_at,
         "simulated": n.simulated,
         "collector": n.collector,
         "agent_version": n.agent_version,
@@ -186,3 +202,4 @@ def node_out(view: NodeView, *, detail: dict[str, Any] | None = None) -> NodeOut
     if detail is not None:
         return NodeDetailOut(**fields, reports=ReportStats(**detail))
     return NodeOut(**fields)
+

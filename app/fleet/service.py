@@ -46,6 +46,14 @@ class NodeView:
     xid_counts: dict[int, int] = field(default_factory=dict)  # gpu index -> occurrences
 
 
+def isolation_of(n: Any) -> dict[str, Any] | None:
+    """``IsolationOut`` fields of an isolated node row, or None."""
+    if not n.isolated:
+        return None
+    return {"at": n.isolated_at, "by": n.isolated_by, "reason": n.isolated_reason}
+
+
+
 def effective_state(node: Node, now: datetime, th: rules.HealthThresholds) -> tuple[str, bool]:
     """(state, unreachable) of a node at ``now``: unreachable overrides the health state."""
     unreachable = rules.is_unreachable(node.last_seen, node.interval_s, now, th)
@@ -172,6 +180,8 @@ def node_list_payload(
                 "health_state": n.state,
                 "reasons": reasons.get(n.id, []),
                 "isolated": n.isolated,
+                "isolation": isolation_of(n),
+                "released_at": n.released_at,
                 "simulated": n.simulated,
                 "collector": n.collector,
                 "agent_version": n.agent_version,

@@ -24,6 +24,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from tierwatch.agent.protocol import GpuSample, ReportAck, ReportBatch
+from tierwatch.server.actions import ingest as actions_ingest
+from tierwatch.server.actions import notify, queue
 from tierwatch.server.checkpoints import ingest as checkpoint_ingest
 from tierwatch.server.config import Settings
 from tierwatch.server.db import insert_ignore
@@ -194,6 +196,12 @@ def ingest_reports(
         checkpoint_ingest.store_checkpoint_content(
             session, batches=fresh, node_ids={b.node: nodes[b.node].id for b in fresh}, now=now
         )
+        for b in fresh:
+            actions_ingest.apply_report(session, b, node_id=nodes[b.node].id, settings=settings,
+                                        now=now)
+    commands = queue.deliver(
+        session, [nodes[b.node].id for b in batches], now=now, settings=settings.commands
+    )
     acks = []
     for b in batches:
         node = nodes[b.node]
@@ -213,7 +221,11 @@ def ingest_reports(
                 )
                 or b.seq
             )
-        acks.append(ReportAck(epoch=b.epoch, acked_seq=acked, stored=is_stored))
+        acks.append(
+            ReportAck(
+                epoch=b.epoch, acked_seq=acked, stored=is_stored, commands=commands[node.id]
+            )
+        )
     _update_nodes(session, nodes, changes)
     session.commit()
     return acks
@@ -367,7 +379,13 @@ def _apply_batches(
     _write_gpu_latest(session, gpus)
     if events_rows:
         session.execute(insert(EVENTS), events_rows)
-    _update_reasons(session, batches, nodes, findings, evaluated, changes, th)
+    state_events = _update_reasons(session, batches, nodes, findings, evaluated, changes, th)
+    names = {n.id: n.name for n in nodes.values()}
+    for e in state_events:
+        notify.node_state_changed(
+            session, settings, node=names[e["node_id"]], old=e["data"]["from"],
+            new=e["data"]["to"], message=e["message"], now=e["received_at"],
+        )
 
 
 _SAMPLE_COLUMNS = ("node_id", "gpu_index", "ts", *METRIC_FIELDS)
@@ -607,11 +625,11 @@ def _update_reasons(
     evaluated: dict[int, set[str]],
     changes: dict[int, dict[str, Any]],
     th: rules.HealthThresholds,
-) -> None:
+) -> list[dict[str, Any]]:
     """Merge each node's findings into its stored reasons and derive its state.
 
     One SELECT for the group; writes only what changed (a healthy node with no findings
-    writes nothing here).
+    writes nothing here). Returns the state-change events written.
     """
     # A node's state is the worst severity of its reasons, so a healthy node has none:
     # only nodes that are not healthy, or have new findings, need their reasons read.
@@ -670,3 +688,4 @@ def _update_reasons(
         session.execute(delete(REASONS).where(REASONS.c.id.in_(gone)))
     if state_events:
         session.execute(insert(EVENTS), state_events)
+    return state_events

@@ -95,13 +95,26 @@ def login(
 ) -> Response:
     """Check the token and keep it in the signed session cookie.
 
-    Answers 303 to ``next`` on success; the form again with 401 and a message otherwise.
+    Answers 303 to ``next`` on success; the form again with 401 and a message otherwise;
+    429 once a client address failed ``login_attempts`` times within ``login_window_s``.
     """
     target = safe_next(next_url)
+    limiter = request.app.state.login_limiter
+    client = request.client.host if request.client else "unknown"
+    if limiter.blocked(client):
+        return _login_form(
+            request,
+            next_url=target,
+            error=f"Too many failed sign-ins from this address: wait {limiter.window_s} s "
+            "and try again.",
+            status_code=429,
+        )
     token = token.strip()
     if not token:
         return _login_form(request, next_url=target, error="Enter an API token.", status_code=401)
     row = lookup_token(session, token)
+    if row is None or row.role == "agent":
+        limiter.failed(client)
     if row is None:
         return _login_form(
             request,

@@ -1,0 +1,107 @@
+"""The alerts that actions raise (delivered to webhooks by ``tierwatch.server.alerts``).
+
+Each function adds the alert inside the caller's transaction, so an alert exists exactly when
+the action it reports was committed. Dedup keys: one per node (isolation, state), per job
+(restore), per command, and one for the breaker.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy.orm import Session
+
+from tierwatch.server.alerts.service import raise_alert
+from tierwatch.server.config import Settings
+
+
+def isolation_changed(session: Session, settings: Settings, *, node: str, isolated: bool,
+                      actor: str, reason: str, now: datetime) -> None:
+    """A node was isolated (firing) or released (resolved)."""
+    raise_alert(
+        session, settings.alerts,
+        kind="policy_isolate" if actor == "policy" and isolated else "isolation",
+        key=f"isolation:{node}",
+        severity="warning",
+        status="firing" if isolated else "resolved",
+        summary=f"node {node} {'isolated' if isolated else 'released'} by {actor}: {reason}",
+        labels={"node": node, "actor": actor},
+        details={"reason": reason, "isolated": isolated},
+        now=now,
+    )
+
+
+def node_state_changed(session: Session, settings: Settings, *, node: str, old: str, new: str,
+                       message: str, now: datetime) -> None:
+    """A node's health state changed (firing while degraded/unhealthy, resolved when healthy)."""
+    raise_alert(
+        session, settings.alerts,
+        kind="node_state",
+        key=f"node_state:{node}:{new if new != 'healthy' else old}",
+        severity={"unhealthy": "critical", "degraded": "warning"}.get(new, "info"),
+        status="resolved" if new == "healthy" else "firing",
+        summary=f"node {node} is {new} (was {old})" + (f": {message}" if message else ""),
+        labels={"node": node, "state": new},
+        details={"old": old, "new": new, "message": message},
+        now=now,
+    )
+
+
+def breaker_tripped(session: Session, settings: Settings, *, message: str, held: list[str],
+                    now: datetime) -> None:
+    """The auto-isolation circuit breaker holds (a cluster-level alert)."""
+    raise_alert(
+        session, settings.alerts,
+        kind="breaker",
+        key="policy_breaker",
+        severity="critical",
+        summary=message,
+        labels={"scope": "cluster"},
+        details={"nodes_not_isolated": held},
+        now=now,
+    )
+
+
+def breaker_reset(session: Session, settings: Settings, *, now: datetime) -> None:
+    """The circuit breaker let go again (resolves the breaker alert)."""
+    raise_alert(
+        session, settings.alerts,
+        kind="breaker",
+        key="policy_breaker",
+        severity="info",
+        status="resolved",
+        summary="auto-isolation circuit breaker reset: the policy acts again",
+        labels={"scope": "cluster"},
+        details={},
+        now=now,
+    )
+
+
+def command_failed(session: Session, settings: Settings, *, node: str, command_id: str,
+                   kind: str, driver: str, output: str, now: datetime) -> None:
+    """A driver run failed or expired."""
+    raise_alert(
+        session, settings.alerts,
+        kind="command_failed",
+        key=f"command:{command_id}",
+        severity="warning",
+        summary=f"{kind} of node {node} via {driver} did not succeed: {output[-300:]}",
+        labels={"node": node, "driver": driver},
+        details={"command": command_id, "output": output[-2000:]},
+        now=now,
+    )
+
+
+def restore_failed(session: Session, settings: Settings, *, job: str, request_id: int,
+                   message: str, now: datetime) -> None:
+    """A restore request failed on some rank."""
+    raise_alert(
+        session, settings.alerts,
+        kind="restore_failed",
+        key=f"restore:{job}:{request_id}",
+        severity="critical",
+        summary=f"restore {request_id} of job {job} failed: {message[:300]}",
+        labels={"job": job},
+        details={"request_id": request_id, "message": message},
+        now=now,
+    )

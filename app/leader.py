@@ -1,0 +1,99 @@
+"""Leader election between server replicas that share one database.
+
+Background work (the auto-isolation policy, cluster-driver runs, command expiry, alert
+delivery, pruning) must run in exactly one replica. On PostgreSQL the leader holds a
+session-level advisory lock (``pg_try_advisory_lock``) on a connection of its own for as
+long as it lives: the lock is released by the database when that connection closes (the
+process exits or crashes, or the network drops it), so another replica takes over at its
+next attempt. Source: PostgreSQL manual, "Advisory Locks" (explicit locking) — session-level
+locks are held until explicitly released or the session ends.
+
+On SQLite there is one server per database file (DESIGN.md "Scale-out"), so the process is
+always the leader.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy import Connection, Engine, text
+
+log = logging.getLogger(__name__)
+
+# "tierwatc" as a signed 64-bit key: one lock per database for tierwatch's background work.
+LOCK_KEY = int.from_bytes(b"tierwatc", "big") - 2**63
+
+
+class LeaderLock:
+    """Try to become, and check whether we still are, the leader.
+
+    Args:
+        engine: the server's engine (a dedicated connection is taken from it).
+        key: the advisory-lock key.
+    """
+
+    def __init__(self, engine: Engine, key: int = LOCK_KEY) -> None:
+        self._engine = engine
+        self._key = key
+        self._conn: Connection | None = None
+        self.is_postgres = engine.dialect.name == "postgresql"
+
+    @property
+    def held(self) -> bool:
+        """Whether this process held the lock at the last check."""
+        return not self.is_postgres or self._conn is not None
+
+    def check(self) -> bool:
+        """Keep or try to take the lock; True when this process is the leader now.
+
+        A broken lock connection means the lock is gone: it is dropped and retaken on a new
+        connection if no other replica holds it. Never raises (a database outage makes this
+        process a follower until it is back).
+        """
+        if not self.is_postgres:
+            return True
+        if self._conn is not None:
+            try:
+                self._conn.execute(text("SELECT 1"))
+                return True
+            except Exception:  # noqa: BLE001 - the session (and its lock) is gone
+                log.warning("lost the leader lock connection; trying to take the lock again")
+                self._drop()
+        try:
+            conn = self._engine.connect()
+        except Exception:  # noqa: BLE001
+            log.warning("cannot reach the database to take the leader lock", exc_info=True)
+            return False
+        try:
+            got = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": self._key}).scalar()
+            conn.commit()
+        except Exception:  # noqa: BLE001
+            log.warning("taking the leader lock failed", exc_info=True)
+            conn.close()
+            return False
+        if got:
+            self._conn = conn
+            log.info("this replica is now the leader (runs policy, expiry, drivers, alerts, "
+                     "pruning)")
+            return True
+        conn.close()
+        return False
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.invalidate()
+                conn.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def release(self) -> None:
+        """Give the lock up (on shutdown)."""
+        if self._conn is not None:
+            try:
+                self._conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": self._key})
+                self._conn.commit()
+            except Exception:  # noqa: BLE001
+                pass
+            self._drop()
