@@ -22,7 +22,10 @@ from sqlalchemy.orm import Mapped, mapped_column, relationship
 from tierwatch.server.db import Base, UTCDateTime
 from tierwatch.server.fleet.models import BigId
 
-KINDS = ("node_state", "policy_isolate", "breaker", "command_failed")
+# The kinds raised today (the dashboard's filter chips); the column takes any kind.
+KINDS = (
+    "node_state", "policy_isolate", "isolation", "breaker", "command_failed", "restore_failed",
+)
 SEVERITIES = ("info", "warning", "critical")
 STATUSES = ("firing", "resolved")
 DELIVERY_STATES = ("pending", "delivered", "failed")
@@ -33,8 +36,8 @@ class Alert(Base):
 
     Attributes:
         key: the dedup key, e.g. ``node_state:gpu-node-03:unhealthy``.
-        kind: what raised it: ``node_state``, ``policy_isolate``, ``breaker``,
-            ``command_failed`` (free text beyond those; at most 32 characters).
+        kind: what raised it: ``node_state``, ``policy_isolate``, ``isolation``, ``breaker``,
+            ``command_failed``, ``restore_failed`` (free text beyond those; ≤ 32 characters).
         severity: ``info`` | ``warning`` | ``critical``.
         status: ``firing`` | ``resolved``.
         summary: one line for people (plain text; escaped wherever it is shown).

@@ -1,0 +1,303 @@
+"""Raising alerts into the outbox, listing them, and pruning them.
+
+An alert is raised inside the caller's transaction (``raise_alert``), so the alert and its
+deliveries commit or roll back with the state change that caused it: a restart loses
+nothing, and a rolled-back state change sends nothing. ``delivery.deliver_due`` sends them.
+
+Deduplication (``dedup_s``): the newest notice for a ``key`` decides. When it has the same
+status and was raised less than ``dedup_s`` ago, the new one is counted on it (``count``,
+``last_fired_at``) and nothing is sent. A change of status (firing → resolved, resolved →
+firing) is always sent, however soon it comes, so a receiver never misses a transition; a
+condition that keeps firing is re-sent once per window (like Alertmanager's
+``repeat_interval``).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic_settings import NoDecode
+from sqlalchemy import delete, exists, select
+from sqlalchemy.orm import Session, selectinload
+
+from tierwatch.server.alerts.models import (
+    DELIVERY_STATES,
+    SEVERITIES,
+    STATUSES,
+    Alert,
+    AlertDelivery,
+)
+
+MAX_KEY_LENGTH = 255
+MAX_KIND_LENGTH = 32
+LIST_LIMIT_MAX = 1000
+
+
+class AlertSettings(BaseModel):
+    """Webhook delivery settings, nested in the server settings as ``alerts``.
+
+    Environment: ``TIERWATCH_ALERTS__WEBHOOKS='["https://am.example:9093/hook"]'`` (a JSON
+    list, or comma-separated URLs), ``TIERWATCH_ALERTS__FORMAT=alertmanager`` and so on.
+
+    Attributes:
+        webhooks: URLs each alert is POSTed to (http or https). Empty: alerts are only
+            stored and shown on the dashboard.
+        format: ``json`` (tierwatch's own payload) or ``alertmanager`` (the Alertmanager
+            webhook receiver payload, version 4); see ``delivery.build_payload``.
+        dedup_s: the same notice (key and status) raised again within this window is
+            counted, not sent again (seconds; 0 disables deduplication).
+        max_attempts: attempts per delivery before it is marked failed.
+        backoff_s: base of the exponential backoff between attempts (seconds): attempt n
+            waits ``backoff_s * 2**(n-1)``, capped at ``backoff_max_s``, times a random factor
+            in [0.5, 1] (jitter), and at least a server's ``Retry-After``.
+        backoff_max_s: the longest wait between attempts (seconds).
+        timeout_s: per-request timeout (connect, read, write; seconds).
+        bearer_token: sent as ``Authorization: Bearer <token>`` when set.
+        external_url: the dashboard's public base URL (``https://tierwatch.example``), for
+            links in payloads (Alertmanager ``externalURL``/``generatorURL``); "" for none.
+        concurrency: requests in flight at once in one delivery round.
+    """
+
+    # NoDecode: the env value is parsed below, so comma-separated URLs work as well as JSON.
+    webhooks: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    format: Literal["json", "alertmanager"] = "json"
+    dedup_s: Annotated[float, Field(ge=0)] = 300.0
+    max_attempts: Annotated[int, Field(ge=1, le=100)] = 8
+    backoff_s: Annotated[float, Field(gt=0)] = 2.0
+    backoff_max_s: Annotated[float, Field(gt=0)] = 300.0
+    timeout_s: Annotated[float, Field(gt=0)] = 5.0
+    bearer_token: SecretStr | None = None
+    external_url: str = ""
+    concurrency: Annotated[int, Field(ge=1, le=100)] = 10
+
+    @field_validator("webhooks", mode="before")
+    @classmethod
+    def _split_webhooks(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    return json.loads(text)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"TIERWATCH_ALERTS__WEBHOOKS: {text!r} is not a JSON list of URLs ({exc}); "
+                        'write \'["https://a.example/hook"]\' or comma-separated URLs'
+                    ) from exc
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    @field_validator("webhooks")
+    @classmethod
+    def _check_webhooks(cls, value: list[str]) -> list[str]:
+        for url in value:
+            _check_http_url(url, "TIERWATCH_ALERTS__WEBHOOKS")
+        return value
+
+    @field_validator("external_url")
+    @classmethod
+    def _check_external_url(cls, value: str) -> str:
+        value = value.strip().rstrip("/")
+        if value:
+            _check_http_url(value, "TIERWATCH_ALERTS__EXTERNAL_URL")
+        return value
+
+
+def _check_http_url(url: str, setting: str) -> None:
+    """Raise ValueError with a message that says what to fix, unless ``url`` is http(s)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError as exc:
+        raise ValueError(f"{setting}: {url!r} is not a valid URL ({exc})") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(
+            f"{setting}: {url!r} is not an http(s) URL; give full URLs such as "
+            "'https://alertmanager.example:9093/api/hook'"
+        )
+
+
+def raise_alert(
+    session: Session,
+    settings: AlertSettings,
+    *,
+    kind: str,
+    key: str,
+    severity: str,
+    summary: str,
+    labels: dict[str, str] | None = None,
+    details: dict[str, Any] | None = None,
+    status: str = "firing",
+    now: datetime,
+) -> Alert | None:
+    """Raise an alert inside the caller's transaction (the caller commits).
+
+    Writes the alert and one pending delivery per configured webhook, due at ``now``; or,
+    when the newest notice for ``key`` has the same ``status`` and is younger than
+    ``settings.dedup_s``, bumps its ``count`` and ``last_fired_at`` and sends nothing.
+
+    Args:
+        kind: ``node_state``, ``policy_isolate``, ``breaker``, ``command_failed``, … (≤ 32
+            characters).
+        key: the dedup key, e.g. ``node_state:gpu-node-03:unhealthy`` (≤ 255 characters).
+        severity: ``info`` | ``warning`` | ``critical``.
+        summary: one plain-text line (escaped wherever it is shown).
+        labels: string labels, e.g. ``{"node": "gpu-node-03"}``.
+        details: JSON-serialisable context.
+        status: ``firing`` | ``resolved``.
+        now: the time of the event (timezone-aware UTC).
+
+    Returns:
+        The new alert, or None when it was deduplicated.
+
+    Raises:
+        ValueError: an unknown severity or status, an empty or too long key or kind, or a
+            non-string label value.
+    """
+    if severity not in SEVERITIES:
+        raise ValueError(f"severity {severity!r}: expected one of {', '.join(SEVERITIES)}")
+    if status not in STATUSES:
+        raise ValueError(f"status {status!r}: expected one of {', '.join(STATUSES)}")
+    if not key or len(key) > MAX_KEY_LENGTH:
+        raise ValueError(f"key must be 1 to {MAX_KEY_LENGTH} characters")
+    if not kind or len(kind) > MAX_KIND_LENGTH:
+        raise ValueError(f"kind must be 1 to {MAX_KIND_LENGTH} characters")
+    labels = dict(labels or {})
+    bad = [k for k, v in labels.items() if not isinstance(k, str) or not isinstance(v, str)]
+    if bad:
+        raise ValueError(f"labels must map strings to strings; not so for {bad}")
+
+    newest = _newest(session, key)
+    if (
+        newest is not None
+        and newest.status == status
+        and (now - newest.created_at).total_seconds() < settings.dedup_s
+    ):
+        newest.count += 1
+        newest.last_fired_at = max(newest.last_fired_at, now)
+        return None
+
+    if status == "firing":
+        # A condition that keeps firing past the window keeps its start time.
+        starts_at = newest.starts_at if newest is not None and newest.status == "firing" else now
+        ends_at = None
+    else:
+        firing = newest if newest is not None and newest.status == "firing" else _newest(
+            session, key, status="firing"
+        )
+        starts_at = firing.starts_at if firing is not None else now
+        ends_at = now
+    alert = Alert(
+        key=key,
+        kind=kind,
+        severity=severity,
+        status=status,
+        summary=summary,
+        labels=labels,
+        details=dict(details or {}),
+        created_at=now,
+        starts_at=starts_at,
+        ends_at=ends_at,
+        last_fired_at=now,
+        count=1,
+    )
+    session.add(alert)
+    session.flush()
+    for url in dict.fromkeys(settings.webhooks):  # one delivery per distinct URL
+        session.add(
+            AlertDelivery(
+                alert_id=alert.id, url=url, state="pending", attempts=0, next_attempt_at=now,
+                last_error="",
+            )
+        )
+    session.flush()
+    return alert
+
+
+def _newest(session: Session, key: str, *, status: str | None = None) -> Alert | None:
+    stmt = select(Alert).where(Alert.key == key)
+    if status is not None:
+        stmt = stmt.where(Alert.status == status)
+    stmt = stmt.order_by(Alert.created_at.desc(), Alert.id.desc()).limit(1)
+    return session.scalars(stmt).first()
+
+
+def list_alerts(
+    session: Session,
+    *,
+    kind: str | None = None,
+    status: str | None = None,
+    delivery_state: str | None = None,
+    limit: int = 100,
+) -> list[Alert]:
+    """Alerts newest first, each with its deliveries loaded (in webhook order).
+
+    Args:
+        kind: only this kind.
+        status: only ``firing`` or ``resolved`` notices.
+        delivery_state: only alerts with at least one delivery in this state
+            (``pending`` | ``delivered`` | ``failed``).
+        limit: at most this many (1 to 1000).
+
+    Raises:
+        ValueError: an unknown status or delivery state, or a limit out of range.
+    """
+    if status is not None and status not in STATUSES:
+        raise ValueError(f"status {status!r}: expected one of {', '.join(STATUSES)}")
+    if delivery_state is not None and delivery_state not in DELIVERY_STATES:
+        raise ValueError(
+            f"delivery state {delivery_state!r}: expected one of {', '.join(DELIVERY_STATES)}"
+        )
+    if not 1 <= limit <= LIST_LIMIT_MAX:
+        raise ValueError(f"limit must be 1 to {LIST_LIMIT_MAX}")
+    stmt = select(Alert).options(selectinload(Alert.deliveries))
+    if kind:
+        stmt = stmt.where(Alert.kind == kind)
+    if status:
+        stmt = stmt.where(Alert.status == status)
+    if delivery_state:
+        stmt = stmt.where(
+            exists().where(
+                AlertDelivery.alert_id == Alert.id, AlertDelivery.state == delivery_state
+            )
+        )
+    stmt = stmt.order_by(Alert.created_at.desc(), Alert.id.desc()).limit(limit)
+    return list(session.scalars(stmt))
+
+
+def prune_alerts(session: Session, *, now: datetime, retention_s: float) -> int:
+    """Delete alerts last raised more than ``retention_s`` ago with no pending delivery.
+
+    Meant for the server's pruner (e.g. with ``event_retention_s``); deliveries go with
+    their alert (ON DELETE CASCADE). Returns the number of alerts deleted.
+    """
+    cutoff = now - timedelta(seconds=retention_s)
+    pending = exists().where(AlertDelivery.alert_id == Alert.id, AlertDelivery.state == "pending")
+    result = session.execute(
+        delete(Alert).where(Alert.last_fired_at < cutoff, ~pending).execution_options(
+            synchronize_session=False
+        )
+    )
+    return int(result.rowcount or 0)
+
+
+def redact_url(url: str) -> str:
+    """``scheme://host[:port]/…``: a webhook URL with its path and query hidden.
+
+    Webhook paths and queries often carry the receiver's secret (Slack-style
+    ``/services/T000/B000/XXXX``, ``?token=``), and the dashboard and API show deliveries to
+    every viewer.
+    """
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    shown = f"{parts.scheme}://{host}" + (f":{port}" if port else "")
+    return shown + ("/…" if (parts.path not in ("", "/") or parts.query) else "/")
