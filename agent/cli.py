@@ -97,6 +97,14 @@ def run(
     ckpt_scan_interval: Annotated[float | None, typer.Option(
         help="Seconds between scans for committed steps (default 2) "
         "[TIERWATCH_CKPT_SCAN_INTERVAL].")] = None,
+    isolation_command: Annotated[Path | None, typer.Option(
+        help="Executable the 'command' isolation driver runs on isolate/release "
+        "[TIERWATCH_ISOLATION_COMMAND].")] = None,
+    isolation_timeout: Annotated[float | None, typer.Option(
+        help="Seconds the isolation command may run (default 60) "
+        "[TIERWATCH_ISOLATION_TIMEOUT].")] = None,
+    state_dir: Annotated[Path | None, typer.Option(
+        help="Agent state folder (default var/agent/<node>) [TIERWATCH_STATE_DIR].")] = None,
 ) -> None:
     """Run the agent until SIGTERM/SIGINT."""
     from pydantic import ValidationError
@@ -115,6 +123,8 @@ def run(
             "peer_token": peer_token, "advertise_url": advertise_url,
             "persistent_url": persistent_url, "replication": replication,
             "memory_budget": memory_budget, "ckpt_scan_interval": ckpt_scan_interval,
+            "isolation_command": isolation_command, "isolation_timeout": isolation_timeout,
+            "state_dir": state_dir,
         }.items()
         if value is not None
     }

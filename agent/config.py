@@ -186,6 +186,13 @@ class AgentSettings(BaseSettings):
         ckpt_scan_interval: Seconds between two scans of the memory folder for committed steps.
         ckpt_nice: Nice value (0-19) of the threads that replicate and upload checkpoints, so
             they yield the node's cores to training (0: the agent's own priority).
+        isolation_command: Executable the ``command`` isolation driver runs on this node for
+            ``isolate`` / ``release`` (node name, action and reason in its environment, see
+            ``tierwatch.agent.commands``); None: such commands fail with a message saying
+            to set it.
+        isolation_timeout: Seconds the isolation command may run before it is killed.
+        state_dir: Folder of the agent's own state (the ids of commands it ran, so a
+            re-delivered command runs once across restarts); default ``var/agent/<node>``.
     """
 
     model_config = SettingsConfigDict(env_prefix="TIERWATCH_", extra="ignore")
@@ -212,6 +219,9 @@ class AgentSettings(BaseSettings):
     memory_budget: int | None = None
     ckpt_scan_interval: float = Field(2.0, gt=0, le=3600)
     ckpt_nice: int = Field(10, ge=0, le=19)
+    isolation_command: Path | None = None
+    isolation_timeout: float = Field(60.0, gt=0, le=3600)
+    state_dir: Path | None = None
 
     @field_validator("memory_budget", mode="before")
     @classmethod
@@ -332,6 +342,19 @@ class AgentSettings(BaseSettings):
             path = path.parent
         st = os.statvfs(path)
         return st.f_frsize * st.f_blocks // 2
+
+    def resolved_state_dir(self) -> Path:
+        """The agent's state folder: :attr:`state_dir`, else ``var/agent/<node>`` under the cwd.
+
+        Raises:
+            SettingsError: neither ``state_dir`` nor ``node`` is set.
+        """
+        if self.state_dir is not None:
+            return self.state_dir
+        if not self.node:
+            raise SettingsError("set --state-dir or --node so the agent knows where to keep "
+                                "its state")
+        return Path.cwd() / "var" / "agent" / self.node
 
     def resolved_spool_dir(self) -> Path:
         """The spool folder: :attr:`spool_dir`, else ``var/spool/<node>`` under the cwd.

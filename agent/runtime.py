@@ -32,11 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 from tierwatch import __version__
 from tierwatch.agent.collectors import GpuCollector, make_collector
+from tierwatch.agent.commands import CommandExecutor
 from tierwatch.agent.config import AgentSettings, is_loopback_host
 from tierwatch.agent.protocol import (
     AgentEvent,
     CheckpointEvent,
     Command,
+    CommandResult,
     JobProgress,
     LatencySample,
     RestoreReport,
@@ -145,7 +147,14 @@ class AgentRuntime:
             backoff_max_s=min(30.0, max(1.0, settings.interval)),
         )
         self.flush_timeout_s = flush_timeout_s
-        self.commands: deque[Command] = deque(maxlen=1000)
+        self.commands = CommandExecutor(
+            node=settings.node or "",
+            state_dir=settings.resolved_state_dir(),
+            isolation_command=settings.isolation_command,
+            isolation_timeout_s=settings.isolation_timeout,
+            restore_sink=self._hand_restore,
+            report=self.report_command_results,
+        )
         self._latency: deque[LatencySample] = deque()
         self._events: list[AgentEvent] = []
         self._ckpt_events: deque[CheckpointEvent] = deque()
@@ -173,6 +182,7 @@ class AgentRuntime:
         """
         self.collector.start(self.on_xid)
         self.reporter.start()
+        self.commands.start()
         if checkpoints is None:
             checkpoints = serve_api
         if checkpoints:
@@ -260,6 +270,7 @@ class AgentRuntime:
         if self._api is not None:
             self._api.stop()
             self._api = None
+        self.commands.stop()
         if self.ckpt is not None:
             self.ckpt.stop()
         try:
@@ -314,11 +325,23 @@ class AgentRuntime:
             log.error("could not spool XID %d on GPU %d: %s", event.xid, event.gpu, exc)
 
     def on_commands(self, commands: list[Command]) -> None:
-        """Keep commands from the server (executing them is a later issue)."""
+        """Run commands from the server (each at most once; see ``agent.commands``)."""
         for command in commands:
-            log.info("command %s (%s) received; not executed yet: %s", command.id,
-                     command.kind, command.args)
-            self.commands.append(command)
+            log.info("command %s (%s) received: %s", command.id, command.kind, command.args)
+        self.commands.submit(commands)
+
+    def _hand_restore(self, command: Command) -> None:
+        if self.ckpt is None:
+            raise RuntimeError("the checkpoint store is not running on this agent")
+        self.ckpt.add_restore_request(command)
+
+    def report_command_results(self, results: list[CommandResult]) -> None:
+        """Send command results to the server now, in a batch of their own."""
+        try:
+            self.reporter.report(gpus=self.collector.inventory(), command_results=results,
+                                 urgent=True)
+        except OSError as exc:
+            log.error("could not spool %d command result(s): %s", len(results), exc)
 
     def add_latency(self, samples: Iterable[LatencySample]) -> None:
         """Queue collective-latency samples from local ranks for the next batch."""
@@ -405,7 +428,7 @@ class AgentRuntime:
             "last_error": rep.last_error,
             "last_success_at": rep.last_success_at,
             "queued_latency_samples": queued_latency,
-            "pending_commands": [c.model_dump() for c in self.commands],
+            "commands_running": self.commands.busy(),
             "checkpoints": self.ckpt is not None,
             "queued_checkpoint_events": len(self._ckpt_events),
         }

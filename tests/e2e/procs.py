@@ -217,6 +217,7 @@ def make_agent(
         "--sim-gpus", "8",
         "--sim-seed", "7",
         "--memory-dir", str(d / "memory"),
+        "--state-dir", str(d / "state"),
         *(extra_args or []),
     ]
     proc = Proc(node, args, base_env(), d / "agent.log")
