@@ -1,4 +1,4 @@
-"""Sending the outbox: payloads, one delivery round, backoff, and the delivery loop.
+"""Sending the outbox: payloads, backoff, and one delivery round (``deliver_due``).
 
 A round (``deliver_due``) runs in three steps, so no database transaction is open while a
 request waits on the network:
@@ -37,7 +37,6 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tierwatch import __version__
-from tierwatch.agent.protocol import utcnow
 from tierwatch.server.alerts.models import Alert, AlertDelivery
 from tierwatch.server.alerts.service import AlertSettings, redact_url
 from tierwatch.server.db import session_scope
@@ -340,25 +339,3 @@ async def deliver_due(
     await anyio.to_thread.run_sync(_record, factory, settings, outcomes, now)
     return len(claims)
 
-
-async def run_delivery_loop(
-    factory: sessionmaker[Session],
-    settings: AlertSettings,
-    *,
-    interval_s: float = 1.0,
-    limit: int = 100,
-) -> None:
-    """Deliver forever: a round every ``interval_s`` seconds (at once again while rounds
-    come back full), until cancelled. A failed round is logged and the next one runs.
-
-    Run it in exactly one server replica (the leader).
-    """
-    async with httpx.AsyncClient() as client:
-        while True:
-            attempted = 0
-            try:
-                attempted = await deliver_due(factory, settings, client, now=utcnow(), limit=limit)
-            except Exception:  # the next round retries; the error is logged
-                log.exception("alert delivery round failed")
-            if attempted < limit:
-                await anyio.sleep(interval_s)

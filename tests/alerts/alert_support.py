@@ -1,5 +1,4 @@
-"""Helpers for alert tests: a recording webhook receiver, settings with the ``alerts`` block,
-and one delivery round."""
+"""Helpers for alert tests: a recording webhook receiver and one delivery round."""
 
 from __future__ import annotations
 
@@ -16,13 +15,6 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from tierwatch.server.alerts.delivery import deliver_due
 from tierwatch.server.alerts.service import AlertSettings
-from tierwatch.server.config import Settings
-
-
-class AlertingSettings(Settings):
-    """Server settings with the ``alerts`` block (harmless once ``Settings`` has it too)."""
-
-    alerts: AlertSettings = AlertSettings()
 
 
 @dataclass

@@ -1,20 +1,17 @@
-"""Fixtures for alert tests: webhook receivers, alert settings, an app with the alerts routes,
-and a session factory on the test database."""
+"""Fixtures for alert tests: webhook receivers, alert settings (used by the shared ``app``
+fixture through ``settings``) and a session factory on the test database."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
-from alert_support import AlertingSettings, Receiver
+from alert_support import Receiver
 from sqlalchemy.orm import Session, sessionmaker
 
-from tierwatch.server.alerts import api as alerts_api
-from tierwatch.server.alerts import views as alerts_views
 from tierwatch.server.alerts.service import AlertSettings
 from tierwatch.server.config import Settings
 from tierwatch.server.db import make_engine, make_sessionmaker
-from tierwatch.server.main import create_app
 
 
 @pytest.fixture
@@ -49,18 +46,5 @@ def alert_settings() -> AlertSettings:
 
 @pytest.fixture
 def settings(db_url: str, alert_settings: AlertSettings) -> Settings:
-    return AlertingSettings(
-        database_url=db_url, dev=True, prune_interval_s=0, alerts=alert_settings
-    )
-
-
-@pytest.fixture
-def app(settings: Settings):  # type: ignore[no-untyped-def]
-    """The control-plane app with the alerts routes (added here until main.py has them)."""
-    app = create_app(settings)
-    paths = {getattr(r, "path", None) for r in app.routes}
-    if "/api/v1/alerts" not in paths:
-        app.include_router(alerts_api.router)
-    if "/alerts" not in paths:
-        app.include_router(alerts_views.router)
-    return app
+    """Dev-mode settings on the test database with ``alert_settings``, pruner off."""
+    return Settings(database_url=db_url, dev=True, prune_interval_s=0, alerts=alert_settings)

@@ -3,13 +3,16 @@ give-up, receiver down, several webhooks, and the lease after a crash mid-round.
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from alert_support import Receiver, deliver
+from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from tierwatch.agent.protocol import utcnow
 from tierwatch.server.alerts import delivery as alert_delivery
 from tierwatch.server.alerts.models import Alert, AlertDelivery
 from tierwatch.server.alerts.service import AlertSettings, raise_alert
@@ -283,3 +286,24 @@ def test_backoff_is_capped() -> None:
     assert all(w <= 300 for w in waits)
     assert waits[-1] >= 150
     assert alert_delivery.backoff_s(1, settings, retry_after_s=10_000) == 300
+
+
+def test_the_running_server_delivers(app, receiver: Receiver) -> None:  # type: ignore[no-untyped-def]
+    """Through the app's own background loop (leader), not a hand-run round."""
+    app.state.settings.alerts = AlertSettings(webhooks=[receiver.url])
+    with TestClient(app):
+        with app.state.sessionmaker() as s:
+            raise_alert(
+                s, app.state.settings.alerts, kind="breaker", key="policy_breaker",
+                severity="critical", summary="breaker open", now=utcnow(),
+            )
+            s.commit()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with app.state.sessionmaker() as s:
+                if s.scalar(select(AlertDelivery.state)) == "delivered":
+                    break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the server did not deliver within 20 s")
+    assert [r.body["alert"]["summary"] for r in receiver.requests] == ["breaker open"]

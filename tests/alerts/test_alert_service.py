@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from alert_support import AlertingSettings
 from pydantic import ValidationError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -18,6 +17,7 @@ from tierwatch.server.alerts.service import (
     raise_alert,
     redact_url,
 )
+from tierwatch.server.config import Settings
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 HOOK = "http://127.0.0.1:9/hook"
@@ -139,7 +139,7 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIERWATCH_ALERTS__FORMAT", "alertmanager")
     monkeypatch.setenv("TIERWATCH_ALERTS__DEDUP_S", "60")
     monkeypatch.setenv("TIERWATCH_ALERTS__BEARER_TOKEN", "zq-9f7e-secret")
-    alerts = AlertingSettings(dev=True).alerts
+    alerts = Settings(dev=True).alerts
     assert alerts.webhooks == ["http://a.example/x", "https://b.example"]
     assert (alerts.format, alerts.dedup_s, alerts.max_attempts) == ("alertmanager", 60, 8)
     assert alerts.bearer_token is not None
@@ -147,11 +147,11 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "zq-9f7e-secret" not in repr(alerts)
 
     monkeypatch.setenv("TIERWATCH_ALERTS__WEBHOOKS", "http://a.example/x, http://c.example/y")
-    assert AlertingSettings(dev=True).alerts.webhooks == ["http://a.example/x", "http://c.example/y"]
+    assert Settings(dev=True).alerts.webhooks == ["http://a.example/x", "http://c.example/y"]
 
     monkeypatch.setenv("TIERWATCH_ALERTS__WEBHOOKS", '["smtp://mail.example"]')
     with pytest.raises(ValidationError, match="is not an http"):
-        AlertingSettings(dev=True)
+        Settings(dev=True)
 
 
 def test_list_filters(sm: sessionmaker[Session]) -> None:
@@ -201,4 +201,4 @@ def test_redact_url_hides_paths_and_queries() -> None:
 def test_malformed_webhook_list_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIERWATCH_ALERTS__WEBHOOKS", '["http://a.example/x",')
     with pytest.raises(ValidationError, match="is not a JSON list of URLs"):
-        AlertingSettings(dev=True)
+        Settings(dev=True)
