@@ -30,7 +30,9 @@ from tierwatch.server.actions.drivers import (
 )
 from tierwatch.server.actions.ingest import record_command_outcome
 from tierwatch.server.actions.models import CommandRow
+from tierwatch.server.actions.queue import prune as prune_actions
 from tierwatch.server.alerts.delivery import deliver_due
+from tierwatch.server.alerts.service import prune_alerts
 from tierwatch.server.config import ConfigError, Settings
 from tierwatch.server.fleet import service as fleet_service
 from tierwatch.server.fleet.models import Node
@@ -130,11 +132,18 @@ class BackgroundWork:
             log.error("auto-isolation circuit breaker tripped; holding %s", ", ".join(run.held))
 
     def _prune(self) -> None:
+        now = utcnow()
         with self._factory() as session:
             deleted = fleet_service.prune(
-                session, now=utcnow(), sample_retention_s=self._settings.sample_retention_s,
+                session, now=now, sample_retention_s=self._settings.sample_retention_s,
                 event_retention_s=self._settings.event_retention_s,
             )
+            deleted["alerts"] = prune_alerts(
+                session, now=now, retention_s=self._settings.event_retention_s
+            )
+            deleted |= prune_actions(session, now=now,
+                                     retention_s=self._settings.event_retention_s)
+            session.commit()
         log.info("pruned %s", deleted)
 
     # -- cluster drivers ------------------------------------------------------------------

@@ -20,7 +20,7 @@ def isolation_changed(session: Session, settings: Settings, *, node: str, isolat
     """A node was isolated (firing) or released (resolved)."""
     raise_alert(
         session, settings.alerts,
-        kind="policy_isolate" if actor == "policy" and isolated else "isolation",
+        kind="isolation",
         key=f"isolation:{node}",
         severity="warning",
         status="firing" if isolated else "resolved",

@@ -245,3 +245,20 @@ def command_out(row: CommandRow, node_name: str | None = None) -> dict[str, Any]
         "output": row.output,
         "restore_id": row.restore_id,
     }
+
+
+def prune(session: Session, *, now: datetime, retention_s: float) -> dict[str, int]:
+    """Delete finished commands, finished restore requests and audit entries older than
+    ``retention_s`` (the event retention); returns rows deleted per table."""
+    from sqlalchemy import delete
+
+    from tierwatch.server.actions.models import AuditEntry, RestoreRequest
+
+    cut = now - timedelta(seconds=retention_s)
+    out = {}
+    out["commands"] = session.execute(delete(CommandRow).where(
+        CommandRow.state.in_(sorted(TERMINAL_STATES)), CommandRow.created_at < cut)).rowcount
+    out["restore_requests"] = session.execute(delete(RestoreRequest).where(
+        RestoreRequest.state != "running", RestoreRequest.created_at < cut)).rowcount
+    out["audit_log"] = session.execute(delete(AuditEntry).where(AuditEntry.ts < cut)).rowcount
+    return out

@@ -11,6 +11,7 @@ from pydantic_core import to_json
 from starlette.responses import Response
 
 from tierwatch.agent.protocol import utcnow
+from tierwatch.server.actions import audit
 from tierwatch.server.deps import SessionDep, SettingsDep
 from tierwatch.server.fleet import service
 from tierwatch.server.fleet.models import METRIC_FIELDS, Node
@@ -158,6 +159,11 @@ def acknowledge(
     now = utcnow()
     cleared = service.acknowledge(
         session, node, rule=body.rule, gpu=body.gpu, actor=principal.actor, note=body.note, now=now
+    )
+    audit.record(
+        session, actor=principal.actor, role=principal.role, action="ack", target_kind="node",
+        target=node.name, reason=body.note, outcome="ok" if cleared else "noop", now=now,
+        detail={"cleared": cleared, "rule": body.rule, "gpu": body.gpu},
     )
     session.commit()
     view = service.get_node_view(session, node.name, now=now, th=settings.health)

@@ -108,6 +108,37 @@ def viewer_page(
 ViewerPageDep = Annotated[Principal, Depends(viewer_page)]
 
 
+def role_page(minimum: str):  # noqa: ANN201 - returns a dependency
+    """Dependency factory: a signed-in caller with at least ``minimum`` (operator, admin).
+
+    Raises:
+        LoginRequired: not signed in.
+        WebError: 403 when the role is too low (the message names the role needed).
+    """
+
+    def dependency(principal: ViewerPageDep) -> Principal:
+        if not principal.has_role(minimum):
+            raise WebError(
+                403,
+                "Not allowed",
+                f"This action needs the {minimum} role; you are signed in as "
+                f"{principal.role}. Sign in with an {minimum} token.",
+            )
+        return principal
+
+    return dependency
+
+
+OperatorPageDep = Annotated[Principal, Depends(role_page("operator"))]
+AdminPageDep = Annotated[Principal, Depends(role_page("admin"))]
+
+
+def flash(request: Request, message: str, kind: str = "ok") -> None:
+    """Keep a one-time message for the next page the session shows (post/redirect/get)."""
+    request.session.setdefault("flash", []).append({"kind": kind, "message": message[:2000]})
+    request.session["flash"] = request.session["flash"][-5:]
+
+
 def error_page(request: Request, status: int, title: str, message: str) -> Response:
     """An HTML error page (a bare fragment for htmx requests)."""
     return templates.TemplateResponse(

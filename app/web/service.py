@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from tierwatch.server.actions.models import CommandRow
+from tierwatch.server.actions.queue import command_out
 from tierwatch.server.fleet import rules
 from tierwatch.server.fleet import service as fleet_service
 from tierwatch.server.fleet.models import Event, Gpu, Node, ReasonRow
@@ -142,3 +145,17 @@ def recent_events(session: Session, node: Node, kind: str, limit: int) -> list[E
             session, node=node, kind=kind, since=None, limit=limit
         )
     ]
+
+
+COMMAND_LIMIT = 10
+
+
+def recent_commands(session: Session, node: Node) -> list[dict[str, Any]]:
+    """The node's newest driver runs (isolate/release commands), newest first."""
+    rows = session.scalars(
+        select(CommandRow)
+        .where(CommandRow.node_id == node.id, CommandRow.kind.in_(("isolate", "release")))
+        .order_by(CommandRow.created_at.desc())
+        .limit(COMMAND_LIMIT)
+    )
+    return [command_out(r, node.name) for r in rows]

@@ -24,6 +24,7 @@ from fastapi import APIRouter, Form, Query, Request, Response
 from fastapi.responses import RedirectResponse
 
 from tierwatch.agent.protocol import utcnow
+from tierwatch.server.actions import policy, restores
 from tierwatch.server.checkpoints import ledger
 from tierwatch.server.checkpoints import service as checkpoint_service
 from tierwatch.server.deps import SessionDep, SettingsDep
@@ -182,6 +183,7 @@ def cluster_page(
             "poll_url": "/" + (f"?{urlencode(filters)}" if filters else ""),
             "name_query": urlencode({"name": name}) if name else "",
             "jobs": checkpoint_service.list_jobs(session),
+            "policy": policy.status(session, settings, now=now),
         },
     )
 
@@ -225,6 +227,7 @@ def node_page(
             "agent_events": service.recent_events(
                 session, node, "agent", service.AGENT_EVENT_LIMIT
             ),
+            "commands": service.recent_commands(session, node),
         },
         fragment=("live", "events"),
     )
@@ -258,6 +261,10 @@ def job_page(
             "chart_refresh_s": max(CHART_REFRESH_MIN_S, settings.dashboard_refresh_s),
             "job": checkpoint_service.job_status(session, job),
             "tiers": ledger.TIERS,
+            "restore_requests": [
+                restores.request_out(session, r) for r in restores.recent_requests(session, job, 5)
+            ],
+            "restorable": restores.restorable_steps(session, job),
         },
         fragment=("live", "events"),
     )
