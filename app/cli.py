@@ -38,22 +38,28 @@ def serve(
     log_level: Annotated[str, typer.Option()] = "info",
 ) -> None:
     """Run the control plane (migrates the database first unless --no-migrate)."""
+    import logging
+
     import uvicorn
 
     from tierwatch.server.main import create_app
 
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     settings = get_settings()
     try:
         settings.check_serving()
+        if migrate_first:
+            from tierwatch.server.migrate import upgrade
+
+            upgrade(settings.database_url)
+        app_ = create_app(settings)
     except ConfigError as exc:
         _err(f"error: {exc}")
         raise typer.Exit(2) from exc
-    if migrate_first:
-        from tierwatch.server.migrate import upgrade
-
-        upgrade(settings.database_url)
     _err(f"tierwatch-server listening on http://{host}:{port}")
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level, access_log=False)
+    uvicorn.run(app_, host=host, port=port, log_level=log_level, access_log=False)
 
 
 @app.command()

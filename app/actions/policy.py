@@ -215,7 +215,7 @@ def run(session: Session, settings: Settings, *, now: datetime) -> PolicyRun:
                 except restores.RestoreRefused:
                     continue  # audited as refused by request_restore
                 result.restores.append(req.id)
-    if result.held and not tripped:
+    if result.held:
         row = _row(session, create=True)
         assert row is not None
         message = (
@@ -225,14 +225,16 @@ def run(session: Session, settings: Settings, *, now: datetime) -> PolicyRun:
             + (f" and {len(result.held) - 20} more" if len(result.held) > 20 else "")
             + " — check for a shared cause"
         )
-        row.breaker_tripped_at = now
-        row.breaker_message = message
-        audit.record(session, actor=POLICY_ACTOR, role="policy", action="breaker_trip",
-                     target_kind="cluster", target="auto-isolation", reason=message,
-                     outcome="ok", now=now,
-                     detail={"held": result.held, "allowed": allowed, "count": count})
-        notify.breaker_tripped(session, settings, message=message, held=result.held, now=now)
-        result.tripped = True
+        if not tripped:
+            row.breaker_tripped_at = now
+            audit.record(session, actor=POLICY_ACTOR, role="policy", action="breaker_trip",
+                         target_kind="cluster", target="auto-isolation", reason=message,
+                         outcome="ok", now=now,
+                         detail={"held": result.held, "allowed": allowed, "count": count})
+            notify.breaker_tripped(session, settings, message=message, held=result.held,
+                                   now=now)
+            result.tripped = True
+        row.breaker_message = message  # while it holds: the nodes held now
     return result
 
 
