@@ -7,7 +7,7 @@ Tokens print alone on stdout (messages go to stderr), so ``T=$(tierwatch-server 
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -88,6 +88,22 @@ def prune() -> None:
     _err(f"deleted {deleted}")
 
 
+def _audit_cli(session: Any, action: str, target: str, detail: dict[str, Any]) -> None:
+    """Record a CLI action in the audit log (actor ``cli@<user>``)."""
+    import getpass
+
+    from tierwatch.agent.protocol import utcnow
+    from tierwatch.server.actions import audit
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    audit.record(session, actor=f"cli@{user}", role="admin", action=action,
+                 target_kind="token", target=target, outcome="ok", now=utcnow(),
+                 detail=detail)
+
+
 @token_app.command("create")
 def token_create(
     role: Annotated[str, typer.Option(help="viewer | operator | admin | agent")],
@@ -102,6 +118,8 @@ def token_create(
         with session_scope(_sessionmaker()) as session:
             plaintext, row = create_token(session, role=role, node=node, label=label)
             token_id = row.id
+            _audit_cli(session, "token_create", str(token_id),
+                       {"role": role, "node": node, "label": label})
     except TokenError as exc:
         _err(f"error: {exc}")
         raise typer.Exit(2) from exc
@@ -132,6 +150,7 @@ def token_revoke(token_id: Annotated[int, typer.Argument(help="id from `token li
     try:
         with session_scope(_sessionmaker()) as session:
             revoke_token(session, token_id)
+            _audit_cli(session, "token_revoke", str(token_id), {})
     except TokenError as exc:
         _err(f"error: {exc}")
         raise typer.Exit(2) from exc

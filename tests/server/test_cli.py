@@ -123,3 +123,17 @@ def test_unmigrated_database_says_to_migrate(cli_env, tmp_path):
     )
     assert out.returncode == 2
     assert "run `tierwatch-server migrate` first" in out.stderr
+
+
+def test_token_create_and_revoke_are_audited(cli_env, session):
+    from tierwatch.server.actions.audit import query
+
+    out = run("token", "create", "--role", "operator", "--label", "oncall", env=cli_env)
+    assert out.returncode == 0, out.stderr
+    token_id = out.stderr.split("token id ")[1].split()[0]
+    assert run("token", "revoke", token_id, env=cli_env).returncode == 0
+    entries = query(session, target_kind="token")
+    assert [(e.action, e.target) for e in entries] == [("token_revoke", token_id),
+                                                       ("token_create", token_id)]
+    assert entries[1].detail["role"] == "operator"
+    assert entries[0].actor.startswith("cli@")
