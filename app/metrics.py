@@ -105,6 +105,7 @@ class FleetCollector(Collector):
         with self._factory() as session:
             yield from collect_fleet(session, self._th)
             yield from collect_checkpoints(session)
+            yield from collect_actions(session)
 
 
 def collect_fleet(session: Session, th: rules.HealthThresholds) -> Iterator[Metric]:
@@ -204,6 +205,41 @@ def collect_checkpoints(session: Session) -> Iterator[Metric]:
     yield newest
     yield lag_steps
     yield lag_seconds
+
+
+def collect_actions(session: Session) -> Iterator[Metric]:
+    """The command queue and the policy breaker.
+
+    Families: ``tierwatch_commands`` (commands per ``state`` and ``kind``, every state listed,
+    0 included) and ``tierwatch_policy_breaker_tripped`` (1 while the auto-isolation circuit
+    breaker holds).
+    """
+    from sqlalchemy import func
+
+    from tierwatch.server.actions.models import COMMAND_STATES, CommandRow, PolicySettingsRow
+
+    counts = dict.fromkeys(
+        ((st, k) for st in COMMAND_STATES for k in ("isolate", "release", "restore")), 0
+    )
+    for state, kind, n in session.execute(
+        select(CommandRow.state, CommandRow.kind, func.count()).group_by(
+            CommandRow.state, CommandRow.kind
+        )
+    ):
+        counts[(state, kind)] = n
+    commands = GaugeMetricFamily(
+        "tierwatch_commands", "Commands in the queue per state and kind.",
+        labels=["state", "kind"],
+    )
+    for (state, kind), n in sorted(counts.items()):
+        commands.add_metric([state, kind], float(n))
+    yield commands
+    row = session.get(PolicySettingsRow, 1)
+    yield GaugeMetricFamily(
+        "tierwatch_policy_breaker_tripped",
+        "1 while the auto-isolation circuit breaker holds.",
+        value=1.0 if row is not None and row.breaker_tripped_at is not None else 0.0,
+    )
 
 
 def make_registry(factory: sessionmaker[Session], th: rules.HealthThresholds) -> CollectorRegistry:

@@ -296,3 +296,15 @@ def test_restore_resolve_step_is_pure():
     assert restores.resolve_step(steps, 10, "memory") == 10
     with pytest.raises(restores.RestoreRefused, match="nothing to restore"):
         restores.resolve_step({}, None, None)
+
+
+def test_metrics_show_the_queue_and_the_isolation(command_client, make_token, tokens):
+    client = command_client
+    Agents(client, make_token).post("n1")
+    client.post("/api/v1/nodes/n1/isolate", json={"reason": "x"},
+                headers=auth(tokens["operator"]))
+    text = client.get("/metrics").text
+    assert 'tierwatch_commands{kind="isolate",state="pending"} 1.0' in text
+    assert 'tierwatch_commands{kind="release",state="pending"} 0.0' in text
+    assert 'tierwatch_node_isolated{Hostname="n1"} 1.0' in text
+    assert "tierwatch_policy_breaker_tripped 0.0" in text
