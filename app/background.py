@@ -75,7 +75,9 @@ class BackgroundWork:
         return self.lock.held
 
     def start(self) -> None:
-        """Start the loops on the running event loop."""
+        """Start the loops on the running event loop (none with ``background_tick_s=0``)."""
+        if self._tick_s <= 0:
+            return
         self._tasks = [asyncio.create_task(self._main()), asyncio.create_task(self._drivers())]
 
     async def stop(self) -> None:

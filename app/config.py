@@ -44,6 +44,9 @@ class Settings(BaseSettings):
         token_cache_s: how long a process remembers a valid token (seconds); a revoked
             token stops working within this time (0: checked on every request).
         dashboard_refresh_s: how often dashboard pages poll for fresh data (seconds).
+        background_tick_s: seconds between two passes of the leader's background work
+            (policy, cluster drivers, expiry, alerts); 0: this process never does background
+            work (an API-only replica, or tests that drive it themselves).
         login_attempts: failed dashboard sign-ins allowed per client address within
             ``login_window_s`` before further attempts are refused with 429.
         login_window_s: the sign-in rate limit's window (seconds).
@@ -70,6 +73,7 @@ class Settings(BaseSettings):
     token_cache_s: Annotated[float, Field(ge=0)] = 30.0
     max_clock_skew_s: Annotated[float, Field(gt=0)] = 300.0
     dashboard_refresh_s: Annotated[float, Field(gt=0)] = 1.5
+    background_tick_s: Annotated[float, Field(ge=0)] = 1.0
     login_attempts: Annotated[int, Field(ge=1)] = 10
     login_window_s: Annotated[float, Field(gt=0)] = 60.0
     health: HealthThresholds = HealthThresholds()

@@ -170,7 +170,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     writer_engine = make_engine(settings.database_url, pool_size=1, max_overflow=1, pre_ping=False)
     app.state.ingest_writer = IngestWriter(make_sessionmaker(writer_engine), settings)
     app.state.token_resolver = TokenResolver(engine, settings.token_cache_s)
-    app.state.background = BackgroundWork(app.state.sessionmaker, engine, settings)
+    app.state.background = BackgroundWork(
+        app.state.sessionmaker, engine, settings, tick_s=settings.background_tick_s
+    )
     app.state.login_limiter = LoginLimiter(settings.login_attempts, settings.login_window_s)
 
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
