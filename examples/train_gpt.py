@@ -7,7 +7,9 @@ and an MLP). Training is data parallel (DDP) over torch.distributed (gloo on CPU
 ``--device cuda``), with AdamW and a linear-warmup + cosine learning-rate schedule. Every
 step is checkpointed through the node's tierwatch agent (memory tier every save, peer
 replicas by the agents, persistent every ``--persist-every`` steps), and a restarted job
-resumes from the newest complete step in the fastest tier.
+resumes from the newest complete step in the fastest tier. An operator's restore request
+(``POST /api/v1/jobs/{job_id}/restore``) rolls the running job back in-process: every step
+ends with ``ckpt.maybe_rollback``, and training continues after the restored step.
 
 Launch one process per rank with the usual torch.distributed environment (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; ``torchrun`` sets them, so does
@@ -17,8 +19,10 @@ Launch one process per rank with the usual torch.distributed environment (``RANK
         examples/train_gpt.py --job-id gpt-small --steps 200
 
 Each rank appends ``{"step", "loss", "lr", "rank", "restored_from"}`` lines to
-``--log-dir/rank-<r>.jsonl``; with ``--final`` rank 0 writes digests of the final model,
-optimizer, scheduler, RNG and sampler state there (used by the bit-exact resume test).
+``--log-dir/rank-<r>.jsonl`` (``restored_from``: the step the run started from, or after a
+rollback the step it rolled back to) and each restore's report to ``restores-<r>.jsonl``;
+with ``--final`` rank 0 writes digests of the final model, optimizer, scheduler, RNG and
+sampler state there (used by the bit-exact resume test).
 """
 
 from __future__ import annotations
@@ -161,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus-bytes", type=int, default=2_000_000)
     p.add_argument("--persist-every", type=int, default=10)
     p.add_argument("--save-every", type=int, default=1)
+    p.add_argument("--keep-memory", type=int, default=2,
+                   help="newest committed steps the memory tier keeps")
+    p.add_argument("--sdc-at", type=int, default=None, metavar="STEP",
+                   help="simulate silent data corruption: once per process, after STEP, "
+                   "rank 0 perturbs a weight (the steps after it are a diverged future to "
+                   "roll back from)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--step-sleep", type=float, default=0.0,
                    help="extra seconds per step (to slow a demo down)")
@@ -216,15 +226,23 @@ def main(argv: list[str] | None = None) -> int:
     state = {"model": model, "optim": optim, "sched": sched, "rng": rng, "data": sampler}
 
     ckpt = TieredCheckpointer(args.job_id, persist_every=args.persist_every,
-                              latency_every=args.latency_every)
+                              keep_memory=args.keep_memory, latency_every=args.latency_every)
     last = ckpt.restore(state)
     start = 0 if last is None else last + 1
     args.log_dir.mkdir(parents=True, exist_ok=True)
     log = open(args.log_dir / f"rank-{rank}.jsonl", "a")  # noqa: SIM115 - closed below
-    report = getattr(ckpt, "last_restore", None)
-    if report is not None:
-        with open(args.log_dir / f"restores-{rank}.jsonl", "a") as f:
-            f.write(report.model_dump_json() + "\n")
+
+    logged = None
+
+    def log_restore() -> None:
+        nonlocal logged
+        report = getattr(ckpt, "last_restore", None)
+        if report is not None and report is not logged:
+            logged = report
+            with open(args.log_dir / f"restores-{rank}.jsonl", "a") as f:
+                f.write(report.model_dump_json() + "\n")
+
+    log_restore()
     if rank == 0:
         print(f"[train] job={args.job_id} world_size={world} windows={windows} "
               f"restored_from={last} start={start}", flush=True)
@@ -248,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(data[off: off + args.block + 1])
         return torch.stack(rows).to(device)
 
-    for step in range(start, args.steps):
+    step = start
+    corrupted = False
+    while step < args.steps:
         t0 = time.monotonic()
         batch = next_batch()
         logits = ddp(batch[:, :-1])
@@ -257,6 +277,11 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         optim.step()
         sched.step()
+        if step == args.sdc_at and rank == 0 and not corrupted:
+            corrupted = True
+            with torch.no_grad():  # an exponent bit flip in one weight of the final norm
+                model.ln.weight.view(-1)[0] *= 64.0
+            print(f"[train] simulated silent data corruption after step {step}", flush=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
         last_step = step == args.steps - 1
@@ -268,6 +293,21 @@ def main(argv: list[str] | None = None) -> int:
         log.flush()
         if rank == 0 and step % 20 == 0:
             print(f"[train] step {step} loss {loss.item():.4f}", flush=True)
+        # an operator's restore request: every rank rolls back here, at the same step
+        rolled = ckpt.maybe_rollback(state, step=step)
+        if rolled is None:
+            log_restore()  # a request that could not be served (its report says why)
+            step += 1
+            continue
+        log_restore()
+        if rank == 0:
+            report = ckpt.last_restore
+            print(f"[train] rolled back from step {step} to step {rolled} (restore request "
+                  f"{report.request_id if report else '?'}); continuing at {rolled + 1}",
+                  flush=True)
+        last = rolled
+        it = iter(sampler)  # the sampler's position was restored: iterate from there
+        step = rolled + 1
 
     ckpt.wait()
     if start < args.steps:

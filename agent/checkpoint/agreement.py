@@ -8,6 +8,15 @@ A step is *restorable* when, across all sources, there is a manifest for every r
 ``0..world_size-1``, exactly one of them lists ``.metadata``, and the manifests agree on the
 world size and the state signature. Files are verified later, while they are staged; a step
 whose staging fails on any rank is excluded and the ranks choose again.
+
+Rollbacks (:mod:`.rollback`): after request ``X`` rolled the job back to step ``S``, the steps
+above ``S`` saved before the rollback are a diverged future. Every manifest saved after it
+lists the fence ``(X, S)`` (its *timeline* is ``X``), and a manifest of timeline ``t`` with
+step ``N`` is **dead** when some known fence ``(X, S)`` has ``X > t`` and ``N > S``: it is
+ignored as if it did not exist. Two copies of one (step, rank) that differ are a conflict
+only within one timeline; across timelines the newer copy wins. A step whose ranks'
+manifests come from different timelines is not restorable, so old and new files of a step
+saved again after a rollback are never mixed.
 """
 
 from __future__ import annotations
@@ -50,14 +59,33 @@ class StepView:
     conflicts: list[str] = field(default_factory=list)
 
 
-def merge_available(answers: Iterable[Mapping[str, Any] | None]) -> dict[int, StepView]:
+Fence = tuple[int, int]
+
+
+def is_dead(manifest: Manifest, fences: Iterable[Fence]) -> bool:
+    """Whether ``manifest``'s step was rolled away: a fence ``(request_id, step)`` newer than
+    the manifest's timeline rolled the job back to a step below it."""
+    return any(rid > manifest.timeline and manifest.step > step for rid, step in fences)
+
+
+def merge_available(answers: Iterable[Mapping[str, Any] | None], *, tier: str | None = None,
+                    fences: Iterable[Fence] = ()) -> dict[int, StepView]:
     """Merge the ``available`` answers of all ranks' agents into one view per step.
 
-    Answers that are None (an agent that could not be asked) are skipped; entries whose
-    manifest does not parse are ignored. Two manifests of the same (step, rank) with different
-    file checksums are a conflict: the step is then not restorable.
+    Args:
+        answers: The agents' answers (None: an agent that could not be asked, skipped).
+        tier: Keep only the entries of this tier (memory | peer | persistent); None: all.
+        fences: Rollback fences known besides those the manifests list (the ranks'
+            ``timeline.json``).
+
+    Entries whose manifest does not parse are ignored, and so are dead ones (see the module
+    notes; the fences are those given plus every fence any parsed manifest lists, of any
+    tier). Two manifests of the same (step, rank) with different file checksums are a
+    conflict, so the step is not restorable, unless they come from different timelines: the
+    newer one is kept.
     """
-    steps: dict[int, StepView] = {}
+    parsed: list[tuple[Mapping[str, Any], Manifest]] = []
+    known_fences: set[Fence] = {(int(r), int(s)) for r, s in fences}
     for answer in answers:
         if not answer:
             continue
@@ -67,19 +95,33 @@ def merge_available(answers: Iterable[Mapping[str, Any] | None]) -> dict[int, St
                     else read_manifest(_json(entry["manifest"]))
             except (KeyError, ManifestError, TypeError, ValueError):
                 continue
-            view = steps.setdefault(manifest.step, StepView(manifest.step))
-            rank = manifest.rank
-            known = view.manifests.get(rank)
-            if known is None:
+            known_fences.update(manifest.fences)
+            parsed.append((entry, manifest))
+    steps: dict[int, StepView] = {}
+    for entry, manifest in parsed:
+        if tier is not None and entry.get("tier") != tier:
+            continue
+        if is_dead(manifest, known_fences):
+            continue
+        view = steps.setdefault(manifest.step, StepView(manifest.step))
+        rank = manifest.rank
+        known = view.manifests.get(rank)
+        if known is None:
+            view.manifests[rank] = manifest
+        elif _files(known) != _files(manifest) or known.world_size != manifest.world_size:
+            if manifest.timeline > known.timeline:  # re-saved after a rollback: newer wins
                 view.manifests[rank] = manifest
-            elif _files(known) != _files(manifest) or known.world_size != manifest.world_size:
+                view.sources[rank] = []
+            elif manifest.timeline < known.timeline:
+                continue
+            else:
                 view.conflicts.append(
                     f"rank {rank}: copies on {entry.get('holder')} and elsewhere differ")
                 continue
-            source = Source(tier=str(entry.get("tier")), holder=str(entry.get("holder")),
-                            url=str(entry.get("url", "")), src=manifest.node)
-            if source not in view.sources.setdefault(rank, []):
-                view.sources[rank].append(source)
+        source = Source(tier=str(entry.get("tier")), holder=str(entry.get("holder")),
+                        url=str(entry.get("url", "")), src=manifest.node)
+        if source not in view.sources.setdefault(rank, []):
+            view.sources[rank].append(source)
     return steps
 
 
@@ -109,6 +151,9 @@ def restorable(view: StepView, world_size: int) -> str | None:
         return "no single rank lists .metadata"
     if len({m.signature for m in view.manifests.values()}) != 1:
         return "ranks disagree on the state signature"
+    if len({m.timeline for m in view.manifests.values()}) != 1:
+        return ("the ranks' files come from different timelines (the step was saved again "
+                "after a rollback and not every rank's new copy is here)")
     return None
 
 

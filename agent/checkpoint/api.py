@@ -15,6 +15,14 @@ Trainer-facing (control endpoints: loopback, or the agent token):
   [{tier, holder, url, src, step, rank, manifest}], errors: [str]}``
 - ``POST /v1/ckpt/jobs/{job_id}/stage`` ``{step, files: [{name, size, xxh3, sources: [{tier,
   holder, url, src}]}]}`` → ``{ok, dir, files: [{name, tier, holder}], errors: [str]}``
+- ``GET /v1/ckpt/jobs/{job_id}/restore-requests`` → ``{requests: [RestoreRequest]}``: operator
+  restore requests for the job's ranks, oldest first (:mod:`.rollback`)
+- ``DELETE /v1/ckpt/jobs/{job_id}/restore-requests/{request_id}`` → ``{retired: [id]}``: the
+  ranks served (or gave up) ``request_id``; it and older requests of the job are retired
+- ``POST /v1/ckpt/jobs/{job_id}/rollback`` ``{request_id, step, persistent}`` → ``{evicted:
+  {peer: [step], persistent: [step]}, errors: [str]}``: the ranks rolled back to ``step``;
+  the job's steps above it go from the replicas this agent holds and, with ``persistent``,
+  from the persistent tier (``evicted`` events)
 
 Peer endpoints (always ``Authorization: Bearer <peer token>``; 401 without, 403 wrong or when
 this agent has no peer token):
@@ -35,6 +43,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
@@ -43,11 +52,19 @@ from starlette.requests import ClientDisconnect
 from tierwatch.agent.checkpoint.layout import LayoutError, check_job_id, check_step
 from tierwatch.agent.checkpoint.persister import PersistentError, PersistentTier
 from tierwatch.agent.checkpoint.replicator import XXH3_HEADER, PeerClient
+from tierwatch.agent.checkpoint.rollback import RequestStore, parse_restore_command
 from tierwatch.agent.checkpoint.stage import Stager, StageRequest
 from tierwatch.agent.checkpoint.store import MemoryStore, StoreError
 from tierwatch.agent.checkpoint.worker import TierWorker
 from tierwatch.agent.config import AgentSettings
-from tierwatch.agent.protocol import CheckpointEvent, JobId, JobProgress, RestoreReport, utcnow
+from tierwatch.agent.protocol import (
+    CheckpointEvent,
+    Command,
+    JobId,
+    JobProgress,
+    RestoreReport,
+    utcnow,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +108,7 @@ class CheckpointService:
                                  nice=settings.ckpt_nice)
         self._peer = PeerClient(self.peer_token) if self.peer_token else None
         self.stager = Stager(self.store.layout, node=self.node, peer=self._peer, emit=emit)
+        self.requests = RequestStore(self.store.layout)
         self.agent_info: dict[str, Any] = {}
 
     def start(self, listen_host: str, port: int) -> None:
@@ -165,6 +183,95 @@ class CheckpointService:
         return {"node": self.node, "peer_url": self.peer_url, "entries": entries,
                 "errors": errors}
 
+    # -- restore requests ------------------------------------------------------------------
+    def add_restore_request(self, command: Command) -> None:
+        """Keep a ``restore`` command for the job's ranks on this node.
+
+        The request is written to ``jobs/<job>/restore-requests/request-<id>.json`` in the
+        memory folder (fsync'd, so an agent restart keeps it); the ranks read it through
+        ``GET /v1/ckpt/jobs/{job}/restore-requests``, roll back (or restore it at their next
+        start) and retire it. A request id the ranks already retired is ignored (a command
+        delivered again).
+
+        Args:
+            command: ``kind="restore"``, ``args={"request_id": int, "job_id": str, "step":
+                int, "tier": "memory"|"peer"|"persistent"|None, "reason": str, "actor": str}``.
+
+        Raises:
+            ValueError: another kind, or a missing, unknown or bad argument (the message
+                names it).
+            RuntimeError: the request cannot be written to the memory folder (the message
+                names the folder and the OS error).
+        """
+        request = parse_restore_command(command)
+        try:
+            added = self.requests.add(request)
+        except OSError as exc:
+            raise RuntimeError(f"cannot keep restore request {request.request_id} in "
+                               f"{self.store.layout.requests_dir(request.job_id)}: "
+                               f"{exc}") from None
+        if added:
+            log.info("restore request %d for %s: step %d, tier %s (%s, by %s)",
+                     request.request_id, request.job_id, request.step, request.tier or "any",
+                     request.reason or "no reason given", request.actor or "unknown")
+        else:
+            log.info("restore request %d for %s was served already; ignored",
+                     request.request_id, request.job_id)
+
+    def rollback(self, job_id: str, *, request_id: int, step: int,
+                 persistent: bool) -> dict[str, Any]:
+        """The job's ranks rolled back to ``step`` (request ``request_id``): its newer steps
+        are a diverged future. Removes them from the replicas this agent holds (every source
+        node) and, with ``persistent``, from the persistent tier, with an ``evicted`` event
+        each; pending ``.metadata`` commits of those steps are dropped.
+
+        Returns:
+            ``{evicted: {peer: [step], persistent: [step]}, errors: [str]}``.
+
+        Raises:
+            LayoutError: a bad job id.
+        """
+        check_job_id(job_id)
+        why = f"rolled back to step {step} by restore request {request_id}"
+        self.worker.forget_pending(job_id, after=step)
+        peer: set[int] = set()
+        rdir = self.store.layout.replicas_dir
+        for src in sorted(p.name for p in rdir.iterdir() if p.is_dir()) if rdir.is_dir() \
+                else []:
+            try:
+                gone = self.store.evict_replicas_after(src_node=src, job_id=job_id, step=step)
+            except LayoutError:
+                continue
+            for s, ranks in gone:
+                peer.add(s)
+                for rank in ranks or [None]:
+                    self.emit(CheckpointEvent(job_id=job_id, step=s, tier="peer",
+                                              kind="evicted", rank=rank, ts=utcnow(),
+                                              message=f"replica of {src} on {self.node}: {why}"))
+        errors: list[str] = []
+        removed: list[int] = []
+        if persistent and not self.persistent.available:
+            errors.append(f"persistent tier unavailable: {self.persistent.error}")
+        elif persistent:
+            try:
+                newer = [s for s in self.persistent.steps(job_id) if s > step]
+            except PersistentError as exc:
+                newer = []
+                errors.append(str(exc))
+            for s in newer:
+                try:
+                    self.persistent.delete_step(job_id, s)
+                except PersistentError as exc:
+                    errors.append(str(exc))
+                    continue
+                removed.append(s)
+                self.emit(CheckpointEvent(job_id=job_id, step=s, tier="persistent",
+                                          kind="evicted", ts=utcnow(), message=why))
+        if peer or removed:
+            log.info("%s: %s; evicted replicas %s, persistent steps %s", job_id, why,
+                     sorted(peer), removed)
+        return {"evicted": {"peer": sorted(peer), "persistent": removed}, "errors": errors}
+
     def evicted_events(self, src_node: str, job_id: str, newest: int,
                        evicted: list[tuple[int, list[int]]]) -> list[int]:
         """Emit an ``evicted`` peer event per (step, rank) a commit marker evicted."""
@@ -195,6 +302,16 @@ class EventsBody(BaseModel):
     events: Annotated[list[CheckpointEvent], Field(max_length=4096)] = []
     progress: Annotated[list[JobProgress], Field(max_length=4096)] = []
     restores: Annotated[list[RestoreReport], Field(max_length=1024)] = []
+
+
+class RollbackBody(BaseModel):
+    """Body of ``POST /v1/ckpt/jobs/{job_id}/rollback``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: Annotated[int, Field(ge=1, le=2**62)]
+    step: Annotated[int, Field(ge=0, le=2**62)]
+    persistent: bool = False
 
 
 class NotifyBody(BaseModel):
@@ -286,6 +403,37 @@ def ckpt_router(get_service: ServiceGetter, *, control: list[Any],
         """Assemble files in restore/<job>/step-<N>/, trying sources in order."""
         try:
             return svc.stager.stage(job_id, body)
+        except LayoutError as exc:
+            raise bad_name(exc) from None
+
+    @router.get("/v1/ckpt/jobs/{job_id}/restore-requests", dependencies=control)
+    def restore_requests(job_id: str, svc: Service) -> dict[str, Any]:
+        """Operator restore requests for the job's ranks, oldest first."""
+        try:
+            pending = svc.requests.pending(job_id)
+        except LayoutError as exc:
+            raise bad_name(exc) from None
+        return {"requests": [r.model_dump(mode="json") for r in pending]}
+
+    @router.delete("/v1/ckpt/jobs/{job_id}/restore-requests/{request_id}",
+                   dependencies=control)
+    def retire_restore_requests(job_id: str, request_id: Annotated[int, PathParam(ge=1, le=2**62)],
+                                svc: Service) -> dict[str, Any]:
+        """The ranks served request_id: retire it and the job's older requests."""
+        try:
+            return {"retired": svc.requests.retire(job_id, request_id)}
+        except LayoutError as exc:
+            raise bad_name(exc) from None
+        except OSError as exc:
+            raise HTTPException(status_code=500, detail=f"cannot retire restore request "
+                                f"{request_id} of {job_id}: {exc}") from None
+
+    @router.post("/v1/ckpt/jobs/{job_id}/rollback", dependencies=control)
+    def rollback(job_id: str, body: RollbackBody, svc: Service) -> dict[str, Any]:
+        """The ranks rolled back: drop the job's newer steps from replicas (and persistent)."""
+        try:
+            return svc.rollback(job_id, request_id=body.request_id, step=body.step,
+                                persistent=body.persistent)
         except LayoutError as exc:
             raise bad_name(exc) from None
 

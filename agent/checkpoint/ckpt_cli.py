@@ -104,6 +104,7 @@ class StepCopy:
     bad_manifests: list[str] = field(default_factory=list)
     names: set[str] = field(default_factory=set)
     local_dir: Path | None = None
+    dead: str | None = None  # rolled away by a restore request (see rollback.py)
 
     @property
     def world_size(self) -> int | None:
@@ -123,6 +124,10 @@ class StepCopy:
                 "world_size"
         if len({m.signature for m in self.manifests.values()}) > 1:
             return False, "manifests disagree on signature"
+        if self.dead:
+            return False, self.dead
+        if len({m.timeline for m in self.manifests.values()}) > 1:
+            return False, "manifests of different timelines (saved again after a rollback)"
         missing = [r for r in range(world) if r not in self.manifests]
         if missing:
             return False, f"ranks {_ranges(missing)} missing"
@@ -244,7 +249,22 @@ class Place:
                 out.append(copy)
         except PersistentError as exc:
             typer.echo(f"warning: {exc}", err=True)
+        self._mark_dead(job_id, out)
         return out
+
+    def _mark_dead(self, job_id: str, copies: list[StepCopy]) -> None:
+        """Mark the copies a rollback left behind (their step is above a newer fence)."""
+        from tierwatch.agent.checkpoint.agreement import is_dead
+        from tierwatch.agent.checkpoint.rollback import Timeline
+
+        fences = set(Timeline.read(self.layout.timeline_file(job_id)).fences)
+        fences |= {f for c in copies for m in c.manifests.values() for f in m.fences}
+        for c in copies:
+            for m in c.manifests.values():
+                if is_dead(m, fences):
+                    rid, to = max(f for f in fences if f[0] > m.timeline and m.step > f[1])
+                    c.dead = f"rolled away: restore request {rid} went back to step {to}"
+                    break
 
     def open_file(self, copy: StepCopy, job_id: str, name: str) -> Any:
         if copy.local_dir is not None:

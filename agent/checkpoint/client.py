@@ -118,6 +118,36 @@ class AgentClient:
         return self._request("POST", f"/v1/ckpt/jobs/{job_id}/stage",
                              json={"step": step, "files": files}, timeout=self._stage_timeout)
 
+    def restore_requests(self, job_id: str) -> dict[str, Any]:
+        """``GET /v1/ckpt/jobs/{job_id}/restore-requests``: ``{requests: [...]}``.
+
+        Raises:
+            AgentUnavailable: unreachable or an HTTP error.
+        """
+        return self._request("GET", f"/v1/ckpt/jobs/{job_id}/restore-requests")
+
+    def retire_restore_requests(self, job_id: str, up_to: int) -> dict[str, Any]:
+        """``DELETE /v1/ckpt/jobs/{job_id}/restore-requests/{up_to}``: the requests with ids
+        ≤ ``up_to`` are served or superseded → ``{retired: [id]}``.
+
+        Raises:
+            AgentUnavailable: unreachable or an HTTP error.
+        """
+        return self._request("DELETE", f"/v1/ckpt/jobs/{job_id}/restore-requests/{up_to}")
+
+    def rollback(self, job_id: str, *, request_id: int, step: int,
+                 persistent: bool) -> dict[str, Any]:
+        """``POST /v1/ckpt/jobs/{job_id}/rollback``: drop the job's steps above ``step`` from
+        the replicas this agent holds (and with ``persistent`` from the persistent tier).
+
+        Raises:
+            AgentUnavailable: unreachable or an HTTP error.
+        """
+        return self._request("POST", f"/v1/ckpt/jobs/{job_id}/rollback",
+                             json={"request_id": request_id, "step": step,
+                                   "persistent": persistent},
+                             timeout=max(60.0, self._http.timeout.read or 0.0))
+
 
 class EventSender:
     """Posts queued events to the agent from a background thread.

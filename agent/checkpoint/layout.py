@@ -11,6 +11,8 @@ shared by the node's agent and its training ranks::
         manifest-<r>.json                             rank r's files with size and checksum
         commit-<r>.json                               written after every rank's manifest
     <memory-dir>/jobs/<job_id>/.tmp-step-<N>-<r>/     rank r's write in progress (torn if left)
+    <memory-dir>/jobs/<job_id>/timeline.json          rollbacks served (written by the ranks)
+    <memory-dir>/jobs/<job_id>/restore-requests/      operator restore requests (by the agent)
     <memory-dir>/replicas/<src_node>/<job_id>/step-<N>/   peer replicas held for src_node
     <memory-dir>/restore/<job_id>/step-<N>/           files staged for a restore
 
@@ -26,6 +28,8 @@ from pathlib import Path
 TIERS: tuple[str, ...] = ("memory", "peer", "persistent")
 METADATA = ".metadata"
 JOB_FILE = "job.json"
+TIMELINE_FILE = "timeline.json"
+REQUESTS_DIR = "restore-requests"
 AGENT_FILE = "agent.json"
 
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -155,6 +159,14 @@ class MemoryLayout:
 
     def job_file(self, job_id: str) -> Path:
         return self.job_dir(job_id) / JOB_FILE
+
+    def timeline_file(self, job_id: str) -> Path:
+        """``jobs/<job>/timeline.json``: the rollbacks the job's ranks served."""
+        return self.job_dir(job_id) / TIMELINE_FILE
+
+    def requests_dir(self, job_id: str) -> Path:
+        """``jobs/<job>/restore-requests/``: restore requests the agent keeps for the ranks."""
+        return self.job_dir(job_id) / REQUESTS_DIR
 
     def step_dir(self, job_id: str, step: int) -> Path:
         return self.job_dir(job_id) / step_dirname(step)

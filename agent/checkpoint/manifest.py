@@ -50,6 +50,9 @@ class Manifest(BaseModel):
         files: the rank's files (rank 0's include ``.metadata``).
         signature: digest of the saved state's keys and shapes (see ``TieredCheckpointer``).
         created_at: UTC ISO time.
+        fences: the rollbacks in this step's history, ``[[request_id, step], ...]``: request
+            ``request_id`` rolled the job back to ``step`` (see :mod:`.rollback`); empty for a
+            job never rolled back.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -64,6 +67,12 @@ class Manifest(BaseModel):
     signature: str = ""
     checksum: str = CHECKSUM_ALGO
     created_at: str = ""
+    fences: list[tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=0)]]] = []
+
+    @property
+    def timeline(self) -> int:
+        """The newest rollback request in this step's history (0: never rolled back)."""
+        return max((rid for rid, _ in self.fences), default=0)
 
     def total_bytes(self) -> int:
         """Sum of the listed file sizes (bytes)."""
@@ -251,7 +260,7 @@ def missing_ranks(manifests: Iterable[Manifest], world_size: int) -> list[int]:
 
 def make_manifest(*, job_id: str, step: int, rank: int, world_size: int, node: str,
                   directory: Path, names: Iterable[str], signature: str,
-                  created_at: str) -> Manifest:
+                  created_at: str, fences: Iterable[tuple[int, int]] = ()) -> Manifest:
     """Build rank ``rank``'s manifest by reading back its files from ``directory``.
 
     Raises:
@@ -262,4 +271,5 @@ def make_manifest(*, job_id: str, step: int, rank: int, world_size: int, node: s
         size, digest = xxh3_file(directory / name)
         files.append(FileEntry(name=name, size=size, xxh3=digest))
     return Manifest(job_id=job_id, step=step, rank=rank, world_size=world_size, node=node,
-                    files=files, signature=signature, created_at=created_at)
+                    files=files, signature=signature, created_at=created_at,
+                    fences=sorted(fences))

@@ -13,7 +13,12 @@
    leave the others waiting in ``dcp.load``.
 4. ``dcp.load`` from the staged folder, then the values go back into the model, optimizer,
    scheduler, RNG and sampler. The outcome is reported to the agent (step, files per tier,
-   seconds, steps lost).
+   seconds, steps lost), a failure too.
+
+Steps rolled away by an operator's restore request (dead manifests, see
+:mod:`~tierwatch.agent.checkpoint.agreement`) are never candidates. Serving a request,
+``tier`` restricts every stage to that tier's copies (a step it does not hold completely is
+not restorable), and the reports carry ``request_id`` and ``phase``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +64,11 @@ def _ask(ckpt: TieredCheckpointer, persistent: bool) -> dict[str, Any] | str:
     return last
 
 
-def _gather_views(ckpt: TieredCheckpointer, persistent: bool) -> dict[int, agreement.StepView]:
+def _gather_views(ckpt: TieredCheckpointer, persistent: bool, *, tier: str | None = None
+                  ) -> tuple[dict[int, agreement.StepView], dict[int, agreement.StepView]]:
+    """Every rank's agent's answer, merged: ``(views of tier, views of every tier)`` (the
+    same when ``tier`` is None); dead steps are left out (the ranks' fences and those the
+    manifests list)."""
     from tierwatch.agent.checkpoint.trainer import CheckpointError
 
     answers = ckpt._all_gather(_ask(ckpt, persistent))
@@ -65,7 +76,11 @@ def _gather_views(ckpt: TieredCheckpointer, persistent: bool) -> dict[int, agree
               if isinstance(a, str)]
     if errors:
         raise CheckpointError("restore needs every node's agent: " + "; ".join(errors[:4]))
-    return agreement.merge_available(answers)
+    fences = ckpt._timeline.fences
+    every = agreement.merge_available(answers, fences=fences)
+    if tier is None:
+        return every, every
+    return agreement.merge_available(answers, tier=tier, fences=fences), every
 
 
 def _needed_files(template: dict[str, Any], staged_dir: Path, is_coordinator: bool,
@@ -128,9 +143,34 @@ def _stage(ckpt: TieredCheckpointer, step: int, files: list[dict[str, Any]]) -> 
         return {"ok": False, "errors": [str(exc)], "files": []}
 
 
-def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
-                  wanted: int | None) -> int | None:
+@dataclass
+class _Run:
+    """One restore attempt: when it began, the request it serves, what was reported."""
+
+    t0: float = field(default_factory=time.monotonic)
+    request_id: int | None = None
+    reported: bool = False
+    loading: bool = False  # dcp.load began: a failure now may have torn the live state
+
+
+def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *, wanted: int | None,
+                  tier: str | None = None, request_id: int | None = None,
+                  last_done: int | None = None,
+                  on_loaded: Callable[[int], list[str]] | None = None) -> int | None:
     """Run the restore protocol for ``ckpt`` into ``state`` (see the module docstring).
+
+    Args:
+        wanted: Load exactly this step (None: the newest restorable).
+        tier: Read only from this tier (memory | peer | persistent): a step it does not hold
+            completely is not restorable. None: every tier, fastest first.
+        request_id: The operator request served (set on the reports, with ``phase``).
+        last_done: This rank's newest completed step, for ``steps_lost`` (None: the newest
+            any rank's progress file or any tier knows).
+        on_loaded: Called with the step once it is loaded into ``state``, before the
+            outcome is reported; returns notes for the report's message.
+
+    Every outcome is reported once (a failure too, ``ok`` False). ``ckpt._restore_run``
+    tells a caller whether a failure happened while loading (``loading``).
 
     Returns:
         The step loaded, or None when nothing is restorable and no step was asked for.
@@ -139,27 +179,45 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
         CheckpointError: ``wanted`` is not restorable, or an agent is unreachable.
         ModelMismatchError: the job's checkpoint holds a different model.
     """
+    run = _Run(request_id=request_id)
+    ckpt._restore_run = run
+    try:
+        return _restore(ckpt, state, run, wanted=wanted, tier=tier, last_done=last_done,
+                        on_loaded=on_loaded)
+    except Exception as exc:
+        if not run.reported:
+            _report(ckpt, run, None, {}, ok=False,
+                    message=f"{type(exc).__name__}: {exc}"[:2000])
+        raise
+
+
+def _restore(ckpt: TieredCheckpointer, state: dict[str, Any], run: _Run, *,
+             wanted: int | None, tier: str | None, last_done: int | None,
+             on_loaded: Callable[[int], list[str]] | None) -> int | None:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
 
     from tierwatch.agent.checkpoint.trainer import CheckpointError
 
-    t0 = time.monotonic()
+    t0 = run.t0
     excluded: set[int] = set()
-    persistent = False
-    views = _gather_views(ckpt, persistent)
+    # the persistent tier is read only when the faster ones cannot serve (or it is the one)
+    may_persist = tier in (None, "persistent")
+    persistent = tier == "persistent"
+    views, every = _gather_views(ckpt, persistent, tier=tier)
     chosen: int | None = None
     staged_dir: Path | None = None
     sources: dict[str, str] = {}
     template: dict[str, Any] | None = None
     notes: list[str] = []  # bad copies met on the way (staging errors), for the report
     phases: dict[str, float] = {}  # seconds per phase, for the report
+    only = f" in the {tier} tier" if tier else ""
     for _attempt in range(MAX_ATTEMPTS):
         chosen, reasons = agreement.choose_step(views, ckpt.world_size, excluded=excluded,
                                                 wanted=wanted)
-        if chosen is None and not persistent:
+        if chosen is None and not persistent and may_persist:
             persistent = True
-            views = _gather_views(ckpt, persistent)
+            views, every = _gather_views(ckpt, persistent, tier=tier)
             continue
         if chosen is None:
             sizes = {m.world_size for v in views.values() for m in v.manifests.values()}
@@ -173,17 +231,17 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
                            f"world_size {ckpt.world_size}: restart at the same world size, or "
                            "load a persistent step with plain torch.distributed.checkpoint "
                            "and use a new job_id")
-                _report(ckpt, None, t0, {}, ok=False, message=message)
+                _report(ckpt, run, None, {}, ok=False, message=message)
                 raise CheckpointError(message)
             if wanted is None:
                 log.info("rank %d: nothing to restore for %s", ckpt.rank, ckpt.job_id)
-                _report(ckpt, None, t0, {}, ok=True, message="no complete step in any tier")
+                _report(ckpt, run, None, {}, ok=True, message="no complete step in any tier")
                 return None
             steps = agreement.restorable_steps(views, ckpt.world_size)
             steps = [s for s in steps if s not in excluded]
             why = reasons.get(wanted, "no tier holds any file of it")
-            raise CheckpointError(f"step {wanted} of {ckpt.job_id} cannot be restored ({why});"
-                                  f" restorable steps: {steps or 'none'}")
+            raise CheckpointError(f"step {wanted} of {ckpt.job_id} cannot be restored{only} "
+                                  f"({why}); restorable steps{only}: {steps or 'none'}")
         view = views[chosen]
         signature = next(iter(view.manifests.values())).signature
         if template is None:
@@ -207,7 +265,7 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
                     "(its signature differs); use another job_id")
         mismatches = [m for m in ckpt._all_gather(mismatch) if m]
         if mismatches:
-            _report(ckpt, None, t0, {}, ok=False, message=mismatches[0][:2000])
+            _report(ckpt, run, None, {}, ok=False, message=mismatches[0][:2000])
             raise ModelMismatchError(mismatches[0])
         files: list[str] = []
         if problem is None and staged_dir is not None:
@@ -226,10 +284,10 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
             break
         log.warning("rank %d: step %d could not be staged (%s); choosing again", ckpt.rank,
                     chosen, "; ".join(failed)[:500])
-        if not persistent:
+        if not persistent and may_persist:
             # the persistent tier is the next source of the bad files: retry this step with it
             persistent = True
-            views = _gather_views(ckpt, persistent)
+            views, every = _gather_views(ckpt, persistent, tier=tier)
         else:
             excluded.add(chosen)
     else:
@@ -240,21 +298,28 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *,
     assert template is not None
     phases["agree+stage"] = time.monotonic() - t0 - phases.get("template", 0.0)
     t_load = time.monotonic()
+    run.loading = True
     dcp_load(template, storage_reader=FileSystemReader(staged_dir),
              process_group=ckpt._group, no_dist=not ckpt.distributed)
     _apply(ckpt, state, template)
+    run.loading = False
     phases["load"] = time.monotonic() - t_load
 
     if ckpt.rank == 0:
-        complete = agreement.restorable_steps(views, ckpt.world_size)
-        persisted = sorted({s for s in complete for src in views[s].sources.get(0, [])
-                            if src.tier == "persistent"})
+        complete = agreement.restorable_steps(every, ckpt.world_size)
+        persisted = sorted({s for s in complete for src in every[s].sources.get(0, [])
+                            if src.tier == "persistent" and s <= chosen})
         ckpt.seed_history([s for s in complete if s <= chosen], persisted)
     ckpt._last_step = chosen
-    last_done = max([s for s in ckpt._all_gather(_last_trained(ckpt)) if s is not None]
-                    + [s for s in views if views[s].manifests] + [chosen])
+    if last_done is None:
+        last = max([s for s in ckpt._all_gather(_last_trained(ckpt)) if s is not None]
+                   + [s for s in every if every[s].manifests] + [chosen])
+    else:
+        last = max(last_done, chosen)
+    if on_loaded is not None:
+        notes += on_loaded(chosen)
     timing = ", ".join(f"{k} {v:.3f} s" for k, v in phases.items() if k != "stage")
-    _report(ckpt, chosen, t0, sources, ok=True, steps_lost=last_done - chosen,
+    _report(ckpt, run, chosen, sources, ok=True, steps_lost=last - chosen,
             message="; ".join([f"phases: {timing}", *notes])[:2000])
     return chosen
 
@@ -291,15 +356,19 @@ def _apply(ckpt: TieredCheckpointer, state: dict[str, Any], loaded: dict[str, An
             state[key] = loaded[key]
 
 
-def _report(ckpt: TieredCheckpointer, step: int | None, t0: float, sources: dict[str, str], *,
-            ok: bool, message: str = "", steps_lost: int | None = None) -> None:
+def _report(ckpt: TieredCheckpointer, run: _Run, step: int | None, sources: dict[str, str],
+            *, ok: bool, message: str = "", steps_lost: int | None = None) -> None:
     by_tier = Counter(v.split(":", 1)[0] for v in sources.values())
+    phase = None if run.request_id is None else ("loaded" if ok and step is not None
+                                                 else "failed")
     report = RestoreReport(
         job_id=ckpt.job_id, rank=ckpt.rank, world_size=ckpt.world_size, step=step,
-        ts=utcnow(), seconds=time.monotonic() - t0, steps_lost=steps_lost,
+        ts=utcnow(), seconds=time.monotonic() - run.t0, steps_lost=steps_lost,
         files_by_tier={k: v for k, v in by_tier.items()  # type: ignore[misc]
                        if k in ("memory", "peer", "persistent")},
-        sources=dict(list(sources.items())[:4096]), ok=ok, message=message[:2000])
+        sources=dict(list(sources.items())[:4096]), ok=ok and phase != "failed",
+        message=message[:2000], request_id=run.request_id, phase=phase)
+    run.reported = True
     ckpt.last_restore = report
     ckpt.events.restore(report)
     log.info("rank %d restore: %s", ckpt.rank, json.dumps(report.model_dump(mode="json"))[:500])

@@ -284,6 +284,31 @@ class MemoryStore:
             evicted.append((step, ranks))
         return evicted
 
+    def evict_replicas_after(self, *, src_node: str, job_id: str, step: int
+                             ) -> list[tuple[int, list[int]]]:
+        """Remove replica steps of (src_node, job) above ``step`` (a rollback to ``step``).
+
+        Returns:
+            ``(step, ranks whose manifest it held)`` for each removed step.
+
+        Raises:
+            LayoutError: a bad name.
+        """
+        job_dir = self.layout.replica_job_dir(src_node, job_id)
+        evicted = []
+        for s in _steps_in(job_dir):
+            if s <= step:
+                continue
+            d = job_dir / f"step-{s}"
+            try:
+                ranks = sorted(r for p in d.iterdir()
+                               if (r := parse_manifest_name(p.name)) is not None)
+            except OSError:
+                ranks = []
+            shutil.rmtree(d, ignore_errors=True)
+            evicted.append((s, ranks))
+        return evicted
+
     def delete_replica_step(self, *, src_node: str, job_id: str, step: int) -> bool:
         """Remove ``replicas/<src>/<job>/step-<N>``.
 

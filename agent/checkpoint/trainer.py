@@ -7,8 +7,11 @@ Usage::
     state = {"model": model, "optim": optimizer, "sched": scheduler, "rng": RNGState(),
              "data": sampler}
     last = ckpt.restore(state)            # the step whose state was loaded, or None
-    for step in range(0 if last is None else last + 1, total):
+    step = 0 if last is None else last + 1
+    while step < total:
         train_step(); ckpt.save(step, state)   # state after `step` completed
+        rolled = ckpt.maybe_rollback(state, step=step)   # every rank, every step
+        step = step + 1 if rolled is None else rolled + 1
     ckpt.close()
 
 Design notes:
@@ -35,6 +38,13 @@ Design notes:
   commit marker. The node agent replicates and uploads from there; training never waits for
   it and keeps committing to memory while the agent is down.
 - **Restore.** See :mod:`tierwatch.agent.checkpoint.restore`.
+- **Rollback.** An operator's restore request reaches every rank through its agent (a
+  poller thread reads ``GET /v1/ckpt/jobs/{job}/restore-requests``). :meth:`maybe_rollback`,
+  called by every rank at the same place of every step, all-reduces (MIN) the newest
+  request id each rank knows on a second gloo group of the checkpointer's own (the first
+  one may be busy with a background save), so all ranks roll back at the same step
+  boundary once every rank knows the request. The diverged future (steps above the target)
+  is dropped from every tier and fenced off (:mod:`tierwatch.agent.checkpoint.rollback`).
 """
 
 from __future__ import annotations
@@ -73,8 +83,21 @@ from tierwatch.agent.checkpoint.manifest import (
     make_manifest,
 )
 from tierwatch.agent.checkpoint.priority import DEFAULT_NICE, lower_this_thread
+from tierwatch.agent.checkpoint.rollback import (
+    RequestPoller,
+    RestoreRequest,
+    Timeline,
+    newest_unserved,
+    pick_request,
+)
 from tierwatch.agent.checkpoint.staging import PendingCopies, Stager
-from tierwatch.agent.protocol import CheckpointEvent, JobProgress, LatencySample, utcnow
+from tierwatch.agent.protocol import (
+    CheckpointEvent,
+    JobProgress,
+    LatencySample,
+    RestoreReport,
+    utcnow,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +122,7 @@ class _SaveJob:
     write_s: float = 0.0
     blocking_s: float = 0.0  # time the training thread spent in save()
     persist: bool = False  # the caller asked for the persistent tier
+    fences: list[tuple[int, int]] = field(default_factory=list)  # the manifest's timeline
 
 
 def _human(n: float) -> str:
@@ -167,6 +191,10 @@ class TieredCheckpointer:
             ``__<r>_<i>.distcp`` file; 2 halves the write time on tmpfs).
         background_nice: Nice value (0-19) of the background writer thread, so it yields
             the cores to training (0: the training process's own priority).
+        rollback_every: :meth:`maybe_rollback` checks for restore requests on every this
+            many calls (1: every call; each check is one 8-byte all_reduce).
+        request_poll_s: Seconds between two reads of the agent's restore requests (on a
+            background thread).
 
     Raises:
         CheckpointError: a bad job id or argument, or no memory folder can be found (agent
@@ -190,13 +218,16 @@ class TieredCheckpointer:
         agent_token: str | None = None,
         write_threads: int = 2,
         background_nice: int = DEFAULT_NICE,
+        rollback_every: int = 1,
+        request_poll_s: float = 0.5,
     ) -> None:
         try:
             self.job_id = check_job_id(job_id)
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
         for name, value in (("persist_every", persist_every), ("keep_memory", keep_memory),
-                            ("keep_peer", keep_peer), ("keep_persistent", keep_persistent)):
+                            ("keep_peer", keep_peer), ("keep_persistent", keep_persistent),
+                            ("rollback_every", rollback_every)):
             if not isinstance(value, int) or value < 1:
                 raise CheckpointError(f"{name} must be an integer ≥ 1, not {value!r}")
         self.persist_every = persist_every
@@ -210,6 +241,13 @@ class TieredCheckpointer:
         self._train_group = process_group
         self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
                        if self.distributed else None)
+        # maybe_rollback's agreement runs on the training thread while the background
+        # writer may be in a collective on _group: it needs a group of its own
+        self._ctrl_group = (dist.new_group(backend="gloo",
+                                           timeout=timedelta(seconds=timeout_s))
+                            if self.distributed else None)
+        self.rollback_every = rollback_every
+        self._rollback_calls = 0
 
         self.agent_url = (agent_url or os.environ.get("TIERWATCH_AGENT_URL")
                           or DEFAULT_AGENT_URL).rstrip("/")
@@ -239,6 +277,9 @@ class TieredCheckpointer:
         self.nodes_by_rank: list[str] = [n for n, _ in nodes]
         self.peer_urls: dict[str, str] = dict(nodes)
         self._clean_torn_writes()
+        # the rollbacks served, as every rank's node recorded them
+        self._timeline = Timeline.merge(self._all_gather(
+            Timeline.read(self.layout.timeline_file(self.job_id))))
 
         self.progress_file = self.job_dir / f"progress-{self.rank}.json"
         self.events = EventSender(self.client, progress_file=self.progress_file)
@@ -259,6 +300,9 @@ class TieredCheckpointer:
         self._worker = threading.Thread(target=self._work, name="tierwatch-ckpt-writer",
                                         daemon=True)
         self._worker.start()
+        self._poller = RequestPoller(self.client, self.job_id, period_s=request_poll_s)
+        self.last_restore: RestoreReport | None = None
+        self._restore_run: Any = None
         if self.rank == 0:
             self.events.progress(JobProgress(job_id=self.job_id, rank=0,
                                              world_size=self.world_size, step=0, ts=utcnow(),
@@ -440,7 +484,7 @@ class TieredCheckpointer:
         staged, pending = self._stager.stage(live, lazy)
         job = _SaveJob(step=step, staged=staged, pending=pending,
                        staged_bytes=self._stager.staged_bytes, started=t0,
-                       persist=bool(persist))
+                       persist=bool(persist), fences=list(self._timeline.fences))
         if not pending.pairs:
             job.copy_done.set()
         self._hook_wait = 0.0
@@ -571,7 +615,7 @@ class TieredCheckpointer:
                                      world_size=self.world_size, node=self.node,
                                      directory=step_dir, names=names,
                                      signature=self._signature or "",
-                                     created_at=utcnow().isoformat())
+                                     created_at=utcnow().isoformat(), fences=job.fences)
             atomic_write_json(step_dir / manifest_name(self.rank), manifest, fsync=False)
             nbytes = manifest.total_bytes()
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below (DCP's
@@ -712,9 +756,14 @@ class TieredCheckpointer:
     def restore(self, state: dict[str, Any], step: int | None = None) -> int | None:
         """Load the newest step that is complete across the reachable tiers into ``state``.
 
+        When an operator's restore request is pending on the agents (the job was down when
+        it came) and not served yet, its step (from its tier) is loaded instead, exactly as
+        :meth:`maybe_rollback` would have; if that fails (reported), the newest step is.
+
         Args:
             state: The same structure that is passed to :meth:`save`.
-            step: Load exactly this step instead of the newest.
+            step: Load exactly this step instead of the newest (pending requests are then
+                left for :meth:`maybe_rollback`).
 
         Returns:
             The step loaded, or None when no tier holds a complete step of this job.
@@ -732,7 +781,167 @@ class TieredCheckpointer:
             raise CheckpointError(f"step must be None (the newest) or an integer ≥ 0, not "
                                   f"{step!r}")
         self._finish_inflight()
+        if step is None:
+            requests = self._poller.refresh()
+            stale = [r.request_id for r in requests if r.request_id <= self._timeline.served]
+            if stale:
+                self._retire(max(stale))
+            agreed = self._min_over_ranks(newest_unserved(requests, self._timeline.served))
+            if agreed > self._timeline.served:
+                loaded = self._serve_request(state, agreed, requests, last_done=None)
+                if loaded is not None:
+                    return loaded
         return restore_state(self, state, wanted=step)
+
+    # -- rollback ------------------------------------------------------------------------------
+    def maybe_rollback(self, state: dict[str, Any], *, step: int | None = None) -> int | None:
+        """Roll back in-process when an operator asked for it (a restore request).
+
+        Call it on every rank at the same place of every training step, after the step
+        (and its :meth:`save`, if any). Each call (every ``rollback_every``-th one) is one
+        8-byte all_reduce (MIN) of the newest request id each rank's agent has handed out;
+        only when every rank knows a request do they act on it, all at this same call:
+
+        1. the in-flight save is waited for, and each rank reports ``phase="staging"``;
+        2. the request's step is restored collectively (from its ``tier`` only, when it
+           names one) into the live ``state`` (model, optimizer, scheduler, RNG, sampler);
+        3. the steps above it (a diverged future) are dropped from every tier: memory by the
+           ranks, replicas and persistent by the agents (``evicted`` events), and fenced
+           off (``timeline.json``, and the fence in every later manifest);
+        4. each rank reports ``phase="loaded"`` with step, seconds, ``steps_lost`` (``step``
+           − the restored step), files per tier; then the request is retired (never served
+           twice, also after a restart).
+
+        A request that cannot be served (its tier does not hold the step completely, the
+        step is gone) is reported ``phase="failed"`` and retired; ``state`` is untouched and
+        None is returned. Older requests that a newer one overtook before every rank knew
+        them are reported failed ("superseded").
+
+        Args:
+            state: The structure passed to :meth:`save`.
+            step: The step the loop just completed (for ``steps_lost``; default: the last
+                saved step).
+
+        Returns:
+            None (go on with ``step + 1``), or the step whose state is now loaded: the
+            caller continues with ``restored + 1``, exactly as after :meth:`restore`, and
+            must re-create iterators over restored objects (``iter(sampler)``; a
+            ``DataLoader`` over a :class:`ResumableDistributedSampler`), since an iterator
+            begun before the rollback goes on from its own position.
+
+        Raises:
+            CheckpointError: the checkpointer is closed, or the load failed midway (the live
+                state may be partly overwritten: restart the job; the request is not
+                retired, so the restart loads its step).
+        """
+        if self.closed:
+            raise CheckpointError("maybe_rollback() after close()")
+        self._rollback_calls += 1
+        if self._rollback_calls % self.rollback_every:
+            return None
+        pending = self._poller.snapshot()
+        agreed = self._min_over_ranks(newest_unserved(pending, self._timeline.served))
+        if agreed <= self._timeline.served:
+            return None
+        return self._serve_request(state, agreed, pending,
+                                   last_done=self._last_step if step is None else step)
+
+    def _min_over_ranks(self, value: int) -> int:
+        """all_reduce MIN of one integer on the control group."""
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._ctrl_group)
+        return int(t.item())
+
+    def _serve_request(self, state: dict[str, Any], request_id: int,
+                       pending: list[RestoreRequest], *, last_done: int | None) -> int | None:
+        """Carry out request ``request_id``, which every rank knows (collective; ``pending``:
+        the requests this rank's agent listed)."""
+        from tierwatch.agent.checkpoint.restore import ModelMismatchError, restore_state
+
+        mine = next((r for r in pending if r.request_id == request_id), None)
+        copies = [mine] if not self.distributed else [None] * self.world_size
+        if self.distributed:
+            dist.all_gather_object(copies, mine, group=self._ctrl_group)
+        request = pick_request(copies, request_id)
+        assert request is not None  # the rank(s) whose newest id is request_id hold it
+        for older in pending:
+            if self._timeline.served < older.request_id < request_id:
+                self._report_request(older, "failed", message=(
+                    f"superseded by restore request {request_id} (step {request.step})"))
+        log.info("rank %d: restore request %d: rolling %s back to step %d%s (%s, by %s)",
+                 self.rank, request_id, self.job_id, request.step,
+                 f" from the {request.tier} tier" if request.tier else "",
+                 request.reason or "no reason given", request.actor or "unknown")
+        self._finish_inflight()
+        self._report_request(request, "staging", step=request.step, message=(
+            f"rolling back to step {request.step}"
+            + (f" from the {request.tier} tier" if request.tier else "")
+            + f": {request.reason or 'no reason given'} (by {request.actor or 'unknown'})"))
+        loaded: int | None = None
+        try:
+            loaded = restore_state(self, state, wanted=request.step, tier=request.tier,
+                                   request_id=request_id, last_done=last_done,
+                                   on_loaded=lambda s: self._drop_future(request, s))
+        except (CheckpointError, ModelMismatchError) as exc:
+            run = self._restore_run
+            if run is not None and run.loading:
+                raise CheckpointError(
+                    f"restore request {request_id}: loading step {request.step} failed "
+                    f"({exc}); the live state may be partly overwritten: restart the job "
+                    "(it loads the requested step at start)") from exc
+            log.error("rank %d: restore request %d not served: %s", self.rank, request_id,
+                      exc)
+        if loaded is None:
+            self._set_timeline(self._timeline.after(request_id, loaded_step=None))
+        self._retire(request_id)
+        return loaded
+
+    def _drop_future(self, request: RestoreRequest, step: int) -> list[str]:
+        """After ``step`` is loaded for ``request``: fence the diverged future off and drop
+        it from every tier. Returns notes for the report."""
+        why = f"rolled back to step {step} by restore request {request.request_id}"
+        self._set_timeline(self._timeline.after(request.request_id, loaded_step=step))
+        for newer in self.layout.steps(self.job_id):
+            if newer > step and self._remove_own(newer):
+                self._event(newer, "memory", "evicted", message=why)
+        if self.rank == 0:
+            self._committed = [s for s in self._committed if s <= step]
+            self._persisted = [s for s in self._persisted if s <= step]
+        notes: list[str] = []
+        try:
+            answer = self.client.rollback(self.job_id, request_id=request.request_id,
+                                          step=step, persistent=self.rank == 0)
+            notes += [f"agent {self.node}: {e}" for e in answer.get("errors", [])]
+        except AgentUnavailable as exc:
+            notes.append(f"newer steps not dropped from the replicas/persistent tier: {exc}")
+            log.warning("rank %d: %s", self.rank, notes[-1])
+        return notes
+
+    def _set_timeline(self, timeline: Timeline) -> None:
+        self._timeline = timeline
+        path = self.layout.timeline_file(self.job_id)
+        try:
+            timeline.write(path)
+        except OSError as exc:
+            log.warning("cannot write %s: %s", path, exc)
+
+    def _retire(self, request_id: int) -> None:
+        try:
+            self.client.retire_restore_requests(self.job_id, request_id)
+        except AgentUnavailable as exc:  # retired again at the next start
+            log.warning("rank %d: restore request %d not retired on the agent: %s",
+                        self.rank, request_id, exc)
+
+    def _report_request(self, request: RestoreRequest, phase: str, *, step: int | None = None,
+                        message: str = "") -> None:
+        report = RestoreReport(job_id=self.job_id, rank=self.rank,
+                               world_size=self.world_size, step=step, ts=utcnow(),
+                               seconds=0.0, ok=phase != "failed", message=message[:2000],
+                               request_id=request.request_id,
+                               phase=phase)  # type: ignore[arg-type]
+        self.events.restore(report)
 
     def finish(self) -> None:
         """Mark the job finished in the node's memory folder (``tierwatch-agent ckpt gc
@@ -757,6 +966,7 @@ class TieredCheckpointer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self._poller.close()
         self.events._write_progress()
         self.events.close(min(timeout_s, 5.0))
         self.client.close()

@@ -163,6 +163,18 @@ class TierWorker:
         for e in self._wake.values():
             e.set()
 
+    def forget_pending(self, job_id: str, *, after: int) -> list[int]:
+        """Drop the job's pending ``.metadata`` commits of steps above ``after`` (the ranks
+        rolled back to ``after``; those steps are a diverged future).
+
+        Returns:
+            The steps dropped.
+        """
+        dropped = sorted(s for (j, s) in list(self._pending) if j == job_id and s > after)
+        for s in dropped:
+            self._pending.pop((job_id, s), None)
+        return dropped
+
     def _loop(self, tier: str, fn: Callable[[], None]) -> None:
         lower_this_thread(self.nice)
         wake = self._wake[tier]

@@ -8,14 +8,18 @@ fixture that made it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 from procs import BIN, REPO_ROOT, Proc, Server, base_env, free_port, make_server, wait_for
@@ -52,13 +56,85 @@ class Node:
 
 
 @dataclass
+class InProcessNode:
+    """A node whose agent is an :class:`~tierwatch.agent.runtime.AgentRuntime` in the test
+    process: the real agent code (local API, checkpoint store, reporter, command path) on an
+    ephemeral port, so a test can hand it a command the way the agent's command executor
+    does. Its reports go to the cluster's server, or (none) stay in its spool."""
+
+    name: str
+    memory_dir: Path
+    spool_dir: Path
+    settings: Any
+    runtime: Any = None
+    thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.runtime.api_port}"
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def start(self) -> InProcessNode:
+        from tierwatch.agent.runtime import AgentRuntime
+
+        self.runtime = AgentRuntime(self.settings, flush_timeout_s=1.0)
+        self.runtime.start()
+        self.thread = threading.Thread(target=self.runtime.run, name=f"agent-{self.name}",
+                                       daemon=True)
+        self.thread.start()
+        wait_for(lambda: httpx.get(f"{self.url}/v1/ckpt/info", timeout=1).status_code == 200,
+                 timeout=30, what=f"in-process agent {self.name}")
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:  # noqa: ARG002 - as Node.stop
+        if self.runtime is not None and self.running:
+            self.runtime.stop()
+            assert self.thread is not None
+            self.thread.join(30)
+
+    def deliver(self, command: Any) -> None:
+        """Hand ``command`` to the agent as its command executor does for a restore."""
+        self.runtime.ckpt.add_restore_request(command)
+
+    def spooled_restores(self) -> list[dict[str, Any]]:
+        """Restore reports in the batches this agent built and has not delivered."""
+        out: list[dict[str, Any]] = []
+        for p in sorted(self.spool_dir.glob("*.json")):
+            try:
+                out += json.loads(p.read_text()).get("restores", [])
+            except (OSError, ValueError):
+                continue
+        return out
+
+
+def restore_command(*, request_id: int, job_id: str, step: int, tier: str | None = None,
+                    reason: str = "test rollback", actor: str = "pytest") -> Any:
+    """A ``restore`` Command exactly as the server sends it to each of the job's agents."""
+    from tierwatch.agent.protocol import Command
+
+    return Command(id=uuid.uuid4().hex[:24], kind="restore",
+                   args={"request_id": request_id, "job_id": job_id, "step": step,
+                         "tier": tier, "reason": reason, "actor": actor})
+
+
+def server_restore_ready() -> bool:
+    """Whether this tree has the server's restore API and the agent's command executor, so
+    a test can ask for a restore end to end (``POST /api/v1/jobs/{job}/restore``)."""
+    return all(importlib.util.find_spec(m) is not None
+               for m in ("tierwatch.agent.commands", "tierwatch.server.actions.restores"))
+
+
+@dataclass
 class Cluster:
     """A server (optional) and agents on one machine."""
 
     root: Path
     persistent_dir: Path
     server: Server | None = None
-    nodes: dict[str, Node] = field(default_factory=dict)
+    nodes: dict[str, Any] = field(default_factory=dict)  # Node or InProcessNode
     ranks: list[Proc] = field(default_factory=list)
 
     @property
@@ -83,6 +159,25 @@ class Cluster:
         proc = Proc(name, args, base_env(TIERWATCH_PEER_TOKEN=PEER_TOKEN, **(env or {})),
                     d / "agent.log")
         node = Node(name, port, d / "memory", proc, args)
+        self.nodes[name] = node
+        if start:
+            node.start()
+        return node
+
+    def add_inprocess_node(self, name: str, *, start: bool = True) -> InProcessNode:
+        """A node whose agent runs in the test process (see :class:`InProcessNode`)."""
+        from tierwatch.agent.config import AgentSettings
+
+        d = self.root / "nodes" / name
+        d.mkdir(parents=True, exist_ok=True)
+        settings = AgentSettings(
+            node=name, server=self.server.url if self.server else "http://127.0.0.1:9",
+            token=self.server.token("agent", name) if self.server else "no-server-token",
+            collector="simulated", interval=1, listen="127.0.0.1:0",
+            spool_dir=d / "spool", sim_gpus=2, memory_dir=d / "memory",
+            persistent_url=self.persistent_url, ckpt_scan_interval=0.5,
+            peer_token=PEER_TOKEN, log_level="INFO")
+        node = InProcessNode(name, d / "memory", d / "spool", settings)
         self.nodes[name] = node
         if start:
             node.start()
@@ -128,8 +223,9 @@ class Cluster:
     def stop(self) -> None:
         self.kill_ranks()
         for node in self.nodes.values():  # signal every agent first, then wait for each
-            if node.proc.popen is not None and node.proc.running:
-                node.proc.popen.send_signal(signal.SIGTERM)
+            proc = getattr(node, "proc", None)
+            if proc is not None and proc.popen is not None and proc.running:
+                proc.popen.send_signal(signal.SIGTERM)
         for node in self.nodes.values():
             node.stop()
         if self.server:
@@ -185,5 +281,13 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120
                           text=True, timeout=timeout, env=base_env(**(env or {})))
 
 
-__all__ = ["Cluster", "Node", "PEER_TOKEN", "committed_steps", "os", "read_losses",
-           "read_restores", "run_cli", "start_cluster"]
+def read_log(log_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
+    """Every line of a rank's JSON-lines log, in order (runs and rollbacks included)."""
+    path = log_dir / f"rank-{rank}.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] \
+        if path.exists() else []
+
+
+__all__ = ["Cluster", "InProcessNode", "Node", "PEER_TOKEN", "committed_steps", "os",
+           "read_log", "read_losses", "read_restores", "restore_command", "run_cli",
+           "server_restore_ready", "start_cluster"]

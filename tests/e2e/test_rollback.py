@@ -1,0 +1,196 @@
+"""An operator rolls a running job back in-process to a chosen step (real ranks, real agents).
+
+examples/train_gpt.py runs as two real rank processes (DDP over gloo) on two simulated
+nodes. Rank 0 simulates silent data corruption after step 8 (``--sdc-at``); once step 10 is
+committed, the operator asks for step 5. The restore request reaches each node's agent the
+way the server sends it: through ``POST /api/v1/jobs/{job}/restore`` when this tree has the
+server's restore API and the agent's command executor (subprocess agents), else by handing
+the same ``Command`` to each agent's checkpoint service as the executor does (the agents then
+run in the test process: the real AgentRuntime with its local API on a port).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+from procs import wait_for
+from training import (
+    Cluster,
+    committed_steps,
+    read_log,
+    restore_command,
+    server_restore_ready,
+    start_cluster,
+)
+
+from tierwatch.agent.checkpoint.manifest import load_manifest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SMALL = ["--width", "32", "--layers", "1", "--block", "32", "--corpus-bytes", "200000",
+         "--batch-size", "4", "--warmup", "4", "--exact-resume", "--keep-memory", "40",
+         "--persist-every", "5", "--latency-every", "0"]
+PLACEMENT = ["node-a", "node-b"]
+TOTAL = 30
+SDC_AT = 8
+TARGET = 5
+# TIERWATCH_TEST_ROLLBACK_DIRECT=1 hands the command to the agents directly even when the
+# server's restore API is there (to tell an agent/trainer problem from a server one)
+VIA_SERVER = server_restore_ready() and not os.environ.get("TIERWATCH_TEST_ROLLBACK_DIRECT")
+
+
+class Operator:
+    """Asks for restores and reads their progress: through the server, or (no restore API
+    in this tree yet) by delivering the agents' command directly."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.next_id = 1
+        self.headers = {}
+        if VIA_SERVER:
+            assert cluster.server is not None
+            self.headers = {"Authorization": f"Bearer {cluster.server.token('operator')}"}
+
+    def restore(self, job: str, step: int) -> int:
+        if VIA_SERVER:
+            assert self.cluster.server is not None
+            url = f"{self.cluster.server.url}/api/v1/jobs/{job}/restore"
+
+            answers: list[str] = []
+
+            def accepted() -> dict | None:  # the ledger learns of the step within a report
+                r = httpx.post(url, json={"step": step, "reason": "SDC after step 8"},
+                               headers=self.headers, timeout=10)
+                answers.append(f"{r.status_code} {r.text[:300]}")
+                return r.json() if r.status_code == 202 else None
+
+            try:
+                return int(wait_for(accepted, timeout=30, interval=0.5,
+                                    what=f"restore of {job} step {step} accepted")["id"])
+            except TimeoutError:
+                raise AssertionError(f"the server refused the restore of {job} step {step}: "
+                                     f"{answers[-1] if answers else 'no answer'}") from None
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        for node in self.cluster.nodes.values():
+            node.deliver(restore_command(request_id=request_id, job_id=job, step=step,
+                                         reason="SDC after step 8", actor="operator"))
+        return request_id
+
+    def phases(self, request_id: int) -> set[tuple[int, str]]:
+        """(rank, phase) the ranks reported for the request, as far as seen."""
+        if VIA_SERVER:
+            assert self.cluster.server is not None
+            r = httpx.get(f"{self.cluster.server.url}/api/v1/restores/{request_id}",
+                          headers=self.headers, timeout=10).json()
+            return {(x["rank"], x["phase"]) for x in r["ranks"]}
+        return {(x["rank"], x["phase"]) for node in self.cluster.nodes.values()
+                for x in node.spooled_restores() if x.get("request_id") == request_id}
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    c = start_cluster(tmp_path / "cluster", with_server=VIA_SERVER)
+    for name in ("node-a", "node-b"):
+        if VIA_SERVER:
+            c.add_node(name)
+        else:
+            c.add_inprocess_node(name)
+    yield c
+    c.stop()
+
+
+def train_args(job: str, log_dir: Path, *extra: str) -> list[str]:
+    return ["--job-id", job, "--steps", str(TOTAL), "--log-dir", str(log_dir), *SMALL, *extra]
+
+
+def runs(lines: list[dict]) -> list[list[dict]]:
+    """A rank's log split where the step goes back (a rollback or a restart)."""
+    out: list[list[dict]] = [[]]
+    for x in lines:
+        if out[-1] and x["step"] <= out[-1][-1]["step"]:
+            out.append([])
+        out[-1].append(x)
+    return out
+
+
+def pending(cluster: Cluster, job: str) -> list[int]:
+    return [r["request_id"] for n in cluster.nodes.values() for r in httpx.get(
+        f"{n.url}/v1/ckpt/jobs/{job}/restore-requests", timeout=5).json()["requests"]]
+
+
+def test_operator_rolls_a_running_job_back_and_the_ranks_agree(cluster: Cluster,
+                                                               tmp_path: Path) -> None:
+    op = Operator(cluster)
+    base_log, log = tmp_path / "base", tmp_path / "run"
+    base = cluster.launch(train_args("rb-base", base_log), placement=PLACEMENT,
+                          log_dir=base_log)
+    job = "rb-sdc"
+    procs = cluster.launch(train_args(job, log, "--sdc-at", str(SDC_AT), "--step-sleep",
+                                      "0.3", "--final"), placement=PLACEMENT, log_dir=log)
+    assert cluster.wait_ranks(base, 240) == [0, 0]
+    clean = {r: {x["step"]: x["loss"] for x in read_log(base_log, r)} for r in (0, 1)}
+
+    wait_for(lambda: max(committed_steps(cluster.nodes["node-b"], job, 1) or [-1]) >= 10,
+             timeout=120, what="step 10 committed")
+    first = op.restore(job, TARGET)
+    assert cluster.wait_ranks(procs, 240) == [0, 0], procs[0].log_tail()
+
+    # every rank rolled back at the same step boundary, to the requested step
+    at = []
+    for rank in (0, 1):
+        before, after = runs(read_log(log, rank))
+        at.append(before[-1]["step"])
+        assert after[0]["step"] == TARGET + 1
+        assert {x["restored_from"] for x in after} == {TARGET}
+        assert after[-1]["step"] == TOTAL - 1
+        # the corrupted future differs from the clean run; after the rollback the losses
+        # are the clean run's, bit for bit
+        assert [x["loss"] for x in before][:SDC_AT + 1] == \
+            [clean[rank][s] for s in range(SDC_AT + 1)]
+        assert [x["loss"] for x in before[SDC_AT + 1:]] != \
+            [clean[rank][s] for s in range(SDC_AT + 1, at[-1] + 1)]
+        assert [x["loss"] for x in after] == [clean[rank][s] for s in range(TARGET + 1, TOTAL)]
+    assert at[0] == at[1] > SDC_AT
+    for rank in (0, 1):
+        reports = [json.loads(x) for x in (log / f"restores-{rank}.jsonl").read_text()
+                   .splitlines()]
+        rep = reports[-1]
+        assert (rep["request_id"], rep["phase"], rep["step"], rep["ok"]) == \
+            (first, "loaded", TARGET, True)
+        assert rep["steps_lost"] == at[rank] - TARGET
+        assert sum(rep["files_by_tier"].values()) >= 1
+    wait_for(lambda: {(0, "loaded"), (1, "loaded")} <= op.phases(first), timeout=30,
+             what="loaded reported for both ranks")
+    if not VIA_SERVER:  # the spool holds every batch: staging came first
+        assert {(0, "staging"), (1, "staging")} <= op.phases(first)
+    assert pending(cluster, job) == []  # retired on both agents
+
+    # the diverged future is gone: every step above 5 that any tier holds is the new one
+    holders = [p for n in cluster.nodes.values() for p in n.memory_dir.glob(
+        f"**/{job}/step-*/manifest-*.json") if "restore" not in p.parts]
+    holders += list((cluster.persistent_dir / job).glob("step-*/manifest-*.json"))
+    newer = [load_manifest(p) for p in holders if int(p.parent.name[5:]) > TARGET]
+    assert newer
+    assert {tuple(m.fences) for m in newer} == {((first, TARGET),)}
+
+    # the job is down; the operator asks for step 9, which both futures saved: the next
+    # start loads the new (clean) step 9, not request 1's step again, and trains on
+    second = op.restore(job, 9)
+    final = json.loads((log / "final-0.json").read_text())
+    procs = cluster.launch(train_args(job, log, "--final"), placement=PLACEMENT, log_dir=log)
+    assert cluster.wait_ranks(procs, 240) == [0, 0], procs[0].log_tail()
+    for rank in (0, 1):
+        third = runs(read_log(log, rank))[-1]
+        assert third[0]["step"] == 10
+        assert {x["restored_from"] for x in third} == {9}
+        assert [x["loss"] for x in third] == [clean[rank][s] for s in range(10, TOTAL)]
+        rep = json.loads((log / f"restores-{rank}.jsonl").read_text().splitlines()[-1])
+        assert (rep["request_id"], rep["phase"], rep["step"]) == (second, "loaded", 9)
+    assert json.loads((log / "final-0.json").read_text()) == final
+    wait_for(lambda: {(0, "loaded"), (1, "loaded")} <= op.phases(second), timeout=30,
+             what="request 2 loaded on both ranks")
+    assert pending(cluster, job) == []
