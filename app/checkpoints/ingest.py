@@ -18,7 +18,18 @@ from collections import defaultdict
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Float, bindparam, cast, func, insert, or_, select, tuple_, update
+from sqlalchemy import (
+    Float,
+    bindparam,
+    cast,
+    delete,
+    func,
+    insert,
+    or_,
+    select,
+    tuple_,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -302,12 +313,19 @@ def _update_ledger(
     rows = {(r.job_pk, r.step, r.tier): r for r in session.execute(query)}
     ids = {key: r.id for key, r in rows.items()}
 
+    # A step can be evicted and saved again (a rollback drops the steps after its target;
+    # training then saves them anew): a committed event newer than the row's eviction starts
+    # a new generation of the row, so the old generation's rank commits are dropped first.
+    evicted_at: dict[int, datetime] = {r.id: r.evicted_at or now for r in rows.values()
+                                       if r.evicted}
+    reborn: dict[int, datetime] = {}
     commits = []
-    evicted: dict[int, datetime] = {}
     failures: dict[int, int] = defaultdict(int)
-    for e in events:
+    for e in sorted(events, key=lambda x: x.ts):
         lid = ids[(jobs[e.job_id]["id"], e.step, e.tier)]
         if e.kind == "committed":
+            if lid in evicted_at and e.ts > evicted_at[lid]:
+                reborn[lid] = evicted_at.pop(lid)
             commits.append(
                 {
                     "ledger_id": lid,
@@ -318,9 +336,11 @@ def _update_ledger(
                 }
             )
         elif e.kind == "evicted":
-            evicted[lid] = min(evicted.get(lid, e.ts), e.ts)
+            evicted_at[lid] = max(evicted_at.get(lid, e.ts), e.ts)
         else:
             failures[lid] += 1
+    for lid, cut in reborn.items():
+        session.execute(delete(RANKS).where(RANKS.c.ledger_id == lid, RANKS.c.ts <= cut))
     if commits:
         session.execute(insert_fn(RANKS).values(commits).on_conflict_do_nothing())
 
@@ -339,18 +359,19 @@ def _update_ledger(
                 select(RANKS.c.rank).where(RANKS.c.ledger_id == row.id, RANKS.c.rank >= 0)
             ))
         done = ledger.completeness(ws, ranks, whole)
+        was_complete = row.complete and row.id not in reborn
         updates.append(
             {
                 "b_id": row.id,
                 "b_world_size": ws,
                 "b_ranks_committed": agg["distinct"] if agg else 0,
                 "b_whole_step": whole,
-                "b_complete": row.complete or done.complete,
+                "b_complete": was_complete or done.complete,
                 "b_committed_at": source["ts"] if source else None,
                 "b_bytes": source["bytes"] if source else None,
                 "b_seconds": source["seconds"] if source else None,
-                "b_evicted": row.evicted or row.id in evicted,
-                "b_evicted_at": row.evicted_at or evicted.get(row.id),
+                "b_evicted": row.id in evicted_at,
+                "b_evicted_at": evicted_at.get(row.id),
                 "b_failures": row.failures + failures.get(row.id, 0),
                 "b_updated_at": now,
             }

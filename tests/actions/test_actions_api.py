@@ -308,3 +308,28 @@ def test_metrics_show_the_queue_and_the_isolation(command_client, make_token, to
     assert 'tierwatch_commands{kind="release",state="pending"} 0.0' in text
     assert 'tierwatch_node_isolated{Hostname="n1"} 1.0' in text
     assert "tierwatch_policy_breaker_tripped 0.0" in text
+
+
+def test_a_step_evicted_by_a_rollback_and_saved_again_is_restorable_again(
+    client, make_token, tokens
+):
+    agents = Agents(client, make_token)
+    run_job(agents)
+    op = auth(tokens["operator"])
+
+    def evicted(rank):
+        return CheckpointEvent(job_id=JOB, step=20, tier="memory", kind="evicted", rank=rank,
+                               world_size=2, ts=utcnow())
+
+    agents.post("n1", checkpoint_events=[evicted(0)])
+    r = client.post(f"/api/v1/jobs/{JOB}/restore", json={"step": 20, "reason": "x"}, headers=op)
+    assert r.status_code == 409
+    # Saved again after the eviction: one rank is not enough, both make it whole again.
+    agents.post("n1", checkpoint_events=[committed(20, "memory", 0)])
+    r = client.post(f"/api/v1/jobs/{JOB}/restore", json={"step": 20, "reason": "x"}, headers=op)
+    assert r.status_code == 409
+    agents.post("n2", checkpoint_events=[committed(20, "memory", 1)])
+    r = client.post(f"/api/v1/jobs/{JOB}/restore", json={"step": 20, "reason": "x"}, headers=op)
+    assert r.status_code == 202, r.text
+    job = client.get(f"/api/v1/jobs/{JOB}", headers=op).json()
+    assert job["tiers"]["memory"]["newest_step"] == 20
