@@ -232,13 +232,16 @@ class Cluster:
             self.server.stop()
 
 
-def start_cluster(root: Path, *, with_server: bool) -> Cluster:
-    """A cluster whose server (when wanted) uses a SQLite file under ``root``."""
+def start_cluster(root: Path, *, with_server: bool,
+                  server_env: dict[str, str] | None = None) -> Cluster:
+    """A cluster whose server (when wanted) uses a SQLite file under ``root``; ``server_env``
+    adds ``TIERWATCH_*`` settings to the server process."""
     root.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(root=root, persistent_dir=root / "persistent")
     cluster.persistent_dir.mkdir()
     if with_server:
-        cluster.server = make_server(root / "server", f"sqlite:///{root / 'server.db'}")
+        cluster.server = make_server(root / "server", f"sqlite:///{root / 'server.db'}",
+                                     **(server_env or {}))
         cluster.server.start()
     return cluster
 
