@@ -30,6 +30,7 @@ import logging
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -62,6 +63,9 @@ class RestoreRequest(BaseModel):
         reason, actor: Why and who (for the reports and the log).
         command_id: The command that carried it.
         received_at: When this agent accepted it (UTC ISO).
+        not_after: The server gives up on the request at this time (UTC ISO; its
+            ``TIERWATCH_COMMANDS__RESTORE_TTL_S``): a job that starts later must not roll
+            back to it. Empty: no limit.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -74,6 +78,16 @@ class RestoreRequest(BaseModel):
     actor: str = ""
     command_id: str = ""
     received_at: str = ""
+    not_after: str = ""
+
+    def expired(self, now: datetime) -> bool:
+        """Whether the server has given up on this request by ``now``."""
+        if not self.not_after:
+            return False
+        try:
+            return datetime.fromisoformat(self.not_after) <= now
+        except ValueError:
+            return False
 
 
 def _int(args: Mapping[str, Any], name: str, low: int) -> int:
@@ -99,10 +113,20 @@ def parse_restore_command(command: Command) -> RestoreRequest:
     if command.kind != "restore":
         raise ValueError(f"command {command.id}: kind {command.kind!r} is not a restore")
     args = command.args
-    unknown = sorted(set(args) - {"request_id", "job_id", "step", "tier", "reason", "actor"})
+    unknown = sorted(set(args) - {"request_id", "job_id", "step", "tier", "reason", "actor",
+                                  "not_after"})
     if unknown:
         raise ValueError(f"restore command: unknown args {unknown} (allowed: request_id, "
-                         "job_id, step, tier, reason, actor)")
+                         "job_id, step, tier, reason, actor, not_after)")
+    not_after = args.get("not_after") or ""
+    if not_after:
+        try:
+            parsed = datetime.fromisoformat(str(not_after))
+        except ValueError:
+            raise ValueError("restore command: args.not_after must be an ISO 8601 time, not "
+                             f"{not_after!r}") from None
+        if parsed.tzinfo is None:
+            raise ValueError("restore command: args.not_after needs a UTC offset")
     request_id = _int(args, "request_id", 1)
     step = _int(args, "step", 0)
     job_id = args.get("job_id")
@@ -123,7 +147,7 @@ def parse_restore_command(command: Command) -> RestoreRequest:
     return RestoreRequest(request_id=request_id, job_id=job_id, step=step, tier=tier,
                           reason=str(args.get("reason", ""))[:500],
                           actor=str(args.get("actor", ""))[:200], command_id=command.id,
-                          received_at=utcnow().isoformat())
+                          received_at=utcnow().isoformat(), not_after=str(not_after))
 
 
 class RequestStore:
@@ -182,6 +206,10 @@ class RequestStore:
                 log.warning("restore request %s unreadable, skipped: %s", p, exc)
                 continue
             if req.job_id == job_id and req.request_id > retired:
+                if req.expired(utcnow()):
+                    log.info("restore request %d for %s expired at %s; not served",
+                             req.request_id, job_id, req.not_after)
+                    continue
                 out.append(req)
         return sorted(out, key=lambda r: r.request_id)
 

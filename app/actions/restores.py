@@ -132,7 +132,9 @@ def request_restore(
         commands.append(queue.enqueue(
             session, kind="restore", node_id=node.id, executor="agent", driver="restore",
             args={"request_id": req.id, "job_id": job.job_id, "step": target, "tier": tier,
-                  "reason": reason, "actor": actor},
+                  "reason": reason, "actor": actor,
+                  "not_after": (now + timedelta(seconds=settings.commands.restore_ttl_s))
+                  .isoformat()},
             actor=actor, reason=reason, now=now, ttl_s=settings.commands.ttl_s,
             restore_id=req.id,
         ))

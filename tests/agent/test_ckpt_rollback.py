@@ -40,6 +40,8 @@ def command(**args) -> Command:
     ({**GOOD, "tier": "disk"}, "tier must be one of memory, peer, persistent"),
     ({**GOOD, "reason": 5}, "reason must be text"),
     ({**GOOD, "when": "now"}, "unknown args"),
+    ({**GOOD, "not_after": "tomorrow"}, "not_after must be an ISO 8601 time"),
+    ({**GOOD, "not_after": "2026-12-01T10:00:00"}, "not_after needs a UTC offset"),
 ])
 def test_bad_restore_commands_are_refused_with_a_clear_message(args, message) -> None:
     with pytest.raises(ValueError, match=message):
@@ -93,6 +95,27 @@ def test_requests_survive_a_restart_are_listed_and_retired(receiver, tmp_path) -
             assert client.get("/v1/ckpt/jobs/..bad/restore-requests").status_code == 422
         with TestClient(create_app(runtime), client=("10.1.2.3", 5000)) as client:
             assert client.get(f"/v1/ckpt/jobs/{JOB}/restore-requests").status_code == 403
+    finally:
+        runtime.shutdown()
+
+
+def test_a_request_the_server_gave_up_on_is_not_served(receiver, tmp_path) -> None:
+    from datetime import timedelta
+
+    from tierwatch.agent.protocol import utcnow
+
+    runtime = make_runtime(receiver, tmp_path, tmp_path / "persistent")
+    try:
+        assert runtime.ckpt is not None
+        past = (utcnow() - timedelta(seconds=1)).isoformat()
+        future = (utcnow() + timedelta(hours=1)).isoformat()
+        runtime.ckpt.add_restore_request(command(**{**GOOD, "not_after": past}))
+        runtime.ckpt.add_restore_request(command(**{**GOOD, "request_id": 4,
+                                                    "not_after": future}))
+        with TestClient(create_app(runtime), client=("127.0.0.1", 5000)) as client:
+            got = client.get(f"/v1/ckpt/jobs/{JOB}/restore-requests").json()["requests"]
+        assert [r["request_id"] for r in got] == [4]
+        assert got[0]["not_after"] == future
     finally:
         runtime.shutdown()
 
