@@ -239,7 +239,9 @@ class RestoreReport(_Model):
                        Field(max_length=4096)] = {}
     ok: bool = True
     message: Annotated[Text, Field(max_length=2000)] = ""
-    request_id: Annotated[int, Field(ge=1, le=2**62)] | None = None
+    # restore_requests.id is a 32-bit integer column: a larger id names no request (and on
+    # PostgreSQL would fail the whole report, which the agent then retries for ever).
+    request_id: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
     phase: Literal["staging", "loaded", "failed"] | None = None
 
 
@@ -301,9 +303,9 @@ class Command(_Model):
     - ``isolate`` / ``release``: ``{"reason": str, "actor": str}``; the agent runs its
       node-local isolation driver (``--isolation-command``) with them.
     - ``restore``: ``{"request_id": int, "job_id": str, "step": int, "tier": str | None,
-      "reason": str, "actor": str}``; the agent hands the request to the job's ranks on this
-      node, which roll back in-process at an agreed step boundary (or restore that step at
-      their next start).
+      "reason": str, "actor": str, "not_after": ISO time}``; the agent hands the request to
+      the job's ranks on this node, which roll back in-process at an agreed step boundary
+      (or restore that step at their next start, unless ``not_after`` has passed).
 
     A command is executed at most once per ``id`` (re-deliveries are answered with the
     recorded result). ``expires_at``: the agent refuses to start it after this time.
@@ -326,7 +328,8 @@ class CommandResult(_Model):
     id: CommandId
     state: Literal["running", "succeeded", "failed"]
     ts: AwareDatetime
-    exit_code: int | None = None
+    # Stored in a 32-bit integer column (an exit status or an HTTP status fits).
+    exit_code: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None
     output: Annotated[Text, Field(max_length=4000)] = ""
 
 

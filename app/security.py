@@ -7,18 +7,26 @@ Routes declare what they need with the ``Annotated`` aliases at the bottom
 from __future__ import annotations
 
 import math
+import threading
 import time
+import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request, status
-from sqlalchemy import Engine, Row, select
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
+from sqlalchemy import Engine, Row, event, select
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from tierwatch.server.tokens import ApiToken, hash_token
+from tierwatch.server.tokens import REVOKED_HASHES_KEY, ApiToken, hash_token
+from tierwatch.server.web.csrf import CsrfError, verify_csrf
 
 ROLE_RANK = {"viewer": 1, "operator": 2, "admin": 3}
 SESSION_TOKEN_KEY = "token"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 @dataclass(frozen=True)
@@ -70,8 +78,15 @@ class TokenResolver:
 
     Each lookup is one indexed Core query on a connection held only for that query, so a
     request never keeps a pooled connection while it waits (e.g. for the ingest writer):
-    that is what kept a burst of reports from deadlocking the pool. A revoked token stops
-    working within ``ttl_s`` (0 disables the cache). Unknown tokens are never cached.
+    that is what kept a burst of reports from deadlocking the pool. Unknown tokens are
+    never cached.
+
+    Revocation: a token revoked with :func:`~tierwatch.server.tokens.revoke_token` in this
+    process is dropped from every resolver's cache when that session commits, so it stops
+    working at once. A revocation by another process (``tierwatch-server token revoke``)
+    cannot reach this cache: state-changing requests by people are therefore always checked
+    against the database (see :func:`_cached_row`), and reads with a revoked token
+    stop within ``ttl_s`` (0 disables the cache).
     """
 
     MAX_ENTRIES = 100_000
@@ -80,39 +95,72 @@ class TokenResolver:
         self._engine = engine
         self._ttl_s = ttl_s
         self._cache: dict[str, tuple[float, Row[Any]]] = {}
+        # Bumped by every forget(): a lookup that raced a revocation does not cache its row.
+        self._generation = 0
+        self._lock = threading.Lock()
+        _RESOLVERS.add(self)
 
     def cached(self, token: str) -> Row[Any] | None:
         """The remembered ``(id, role, node_name)`` of ``token``, or None (not cached)."""
         hit = self._cache.get(hash_token(token))
         return hit[1] if hit is not None and hit[0] > time.monotonic() else None
 
-    def lookup(self, token: str) -> Row[Any] | None:
+    def lookup(self, token: str, *, fresh: bool = False) -> Row[Any] | None:
         """``(id, role, node_name)`` of the live token ``token``, or None (unknown/revoked).
 
-        Blocking (may query the database); the cache answers when it can.
+        Blocking (may query the database); the cache answers when it can, unless ``fresh``
+        (then the database always does, and the cache is refreshed from its answer).
         """
         key = hash_token(token)
         now = time.monotonic()
-        hit = self._cache.get(key)
-        if hit is not None and hit[0] > now:
-            return hit[1]
+        if not fresh:
+            hit = self._cache.get(key)
+            if hit is not None and hit[0] > now:
+                return hit[1]
+        generation = self._generation
         with self._engine.connect() as conn:
             row = conn.execute(
                 select(ApiToken.id, ApiToken.role, ApiToken.node_name).where(
                     ApiToken.token_hash == key, ApiToken.revoked_at.is_(None)
                 )
             ).first()
-        if row is None:
-            self._cache.pop(key, None)
-        elif self._ttl_s > 0:
-            if len(self._cache) >= self.MAX_ENTRIES:
-                self._cache.clear()
-            self._cache[key] = (now + self._ttl_s, row)
+        with self._lock:
+            if row is None:
+                self._cache.pop(key, None)
+            elif self._ttl_s > 0 and generation == self._generation:
+                if len(self._cache) >= self.MAX_ENTRIES:
+                    self._cache.clear()
+                self._cache[key] = (now + self._ttl_s, row)
         return row
 
-    def forget(self) -> None:
-        """Drop every cached token (e.g. after a revocation in this process)."""
-        self._cache.clear()
+    def forget(self, token_hashes: Iterable[str] | None = None) -> None:
+        """Drop the cached tokens with these SHA-256 hashes (all of them for None), e.g.
+        after a revocation in this process."""
+        with self._lock:
+            self._generation += 1
+            if token_hashes is None:
+                self._cache.clear()
+            else:
+                for key in token_hashes:
+                    self._cache.pop(key, None)
+
+
+_RESOLVERS: weakref.WeakSet[TokenResolver] = weakref.WeakSet()
+
+
+@event.listens_for(Session, "after_commit")
+def _forget_revoked_tokens(session: Session) -> None:
+    """Drop tokens revoked by this session's transaction from every resolver's cache."""
+    revoked = session.info.pop(REVOKED_HASHES_KEY, None)
+    if revoked:
+        for resolver in list(_RESOLVERS):
+            resolver.forget(revoked)
+
+
+@event.listens_for(Session, "after_rollback")
+def _keep_unrevoked_tokens(session: Session) -> None:
+    """A rolled-back revocation revoked nothing."""
+    session.info.pop(REVOKED_HASHES_KEY, None)
 
 
 def _credentials(request: Request) -> tuple[str, str] | None:
@@ -133,6 +181,20 @@ def _principal(request: Request, via: str, row: Row[Any] | None) -> Principal | 
     return Principal(token_id=row.id, role=row.role, node=row.node_name, via=via)
 
 
+def _cached_row(request: Request, resolver: TokenResolver, token: str) -> Row[Any] | None:
+    """The cached row of ``token`` when the cache may answer this request, else None.
+
+    A state-changing request by a person (viewer, operator, admin) is never answered from
+    the cache, so a token revoked by another process (the CLI) cannot change anything once
+    the revocation is committed. Agent reports keep the cache: they are the hot path, and
+    an agent token can only report for its own node (revoked, it stops within ``ttl_s``).
+    """
+    row = resolver.cached(token)
+    if row is not None and request.method not in SAFE_METHODS and row.role != "agent":
+        return None
+    return row
+
+
 def principal_from_request(request: Request) -> Principal | None:
     """The caller from a bearer token or the dashboard session cookie, or None (blocking).
 
@@ -143,12 +205,16 @@ def principal_from_request(request: Request) -> Principal | None:
     if creds is None:
         return None
     resolver: TokenResolver = request.app.state.token_resolver
-    return _principal(request, creds[1], resolver.lookup(creds[0]))
+    row = _cached_row(request, resolver, creds[0])
+    if row is None:
+        row = resolver.lookup(creds[0], fresh=True)
+    return _principal(request, creds[1], row)
 
 
 async def optional_principal(request: Request) -> Principal | None:
     """Dependency form of :func:`principal_from_request`: answered on the event loop when the
-    token is cached, on a worker thread when it must be looked up.
+    token is cached (and the cache may answer, see :func:`_cached_row`), on a worker thread
+    when it must be looked up.
 
     Raises:
         HTTPException: 401 for a malformed header or an unknown/revoked bearer token.
@@ -157,22 +223,38 @@ async def optional_principal(request: Request) -> Principal | None:
     if creds is None:
         return None
     resolver: TokenResolver = request.app.state.token_resolver
-    row = resolver.cached(creds[0])
+    row = _cached_row(request, resolver, creds[0])
     if row is None:
-        row = await run_in_threadpool(resolver.lookup, creds[0])
+        row = await run_in_threadpool(resolver.lookup, creds[0], fresh=True)
     return _principal(request, creds[1], row)
 
 
 async def current_principal(
+    request: Request,
     principal: Annotated[Principal | None, Depends(optional_principal)],
 ) -> Principal:
     """Any authenticated caller.
 
+    A state-changing API request authenticated by the dashboard's session cookie (not a
+    bearer token) must carry the session's CSRF token too (``X-CSRF-Token``), as the
+    dashboard's own forms do; otherwise another page could make a signed-in browser act.
+
     Raises:
-        HTTPException: 401 without credentials.
+        HTTPException: 401 without credentials; 403 for a cookie-authenticated
+            state-changing request without the session's CSRF token.
     """
     if principal is None:
         raise _unauthorized("authentication required: send 'Authorization: Bearer <token>'")
+    if principal.via == "session" and request.method not in SAFE_METHODS:
+        try:
+            await verify_csrf(request)
+        except CsrfError as exc:
+            raise HTTPException(
+                status_code=status.HTTP_403_FORBIDDEN,
+                detail="a state-changing request signed in with the dashboard cookie needs "
+                "the session's CSRF token in the X-CSRF-Token header; scripts should send "
+                "'Authorization: Bearer <token>' instead",
+            ) from exc
     return principal
 
 
@@ -215,6 +297,61 @@ ReaderDep = PrincipalDep  # any valid token may read
 AgentDep = Annotated[Principal, Depends(require_agent)]
 OperatorDep = Annotated[Principal, Depends(require_role("operator"))]
 AdminDep = Annotated[Principal, Depends(require_role("admin"))]
+
+
+# --- error answers in the OpenAPI schema -------------------------------------------------------
+
+
+class ErrorOut(BaseModel):
+    """An error answer: ``detail`` says what went wrong and what to do."""
+
+    detail: str
+
+
+class FieldErrorOut(BaseModel):
+    """One invalid field of a request (``field`` is its path, e.g. ``body.samples.0.ts``)."""
+
+    field: str
+    message: str
+    type: str | None = None
+
+
+class ValidationErrorOut(BaseModel):
+    """A 422 answer: a one-line summary and each invalid field (see ``main._validation_error``)."""
+
+    detail: str
+    errors: list[FieldErrorOut]
+
+
+def invalid_request(loc: tuple[str | int, ...], message: str) -> RequestValidationError:
+    """A 422 about one field (``loc`` like ``("query", "since")``) in the same shape as the
+    app's other validation errors (:class:`ValidationErrorOut`); raise it from a route."""
+    return RequestValidationError([{"loc": loc, "msg": message, "type": "value_error"}])
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries for the error codes a route answers with, e.g.
+    ``APIRouter(responses=error_responses(401, 422))`` or ``@router.get(...,
+    responses=error_responses(404))``. 422 documents the app's own validation-error shape
+    (FastAPI would otherwise list its default ``HTTPValidationError``, which this app never
+    sends)."""
+    descriptions = {
+        400: "the body could not be read (e.g. it is not UTF-8)",
+        401: "no token, or an unknown or revoked one",
+        403: "the token's role (or node) does not allow this",
+        404: "the named object does not exist",
+        409: "the request conflicts with the current state",
+        413: "the request body is over the size limit",
+        422: "invalid request (each wrong field is listed)",
+        503: "the server cannot store it right now: retry (see Retry-After)",
+    }
+    return {
+        code: {
+            "model": ValidationErrorOut if code == 422 else ErrorOut,
+            "description": descriptions[code],
+        }
+        for code in codes
+    }
 
 
 class LoginLimiter:

@@ -21,6 +21,9 @@ from tierwatch.server.db import Base, UTCDateTime
 Role = Literal["viewer", "operator", "admin", "agent"]
 ROLES: tuple[Role, ...] = ("viewer", "operator", "admin", "agent")
 TOKEN_PREFIX = "tw_"
+# session.info key: hashes of the tokens this session revoked (the token cache of every
+# resolver in this process drops them when the session commits; see security.TokenResolver).
+REVOKED_HASHES_KEY = "tierwatch_revoked_token_hashes"
 
 
 class ApiToken(Base):
@@ -62,7 +65,7 @@ def create_token(
     if role == "agent":
         if not node:
             raise TokenError("an agent token must be bound to a node: pass --node NAME")
-        if not re.match(NODE_NAME_PATTERN, node):
+        if not re.fullmatch(NODE_NAME_PATTERN, node):
             raise TokenError(
                 f"invalid node name {node!r}: use letters, digits, '.', '_' or '-' (max 128)"
             )
@@ -95,7 +98,9 @@ def list_tokens(session: Session) -> list[ApiToken]:
 
 
 def revoke_token(session: Session, token_id: int) -> ApiToken:
-    """Revoke a token by id.
+    """Revoke a token by id. Once the session commits, the token stops working at once in
+    this process (cached lookups are dropped); other server processes refuse it for
+    state-changing requests at once and for reads within ``token_cache_s``.
 
     Raises:
         TokenError: no token has that id.
@@ -105,4 +110,5 @@ def revoke_token(session: Session, token_id: int) -> ApiToken:
         raise TokenError(f"no token with id {token_id}: see `tierwatch-server token list`")
     if row.revoked_at is None:
         row.revoked_at = utcnow()
+    session.info.setdefault(REVOKED_HASHES_KEY, set()).add(row.token_hash)
     return row

@@ -10,9 +10,9 @@ from pydantic import AwareDatetime, BaseModel
 from tierwatch.server.alerts import service
 from tierwatch.server.alerts.models import Alert, AlertDelivery
 from tierwatch.server.deps import SessionDep
-from tierwatch.server.security import ReaderDep
+from tierwatch.server.security import ReaderDep, error_responses
 
-router = APIRouter(prefix="/api/v1", tags=["alerts"])
+router = APIRouter(prefix="/api/v1", tags=["alerts"], responses=error_responses(401, 422))
 
 
 class DeliveryOut(BaseModel):

@@ -253,6 +253,8 @@ def list_alerts(
         )
     if not 1 <= limit <= LIST_LIMIT_MAX:
         raise ValueError(f"limit must be 1 to {LIST_LIMIT_MAX}")
+    if kind and "\x00" in kind:
+        return []  # no kind holds a NUL (and PostgreSQL text cannot: it would be a 500)
     stmt = select(Alert).options(selectinload(Alert.deliveries))
     if kind:
         stmt = stmt.where(Alert.kind == kind)

@@ -16,9 +16,9 @@ from tierwatch.server.checkpoints import service
 from tierwatch.server.checkpoints.models import Job
 from tierwatch.server.checkpoints.schemas import JobHistoryOut, JobOut, JobSummaryOut
 from tierwatch.server.deps import SessionDep
-from tierwatch.server.security import ReaderDep
+from tierwatch.server.security import ReaderDep, error_responses, invalid_request
 
-router = APIRouter(prefix="/api/v1", tags=["jobs"])
+router = APIRouter(prefix="/api/v1", tags=["jobs"], responses=error_responses(401, 422))
 
 JobIdPath = Annotated[
     str,
@@ -53,7 +53,7 @@ def list_jobs(_: ReaderDep, session: SessionDep) -> list[dict]:
     return service.list_jobs(session)
 
 
-@router.get("/jobs/{job_id}", response_model=JobOut)
+@router.get("/jobs/{job_id}", response_model=JobOut, responses=error_responses(404))
 def get_job(_: ReaderDep, job: JobDep, session: SessionDep) -> dict:
     """One job: per tier (memory, peer, persistent) newest committed step, lag in steps
     and seconds, size, blocking time, throughput and interval advice (Young τ = √(2δM),
@@ -61,7 +61,9 @@ def get_job(_: ReaderDep, job: JobDep, session: SessionDep) -> dict:
     return service.job_status(session, job)
 
 
-@router.get("/jobs/{job_id}/history", response_model=JobHistoryOut)
+@router.get(
+    "/jobs/{job_id}/history", response_model=JobHistoryOut, responses=error_responses(404)
+)
 def get_history(
     _: ReaderDep,
     job: JobDep,
@@ -73,14 +75,15 @@ def get_history(
     the last 15 minutes; at most 31 days), for the job page's chart.
 
     Raises:
-        HTTPException: 422 when ``since`` is after ``until`` or the range exceeds 31 days.
+        RequestValidationError: 422 when ``since`` is after ``until`` or the range exceeds
+            31 days.
     """
     until = until or utcnow()
     since = since or until - timedelta(minutes=15)
     if since > until:
-        raise HTTPException(status_code=422, detail="since must not be after until")
+        raise invalid_request(("query", "since"), "since must not be after until")
     if until - since > HISTORY_MAX_RANGE:
-        raise HTTPException(
-            status_code=422, detail="the range from since to until may span at most 31 days"
+        raise invalid_request(
+            ("query", "since"), "the range from since to until may span at most 31 days"
         )
     return service.job_history(session, job, since=since, until=until)

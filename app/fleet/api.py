@@ -24,9 +24,14 @@ from tierwatch.server.fleet.schemas import (
     NodeOut,
     node_out,
 )
-from tierwatch.server.security import OperatorDep, ReaderDep
+from tierwatch.server.security import (
+    OperatorDep,
+    ReaderDep,
+    error_responses,
+    invalid_request,
+)
 
-router = APIRouter(prefix="/api/v1", tags=["fleet"])
+router = APIRouter(prefix="/api/v1", tags=["fleet"], responses=error_responses(401, 422))
 
 StateFilter = Annotated[
     str | None,
@@ -68,14 +73,14 @@ def list_nodes(
     return Response(content=to_json(payload), media_type="application/json")
 
 
-@router.get("/nodes/{name}", response_model=NodeDetailOut)
+@router.get("/nodes/{name}", response_model=NodeDetailOut, responses=error_responses(404))
 def get_node(_: ReaderDep, node: NodeDep, session: SessionDep, settings: SettingsDep) -> NodeOut:
     """One node, with report bookkeeping (epoch, seq range, missing batches)."""
     view = service.get_node_view(session, node.name, now=utcnow(), th=settings.health)
     return node_out(view, detail=service.report_stats(session, node))
 
 
-@router.get("/nodes/{name}/samples")
+@router.get("/nodes/{name}/samples", responses=error_responses(404))
 def get_samples(
     _: ReaderDep,
     node: NodeDep,
@@ -99,14 +104,14 @@ def get_samples(
     until = until or utcnow()
     since = since or until - timedelta(minutes=15)
     if since > until:
-        raise HTTPException(status_code=422, detail="since must not be after until")
+        raise invalid_request(("query", "since"), "since must not be after until")
     try:
         rows = service.query_samples(
             session, node, gpu=gpu, metric=metric, since=since, until=until, limit=limit,
             step_s=step,
         )
     except ValueError as exc:
-        raise HTTPException(status_code=422, detail=str(exc)) from exc
+        raise invalid_request(("query", "metric"), str(exc)) from exc
     return {
         "node": node.name,
         "metric": metric,
@@ -117,7 +122,7 @@ def get_samples(
     }
 
 
-@router.get("/events", response_model=list[EventOut])
+@router.get("/events", response_model=list[EventOut], responses=error_responses(404))
 def list_events(
     _: ReaderDep,
     session: SessionDep,
@@ -146,7 +151,9 @@ def list_events(
     ]
 
 
-@router.post("/nodes/{name}/ack", response_model=AckOut)
+@router.post(
+    "/nodes/{name}/ack", response_model=AckOut, responses=error_responses(400, 403, 404, 413)
+)
 def acknowledge(
     principal: OperatorDep,
     node: NodeDep,

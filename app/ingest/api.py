@@ -13,7 +13,7 @@ from tierwatch.server.checkpoints import ingest as checkpoint_ingest
 from tierwatch.server.config import Settings
 from tierwatch.server.ingest.service import timestamp_errors
 from tierwatch.server.ingest.writer import IngestUnavailable, IngestWriter
-from tierwatch.server.security import AgentDep
+from tierwatch.server.security import AgentDep, error_responses
 
 router = APIRouter(prefix="/api/v1/ingest", tags=["ingest"])
 
@@ -24,7 +24,12 @@ _BODY_SCHEMA = {
 }
 
 
-@router.post("/report", response_model=ReportAck, openapi_extra={"requestBody": _BODY_SCHEMA})
+@router.post(
+    "/report",
+    response_model=ReportAck,
+    responses=error_responses(401, 403, 413, 422, 503),
+    openapi_extra={"requestBody": _BODY_SCHEMA},
+)
 async def report(principal: AgentDep, request: Request) -> ReportAck | Response:
     """Store one agent batch (idempotent on node + epoch + seq); answers once it is stored.
 

@@ -1,0 +1,301 @@
+"""Who may change what: every role against every state-changing route (API and dashboard),
+on both database backends, with valid bodies so the role check is what decides.
+
+The routes come from ``app.routes`` at collection time; :data:`MATRIX` holds the expected
+answer per route and role, and :func:`test_every_state_changing_route_has_a_row` fails when a
+route exists that the table does not cover (a new endpoint needs its row here first).
+
+Roles (see ``security_support.ROLES``): no token, viewer, operator, admin, an agent token
+for n1 (the node the requests are about) and an agent token for another node. API rows send
+a bearer token; dashboard rows sign in through the form and post the session's CSRF token
+(agents cannot sign in, so they send their bearer token with a valid anonymous CSRF token;
+"none" posts with the anonymous CSRF token and is sent to the sign-in form).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from fastapi.routing import iter_route_contexts
+from fastapi.testclient import TestClient
+from procs import BIN, base_env, wait_for
+from security_support import (
+    JOB,
+    ROLES,
+    STATE_CHANGING,
+    anonymous_csrf,
+    is_login_redirect,
+    seed_cluster,
+    sign_in,
+)
+from sqlalchemy import update
+from support import auth, make_batch
+
+from tierwatch.agent.protocol import utcnow
+from tierwatch.server.config import Settings
+from tierwatch.server.main import create_app
+from tierwatch.server.tokens import ApiToken, lookup_token, revoke_token
+
+OK = "ok"  # 2xx, or a 303 somewhere other than the sign-in form (a dashboard action's redirect)
+LOGIN = "login"  # sent to the sign-in form (303 /login…, or 401 + HX-Redirect for htmx)
+
+PEOPLE_WRITE = {"none": 401, "viewer": 403, "operator": OK, "admin": OK,
+                "agent_n1": 403, "agent_other": 403}
+ADMIN_WRITE = {**PEOPLE_WRITE, "operator": 403}
+PAGE_OPERATOR = {"none": LOGIN, "viewer": 403, "operator": OK, "admin": OK,
+                 "agent_n1": 403, "agent_other": 403}
+PAGE_ADMIN = {**PAGE_OPERATOR, "operator": 403}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One state-changing route: how to call it and what each role gets.
+
+    ``kind`` "api" sends ``json``/``content`` with a bearer token; "web" posts ``form`` (plus
+    the CSRF token) from a dashboard session; "login" submits the role's token to the form.
+    """
+
+    kind: str
+    expect: dict[str, int | str]
+    json: Callable[[], Any] | None = None
+    form: dict[str, str] = field(default_factory=dict)
+
+
+def _report() -> dict[str, Any]:
+    return make_batch("n1", 7, offset_s=0).model_dump(mode="json")
+
+
+MATRIX: dict[tuple[str, str], Row] = {
+    # --- API ---
+    ("POST", "/api/v1/ingest/report"): Row(
+        "api", {"none": 401, "viewer": 403, "operator": 403, "admin": 403,
+                "agent_n1": OK, "agent_other": 403}, json=_report),
+    ("POST", "/api/v1/nodes/{name}/ack"): Row("api", PEOPLE_WRITE, json=lambda: {"note": "ok"}),
+    ("POST", "/api/v1/nodes/{name}/isolate"): Row(
+        "api", PEOPLE_WRITE, json=lambda: {"reason": "matrix"}),
+    ("POST", "/api/v1/nodes/{name}/release"): Row(
+        "api", PEOPLE_WRITE, json=lambda: {"reason": "matrix"}),
+    ("POST", "/api/v1/jobs/{job_id}/restore"): Row(
+        "api", PEOPLE_WRITE, json=lambda: {"reason": "matrix"}),
+    ("PUT", "/api/v1/policy"): Row("api", ADMIN_WRITE, json=lambda: {"breaker_pct": 25}),
+    # --- dashboard ---
+    # The "role" of a sign-in is the token submitted ("none": an empty field).
+    ("POST", "/login"): Row(
+        "login", {"none": 401, "viewer": OK, "operator": OK, "admin": OK,
+                  "agent_n1": 401, "agent_other": 401}),
+    # Signing out is for anyone with the session's CSRF token; it always lands on /login.
+    ("POST", "/logout"): Row("web", dict.fromkeys(ROLES, LOGIN)),
+    ("POST", "/nodes/{name}/isolate"): Row("web", PAGE_OPERATOR, form={"reason": "matrix"}),
+    ("POST", "/nodes/{name}/release"): Row("web", PAGE_OPERATOR, form={"reason": "matrix"}),
+    ("POST", "/nodes/{name}/ack"): Row("web", PAGE_OPERATOR, form={"note": "matrix"}),
+    ("POST", "/jobs/{job_id}/restore"): Row(
+        "web", PAGE_OPERATOR, form={"step": "", "tier": "", "reason": "matrix"}),
+    ("POST", "/policy"): Row("web", PAGE_ADMIN, form={"breaker_pct": "25"}),
+}
+PATH_PARAMS = {"name": "n1", "job_id": JOB}
+
+
+def state_changing_routes(app) -> set[tuple[str, str]]:  # type: ignore[no-untyped-def]
+    """(method, path) of every state-changing route of ``app`` (API and dashboard)."""
+    found = set()
+    for route in iter_route_contexts(app.routes):
+        path = route.path
+        for method in route.methods or ():
+            if method in STATE_CHANGING and path is not None:
+                found.add((method, path))
+    return found
+
+
+def _collection_app():  # type: ignore[no-untyped-def]
+    # Routes only: create_app() opens no connection until its lifespan runs.
+    return create_app(Settings(database_url="sqlite:///:memory:", dev=True))
+
+
+ROUTES = state_changing_routes(_collection_app())
+# Rows of routes that do not exist (yet) are not collected; every route that exists has a
+# row, or test_every_state_changing_route_has_a_row fails.
+PRESENT = sorted(key for key in MATRIX if key in ROUTES)
+
+
+def test_every_state_changing_route_has_a_row(app):
+    missing = sorted(state_changing_routes(app) - MATRIX.keys())
+    assert not missing, (
+        "state-changing routes without a row in tests/security/test_role_matrix.py MATRIX "
+        f"(add the expected status per role): {missing}"
+    )
+    for key, row in MATRIX.items():
+        assert set(row.expect) == set(ROLES), f"{key}: expectations must name every role"
+
+
+def _verdict(response, expected: int | str) -> bool:  # type: ignore[no-untyped-def]
+    if expected == LOGIN:
+        return is_login_redirect(response)
+    if expected == OK:
+        if response.status_code == 303:
+            return not is_login_redirect(response)
+        return 200 <= response.status_code < 300
+    return response.status_code == expected
+
+
+def _describe(response) -> str:  # type: ignore[no-untyped-def]
+    where = response.headers.get("location") or response.headers.get("hx-redirect")
+    return f"{response.status_code}" + (f" -> {where}" if where else "") + (
+        f" {response.text[:160]!r}" if response.status_code not in (303,) else "")
+
+
+def _call(app, client: TestClient, tokens, key: tuple[str, str], row: Row, role: str):  # type: ignore[no-untyped-def]
+    method, template = key
+    path = template.format(**PATH_PARAMS)
+    token = tokens[role]
+    if row.kind == "api":
+        headers = auth(token) if token else {}
+        return client.request(method, path, json=row.json() if row.json else None,
+                              headers=headers, follow_redirects=False)
+    # Dashboard: a fresh browser-like client per role, so cookies never leak between roles.
+    browser = TestClient(app, follow_redirects=False)
+    if row.kind == "login":
+        return browser.post(path, data={"token": token or "", "next": "/",
+                                        "csrf_token": anonymous_csrf(browser)})
+    headers: dict[str, str] = {}
+    if role in ("viewer", "operator", "admin"):
+        csrf = sign_in(browser, token)
+    else:
+        csrf = anonymous_csrf(browser)
+        if token:
+            headers = auth(token)
+    return browser.request(method, path, data={**row.form, "csrf_token": csrf},
+                           headers=headers)
+
+
+@pytest.mark.parametrize("key", PRESENT, ids=[f"{m} {p}" for m, p in PRESENT])
+def test_role_matrix(app, client, tokens, key):
+    seed_cluster(client, tokens)
+    row = MATRIX[key]
+    wrong = {}
+    for role in ROLES:
+        response = _call(app, client, tokens, key, row, role)
+        if response.status_code >= 500 or not _verdict(response, row.expect[role]):
+            wrong[role] = f"expected {row.expect[role]}, got {_describe(response)}"
+    assert not wrong, f"{key[0]} {key[1]}: {wrong}"
+
+
+def test_every_role_reads_the_audit_log(seeded, tokens):
+    client = seeded
+    r = client.post("/api/v1/nodes/n1/isolate", json={"reason": "audit me"},
+                    headers=auth(tokens["operator"]))
+    assert r.status_code == 200, r.text
+    for role in ROLES[1:]:
+        r = client.get("/api/v1/audit", headers=auth(tokens[role]))
+        assert r.status_code == 200, (role, r.text)
+        assert [e["reason"] for e in r.json()][:1] == ["audit me"], role
+    assert client.get("/api/v1/audit").status_code == 401
+
+
+# --- revocation ------------------------------------------------------------------------------
+
+
+def _token_id(app, token: str) -> int:  # type: ignore[no-untyped-def]
+    with app.state.sessionmaker() as s:
+        row = lookup_token(s, token)
+        assert row is not None
+        return row.id
+
+
+def test_token_revoked_in_this_process_stops_working_at_once(app, seeded, tokens):
+    """The default 30 s token cache must not outlive a revocation made in this process."""
+    client = seeded
+    assert app.state.settings.token_cache_s >= 30
+    op = auth(tokens["operator"])
+    assert client.get("/api/v1/nodes", headers=op).status_code == 200  # now cached
+    assert client.post("/api/v1/nodes/n1/isolate", json={"reason": "before"},
+                       headers=op).status_code == 200
+    with app.state.sessionmaker() as s:
+        revoke_token(s, _token_id(app, tokens["operator"]))
+        s.commit()
+    assert client.get("/api/v1/nodes", headers=op).status_code == 401
+    r = client.post("/api/v1/nodes/n1/release", json={"reason": "after"}, headers=op)
+    assert r.status_code == 401, r.text
+    assert "revoked" in r.json()["detail"]
+
+
+def test_rolled_back_revocation_keeps_the_token(app, seeded, tokens):
+    client = seeded
+    viewer = auth(tokens["viewer"])
+    assert client.get("/api/v1/nodes", headers=viewer).status_code == 200
+    with app.state.sessionmaker() as s:
+        revoke_token(s, _token_id(app, tokens["viewer"]))
+        s.rollback()
+    assert client.get("/api/v1/nodes", headers=viewer).status_code == 200
+
+
+def test_revoked_session_cannot_act_on_the_dashboard(app, seeded, tokens):
+    browser = TestClient(app, follow_redirects=False)
+    csrf = sign_in(browser, tokens["operator"])
+    assert browser.get("/").status_code == 200  # cached for the session's token
+    with app.state.sessionmaker() as s:
+        revoke_token(s, _token_id(app, tokens["operator"]))
+        s.commit()
+    r = browser.post("/api/v1/nodes/n1/isolate", json={"reason": "revoked"},
+                     headers={"X-CSRF-Token": csrf})
+    assert r.status_code == 401, r.text
+    assert is_login_redirect(browser.get("/"))
+    node = seeded.get("/api/v1/nodes/n1", headers=auth(tokens["viewer"])).json()
+    assert node["isolated"] is False
+
+
+def _revoke_elsewhere(database_url: str, token_id: int) -> None:
+    """Revoke as an operator would from another machine: ``tierwatch-server token revoke``."""
+    subprocess.run(
+        [str(BIN / "tierwatch-server"), "token", "revoke", str(token_id)],
+        env=base_env(TIERWATCH_DATABASE_URL=database_url), check=True, capture_output=True,
+        timeout=60,
+    )
+
+
+def test_token_revoked_by_the_cli_cannot_change_anything(settings, make_token):
+    """Another process's revocation cannot clear this process's cache: writes by people are
+    checked against the database every time, reads stop within token_cache_s."""
+    app = create_app(settings.model_copy(update={"token_cache_s": 1.0}))
+    with TestClient(app) as client:
+        tokens = {"agent_n1": make_token("agent", "n1"), "agent_n2": make_token("agent", "n2"),
+                  "viewer": make_token("viewer"), "operator": make_token("operator"),
+                  "admin": make_token("admin")}
+        seed_cluster(client, tokens)
+        for role in ("operator", "admin"):
+            h = auth(tokens[role])
+            assert client.get("/api/v1/nodes", headers=h).status_code == 200  # cached
+            _revoke_elsewhere(settings.database_url, _token_id(app, tokens[role]))
+            writes = [
+                client.post("/api/v1/nodes/n1/isolate", json={"reason": "x"}, headers=h),
+                client.post("/api/v1/nodes/n1/ack", json={}, headers=h),
+                client.post(f"/api/v1/jobs/{JOB}/restore", json={"reason": "x"}, headers=h),
+                client.put("/api/v1/policy", json={"enabled": False}, headers=h),
+            ]
+            assert [w.status_code for w in writes] == [401] * 4, [w.text for w in writes]
+            wait_for(lambda h=h: client.get("/api/v1/nodes", headers=h).status_code == 401,
+                     timeout=10, what="revoked token refused for reads")
+        node = client.get("/api/v1/nodes/n1", headers=auth(tokens["viewer"])).json()
+        assert node["isolated"] is False
+
+
+def test_agent_token_revoked_elsewhere_stops_within_the_cache_window(settings, make_token):
+    """Agent reports keep the token cache (the hot path): refused within token_cache_s."""
+    app = create_app(settings.model_copy(update={"token_cache_s": 0.5}))
+    with TestClient(app) as client:
+        token = make_token("agent", "n1")
+        body = make_batch("n1", 1).model_dump_json()
+        headers = {**auth(token), "Content-Type": "application/json"}
+        assert client.post("/api/v1/ingest/report", content=body,
+                           headers=headers).status_code == 200
+        with app.state.engine.begin() as conn:  # as another process would: no hook runs
+            conn.execute(update(ApiToken).where(ApiToken.node_name == "n1")
+                         .values(revoked_at=utcnow()))
+        wait_for(
+            lambda: client.post("/api/v1/ingest/report", content=body,
+                                headers=headers).status_code == 401,
+            timeout=10, what="revoked agent token refused",
+        )
