@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, Request
-from pydantic import AwareDatetime
+from fastapi import APIRouter, HTTPException, Path, Query, Request
+from pydantic import AfterValidator, AwareDatetime
 from sqlalchemy import select
 
-from tierwatch.agent.protocol import utcnow
+from tierwatch.agent.protocol import _no_nul, utcnow
 from tierwatch.server.actions import audit, isolation, policy, queue, restores
 from tierwatch.server.actions.models import CommandRow, RestoreRequest
 from tierwatch.server.actions.schemas import (
@@ -31,9 +31,19 @@ from tierwatch.server.fleet import service as fleet_service
 from tierwatch.server.fleet.api import NodeDep
 from tierwatch.server.fleet.models import Node
 from tierwatch.server.fleet.schemas import node_out
-from tierwatch.server.security import AdminDep, OperatorDep, Principal, ReaderDep
+from tierwatch.server.security import (
+    AdminDep,
+    OperatorDep,
+    Principal,
+    ReaderDep,
+    error_responses,
+    invalid_request,
+)
 
-router = APIRouter(prefix="/api/v1", tags=["actions"])
+router = APIRouter(prefix="/api/v1", tags=["actions"], responses=error_responses(401, 422))
+# Filters hold no NUL (no stored name or value does; PostgreSQL refuses one in a query).
+Filter = Annotated[str, AfterValidator(_no_nul)]
+BODY_ERRORS = error_responses(400, 403, 404, 413)
 
 
 def _wake_drivers(request: Request) -> None:
@@ -59,7 +69,7 @@ def _isolation(
     return IsolationOut(changed=outcome.changed, node=node_out(view), command=command)
 
 
-@router.post("/nodes/{name}/isolate", response_model=IsolationOut)
+@router.post("/nodes/{name}/isolate", response_model=IsolationOut, responses=BODY_ERRORS)
 def isolate(
     request: Request, principal: OperatorDep, node: NodeDep, body: ReasonIn,
     session: SessionDep, settings: SettingsDep,
@@ -75,7 +85,7 @@ def isolate(
     return _isolation(request, principal, node, True, body, session, settings)
 
 
-@router.post("/nodes/{name}/release", response_model=IsolationOut)
+@router.post("/nodes/{name}/release", response_model=IsolationOut, responses=BODY_ERRORS)
 def release(
     request: Request, principal: OperatorDep, node: NodeDep, body: ReasonIn,
     session: SessionDep, settings: SettingsDep,
@@ -93,7 +103,7 @@ def release(
 def list_commands(
     _: ReaderDep,
     session: SessionDep,
-    node: Annotated[str | None, Query(max_length=128)] = None,
+    node: Annotated[Filter | None, Query(max_length=128)] = None,
     state: Annotated[
         str | None, Query(pattern="^(pending|delivered|running|succeeded|failed|expired)$")
     ] = None,
@@ -112,8 +122,12 @@ def list_commands(
     return [queue.command_out(row, name) for row, name in rows]
 
 
-@router.get("/commands/{command_id}", response_model=CommandOut)
-def get_command(_: ReaderDep, command_id: str, session: SessionDep) -> dict:
+@router.get("/commands/{command_id}", response_model=CommandOut,
+            responses=error_responses(404))
+def get_command(
+    _: ReaderDep, command_id: Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")],
+    session: SessionDep,
+) -> dict:
     """One command.
 
     Raises:
@@ -133,7 +147,8 @@ def _job(session: SessionDep, job_id: str):  # noqa: ANN202 - a Job
         raise HTTPException(status_code=404, detail=str(exc)) from exc
 
 
-@router.post("/jobs/{job_id}/restore", response_model=RestoreRequestOut, status_code=202)
+@router.post("/jobs/{job_id}/restore", response_model=RestoreRequestOut, status_code=202,
+             responses={**BODY_ERRORS, **error_responses(409)})
 def restore(
     principal: OperatorDep, job_id: str, body: RestoreIn, session: SessionDep,
     settings: SettingsDep,
@@ -161,7 +176,8 @@ def restore(
     return restores.request_out(session, req)
 
 
-@router.get("/jobs/{job_id}/restores", response_model=list[RestoreRequestOut])
+@router.get("/jobs/{job_id}/restores", response_model=list[RestoreRequestOut],
+            responses=error_responses(404))
 def list_restores(
     _: ReaderDep, job_id: str, session: SessionDep,
     limit: Annotated[int, Query(ge=1, le=200)] = 20,
@@ -172,8 +188,11 @@ def list_restores(
                                                                                 limit)]
 
 
-@router.get("/restores/{request_id}", response_model=RestoreRequestOut)
-def get_restore(_: ReaderDep, request_id: int, session: SessionDep) -> dict:
+@router.get("/restores/{request_id}", response_model=RestoreRequestOut,
+            responses=error_responses(404))
+def get_restore(
+    _: ReaderDep, request_id: Annotated[int, Path(ge=1, le=2**31 - 1)], session: SessionDep
+) -> dict:
     """One restore request with each rank's phase (pending, staging, loaded, failed).
 
     Raises:
@@ -189,13 +208,13 @@ def get_restore(_: ReaderDep, request_id: int, session: SessionDep) -> dict:
 def list_audit(
     _: ReaderDep,
     session: SessionDep,
-    actor: Annotated[str | None, Query(max_length=128)] = None,
-    action: Annotated[str | None, Query(max_length=32)] = None,
+    actor: Annotated[Filter | None, Query(max_length=128)] = None,
+    action: Annotated[Filter | None, Query(max_length=32)] = None,
     target_kind: Annotated[
         str | None, Query(pattern="^(node|job|policy|token|cluster)$")
     ] = None,
-    target: Annotated[str | None, Query(max_length=128)] = None,
-    outcome: Annotated[str | None, Query(max_length=16)] = None,
+    target: Annotated[Filter | None, Query(max_length=128)] = None,
+    outcome: Annotated[Filter | None, Query(max_length=16)] = None,
     since: AwareDatetime | None = None,
     until: AwareDatetime | None = None,
     before_id: Annotated[int | None, Query(ge=1, le=2**62)] = None,
@@ -205,7 +224,7 @@ def list_audit(
     range; page with ``before_id`` (the smallest id of the previous page). Every role may
     read it."""
     if since and until and since > until:
-        raise HTTPException(status_code=422, detail="since must not be after until")
+        raise invalid_request(("query", "since"), "since must not be after until")
     return [
         audit.entry_out(e)
         for e in audit.query(
@@ -221,7 +240,7 @@ def get_policy(_: ReaderDep, session: SessionDep, settings: SettingsDep) -> dict
     return policy.status(session, settings, now=utcnow())
 
 
-@router.put("/policy", response_model=PolicyOut)
+@router.put("/policy", response_model=PolicyOut, responses=error_responses(400, 403, 413))
 def put_policy(
     principal: AdminDep, body: PolicyUpdate, session: SessionDep, settings: SettingsDep
 ) -> dict:

@@ -5,14 +5,16 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
+from tierwatch.agent.protocol import _no_nul
 from tierwatch.server.actions.settings import PolicySettings
 from tierwatch.server.fleet.schemas import NodeOut
 
 Reason = Annotated[
     str,
     StringConstraints(strip_whitespace=True, min_length=1, max_length=1000),
+    AfterValidator(_no_nul),
     Field(description="why (required; shown in the audit log and to other operators)"),
 ]
 
