@@ -143,7 +143,8 @@ def token_list() -> None:
 
 @token_app.command("revoke")
 def token_revoke(token_id: Annotated[int, typer.Argument(help="id from `token list`")]) -> None:
-    """Revoke a token: it stops working at once."""
+    """Revoke a token: state-changing requests refuse it at once; reads (and agent reports)
+    within TIERWATCH_TOKEN_CACHE_S."""
     from tierwatch.server.db import session_scope
     from tierwatch.server.tokens import TokenError, revoke_token
 
