@@ -372,7 +372,8 @@ class AgentSettings(BaseSettings):
         """Check that everything ``tierwatch-agent run`` needs is set.
 
         Raises:
-            SettingsError: node, server or token is missing (names the option and env var).
+            SettingsError: node, server or token is missing (names the option and env var),
+                or the isolation command is not an executable file.
         """
         missing = [
             f"--{name} (TIERWATCH_{name.upper()})"
@@ -382,3 +383,9 @@ class AgentSettings(BaseSettings):
         ]
         if missing:
             raise SettingsError("missing required setting(s): " + ", ".join(missing))
+        exe = self.isolation_command
+        if exe is not None and not (exe.is_file() and os.access(exe, os.X_OK)):
+            raise SettingsError(
+                f"--isolation-command (TIERWATCH_ISOLATION_COMMAND) {exe}: "
+                + ("is not executable (chmod +x it)" if exe.is_file() else "no such file")
+            )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any
@@ -64,6 +65,16 @@ class BackgroundWork:
             self._driver: ClusterDriver | None = make_cluster_driver(settings.isolation)
         except DriverConfigError as exc:
             raise ConfigError(f"isolation driver {settings.isolation.driver}: {exc}") from exc
+        scontrol = settings.isolation.scontrol
+        if settings.isolation.driver == "slurm" and shutil.which(scontrol) is None:
+            raise ConfigError(
+                f"isolation driver slurm: {scontrol!r} is not an executable "
+                "on PATH: install Slurm's client tools on the server or set "
+                "TIERWATCH_ISOLATION__SCONTROL to scontrol's path"
+            )
+        # A driver run with no result after this is given up (the agent enforces
+        # --isolation-timeout, the server the driver's timeout_s; the margin covers reports).
+        self._run_limit_s = max(3 * settings.isolation.timeout_s, 2 * settings.commands.ttl_s)
         self._tasks: list[asyncio.Task[None]] = []
         self._last_prune = time.monotonic()
         self._wake_drivers = asyncio.Event()
@@ -117,7 +128,7 @@ class BackgroundWork:
     def _expire_and_police(self) -> None:
         now = utcnow()
         with self._factory() as session:
-            expired = queue.expire(session, now=now)
+            expired = queue.expire(session, now=now, run_limit_s=self._run_limit_s)
             names = _names(session, [r.node_id for r in expired])
             for row in expired:
                 record_command_outcome(session, self._settings, row, names.get(row.node_id, "?"),
@@ -185,7 +196,11 @@ class BackgroundWork:
         run: Callable[[str, str], Any] = (
             self._driver.isolate if kind == "isolate" else self._driver.release
         )
-        res = run(node, reason)
+        try:
+            res = run(node, reason)
+        except Exception as exc:  # noqa: BLE001 - a driver bug fails this run, not the loop
+            log.exception("isolation driver %s failed on %s", self._driver.name, node)
+            return False, None, f"driver error: {exc!r}"
         return res.ok, res.exit_code, res.output
 
     def _finish(self, command_id: str, ok: bool, exit_code: int | None, output: str) -> None:

@@ -36,6 +36,9 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port", min=1, max=65535)] = 8000,
     migrate_first: Annotated[bool, typer.Option("--migrate/--no-migrate")] = True,
     log_level: Annotated[str, typer.Option()] = "info",
+    forwarded_allow_ips: Annotated[str, typer.Option(
+        help="comma-separated addresses of reverse proxies whose X-Forwarded-For is "
+        "trusted (default: none; the client address is the TCP peer)")] = "",
 ) -> None:
     """Run the control plane (migrates the database first unless --no-migrate)."""
     import logging
@@ -59,7 +62,11 @@ def serve(
         _err(f"error: {exc}")
         raise typer.Exit(2) from exc
     _err(f"tierwatch-server listening on http://{host}:{port}")
-    uvicorn.run(app_, host=host, port=port, log_level=log_level, access_log=False)
+    # Proxy headers only from named proxies: otherwise any local client could claim any
+    # address (and get round the sign-in rate limit).
+    uvicorn.run(app_, host=host, port=port, log_level=log_level, access_log=False,
+                proxy_headers=bool(forwarded_allow_ips),
+                forwarded_allow_ips=forwarded_allow_ips or None)
 
 
 @app.command()
@@ -162,10 +169,15 @@ def main() -> None:
     """Console-script entry point: configuration and database mistakes print one line
     saying what to fix (exit 2) instead of a traceback."""
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
     from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
     try:
         app(prog_name="tierwatch-server", standalone_mode=True)
+    except SettingsError as exc:  # e.g. a list setting that is not JSON
+        _err(f"error: invalid setting: {exc}; list settings take JSON, e.g. "
+             """TIERWATCH_POLICY__ACTIONS='["RESET_GPU","RESTART_BM"]'""")
+        raise SystemExit(2) from None
     except ValidationError as exc:
         problems = "; ".join(
             f"TIERWATCH_{'__'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"

@@ -167,11 +167,25 @@ def _jobs_on(session: Session, node: str, now: datetime) -> list[Job]:
     return [j for j in jobs if j.layout and node in j.layout]
 
 
+def _reset_breaker(session: Session, settings: Settings, row: PolicySettingsRow, *,
+                   now: datetime, detail: dict[str, Any]) -> None:
+    row.breaker_tripped_at = None
+    row.breaker_message = ""
+    audit.record(session, actor=POLICY_ACTOR, role="policy", action="breaker_reset",
+                 target_kind="cluster", target="auto-isolation", outcome="ok", now=now,
+                 detail=detail)
+    notify.breaker_reset(session, settings, now=now)
+
+
 def run(session: Session, settings: Settings, *, now: datetime) -> PolicyRun:
     """One pass of the policy (call in the leader replica only; the caller commits)."""
     policy, _ = effective(session, settings)
     result = PolicyRun()
     if not policy.enabled:
+        row = _row(session)
+        if row is not None and row.breaker_tripped_at is not None:  # off: nothing held
+            _reset_breaker(session, settings, row, now=now, detail={"policy": "off"})
+            result.reset = True
         return result
     views = fleet_service.list_node_views(session, now=now, th=settings.health, with_gpus=False)
     allowed = allowed_isolations(policy.breaker_pct, len(views))
@@ -180,12 +194,8 @@ def run(session: Session, settings: Settings, *, now: datetime) -> PolicyRun:
     tripped = row is not None and row.breaker_tripped_at is not None
     if tripped and count < allowed:
         assert row is not None
-        row.breaker_tripped_at = None
-        row.breaker_message = ""
-        audit.record(session, actor=POLICY_ACTOR, role="policy", action="breaker_reset",
-                     target_kind="cluster", target="auto-isolation", outcome="ok", now=now,
-                     detail={"allowed": allowed, "count": count})
-        notify.breaker_reset(session, settings, now=now)
+        _reset_breaker(session, settings, row, now=now,
+                       detail={"allowed": allowed, "count": count})
         result.reset = True
         tripped = False
     todo = candidates(views, policy, now)

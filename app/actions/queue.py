@@ -98,6 +98,10 @@ def deliver(
             or_(
                 CommandRow.state == "pending",
                 (CommandRow.state == "delivered") & (CommandRow.delivered_at <= stale),
+                # A driver run the agent said it started but never finished (it may have
+                # crashed mid-run): sent again, so the agent answers with what it recorded.
+                (CommandRow.state == "running") & (CommandRow.kind != "restore")
+                & (CommandRow.delivered_at <= stale),
             ),
         )
         .order_by(CommandRow.created_at, CommandRow.id)
@@ -106,7 +110,8 @@ def deliver(
         mine = out[row.node_id]
         if len(mine) >= settings.max_per_ack:
             continue
-        row.state = "delivered"
+        if row.state != "running":
+            row.state = "delivered"
         row.delivered_at = now
         row.attempts += 1
         mine.append(Command(id=row.id, kind=row.kind, args=row.args, expires_at=row.expires_at))
@@ -193,13 +198,19 @@ def claim_server_commands(session: Session, *, now: datetime, limit: int = 20) -
     return list(rows)
 
 
-def expire(session: Session, *, now: datetime) -> list[CommandRow]:
-    """Mark commands nobody started before ``expires_at`` expired; returns them."""
-    rows = session.scalars(
+def expire(session: Session, *, now: datetime, run_limit_s: float) -> list[CommandRow]:
+    """End commands that will never finish; returns them.
+
+    - ``pending``/``delivered`` ones nobody started before ``expires_at``: ``expired``;
+    - driver runs (not restores: their requests expire on their own) ``running`` for longer
+      than ``run_limit_s`` without a result: ``failed``, not run again (the agent went away,
+      or the server stopped mid-run) — the node's state in the scheduler must be checked.
+    """
+    rows = list(session.scalars(
         select(CommandRow).where(
             CommandRow.state.in_(("pending", "delivered")), CommandRow.expires_at <= now
         )
-    ).all()
+    ))
     for row in rows:
         _advance(row, "expired", now)
         row.output = row.output or (
@@ -207,7 +218,19 @@ def expire(session: Session, *, now: datetime) -> list[CommandRow]:
             f"{row.expires_at.isoformat(timespec='seconds')}"
             + (" (the node's agent did not report in time)" if row.executor == "agent" else "")
         )
-    return list(rows)
+    stuck = list(session.scalars(
+        select(CommandRow).where(
+            CommandRow.state == "running", CommandRow.kind != "restore",
+            CommandRow.started_at <= now - timedelta(seconds=run_limit_s),
+        )
+    ))
+    for row in stuck:
+        where = "the node's agent" if row.executor == "agent" else "the server"
+        finish(row, ok=False, exit_code=row.exit_code, now=now, output=(
+            f"{row.output}\nno result {run_limit_s:g} s after the driver started: {where} "
+            "stopped while it ran, so it is not run again; check the node's state in the "
+            "scheduler and isolate/release again if needed").strip())
+    return rows + stuck
 
 
 def fail_running_for_restore(session: Session, restore_id: int, *, message: str,

@@ -110,7 +110,8 @@ def release_form(request: Request, name: str, principal: OperatorPageDep, _: Csr
 
 @router.post("/nodes/{name}/ack")
 def ack_form(request: Request, name: str, principal: OperatorPageDep, _: CsrfDep,
-             session: SessionDep, note: ReasonField = "") -> Response:
+             session: SessionDep,
+             note: Annotated[str, Form(max_length=2000)] = "") -> Response:
     """Acknowledge every active reason of a node (clears XID-driven states)."""
     node = fleet_service.get_node(session, name)
     text = _reason(request, note)
@@ -145,7 +146,11 @@ def restore_form(request: Request, job_id: str, principal: OperatorPageDep, _: C
             flash(request, f"Step must be a whole number (got {step.strip()!r}).", "error")
             return _back(path)
         step_value = int(step.strip())
-    tier_value = tier if tier in ("memory", "peer", "persistent") else None
+    if tier and tier not in ("memory", "peer", "persistent"):
+        flash(request, f"Tier must be memory, peer or persistent, or empty for the fastest "
+              f"that holds the step (got {tier!r}).", "error")
+        return _back(path)
+    tier_value = tier or None
     try:
         req = restores.request_restore(session, job, step=step_value, tier=tier_value,
                                        reason=text, actor=principal.actor,

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 from urllib.parse import urlencode, urlsplit
 
 from fastapi import Depends, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse
 from fastapi.routing import APIRoute
 
@@ -174,5 +175,12 @@ class WebRoute(APIRoute):
                 return error_page(request, 404, "Not found", str(exc))
             except WebError as exc:
                 return error_page(request, exc.status, exc.title, exc.message)
+            except RequestValidationError as exc:
+                fields = "; ".join(
+                    f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'input'}: "
+                    f"{e.get('msg', '')}" for e in exc.errors()[:5]
+                )
+                return error_page(request, 422, "Invalid input",
+                                  f"Nothing was changed. Fix and try again: {fields}.")
 
         return web_handler

@@ -200,7 +200,7 @@ def test_commands_expire_when_the_agent_never_reports(command_client, make_token
     factory = client.app.state.sessionmaker
     with factory() as s:
         later = utcnow() + timedelta(seconds=command_settings.commands.ttl_s + 1)
-        expired = queue.expire(s, now=later)
+        expired = queue.expire(s, now=later, run_limit_s=3600)
         s.commit()
     assert [r.id for r in expired] == [cmd["id"]]
     assert agents.post("n1") == []
@@ -333,3 +333,29 @@ def test_a_step_evicted_by_a_rollback_and_saved_again_is_restorable_again(
     assert r.status_code == 202, r.text
     job = client.get(f"/api/v1/jobs/{JOB}", headers=op).json()
     assert job["tiers"]["memory"]["newest_step"] == 20
+
+
+def test_a_driver_run_the_agent_never_finished_is_sent_again_then_given_up(
+    command_client, make_token, tokens
+):
+    import time
+
+    client = command_client
+    agents = Agents(client, make_token)
+    agents.post("n1")
+    cmd = client.post("/api/v1/nodes/n1/isolate", json={"reason": "x"},
+                      headers=auth(tokens["operator"])).json()["command"]
+    assert [c["id"] for c in agents.post("n1")] == [cmd["id"]]
+    agents.post("n1", command_results=[CommandResult(id=cmd["id"], state="running",
+                                                     ts=utcnow())])
+    time.sleep(0.3)  # redeliver_s = 0.2: the agent may have crashed mid-run
+    assert [c["id"] for c in agents.post("n1")] == [cmd["id"]]
+    got = client.get(f"/api/v1/commands/{cmd['id']}", headers=auth(tokens["viewer"])).json()
+    assert got["state"] == "running"
+    with client.app.state.sessionmaker() as s:
+        ended = queue.expire(s, now=utcnow() + timedelta(seconds=61), run_limit_s=60)
+        s.commit()
+    assert [r.id for r in ended] == [cmd["id"]]
+    got = client.get(f"/api/v1/commands/{cmd['id']}", headers=auth(tokens["viewer"])).json()
+    assert got["state"] == "failed"
+    assert "not run again" in got["output"]

@@ -200,3 +200,23 @@ def test_restore_is_handed_to_the_checkpoint_store(tmp_path, error, expect):
     assert results.items[-1].state == expect
     if error is not None:
         assert str(error) in results.items[-1].output
+
+
+def test_agent_refuses_to_start_with_an_unusable_isolation_command(tmp_path):
+    import subprocess
+    import sys
+
+    agent = Path(sys.executable).parent / "tierwatch-agent"
+    not_exec = tmp_path / "isolate.sh"
+    not_exec.write_text("#!/bin/sh\n")
+    not_exec.chmod(0o644)
+    for exe, message in ((tmp_path / "missing.sh", "no such file"),
+                         (not_exec, "is not executable")):
+        out = subprocess.run([str(agent), "run", "--node", "n1", "--server",
+                              "http://127.0.0.1:9", "--token", "t", "--isolation-command",
+                              str(exe), "--state-dir", str(tmp_path / "state"),
+                              "--spool-dir", str(tmp_path / "spool")],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2
+        assert message in out.stderr
+        assert "TIERWATCH_ISOLATION_COMMAND" in out.stderr

@@ -154,3 +154,39 @@ def test_policy_page_admin_changes_it(signed_in):
     r = _post(client, "/policy", "/policy", enabled="on", breaker_pct="500")
     assert "Policy not changed: breaker_pct" in client.get("/policy").text
     assert 'data-policy="on"' in client.get("/").text
+
+
+def test_restore_form_with_a_bad_tier_changes_nothing(signed_in, node, client, make_token):
+    job = _job(client, make_token)
+    client = signed_in("operator")
+    _post(client, f"/jobs/{job}/restore", f"/jobs/{job}", step="10", tier="disk", reason="x")
+    page = client.get(f"/jobs/{job}").text
+    assert "Tier must be memory, peer or persistent" in page
+    assert "restore-request" not in page
+
+
+def test_over_long_form_input_gets_a_page_not_json(signed_in, node):
+    client = signed_in("operator")
+    r = _post(client, f"/nodes/{node}/isolate", f"/nodes/{node}", reason="x" * 1001)
+    assert r.status_code == 422
+    assert r.headers["content-type"].startswith("text/html")
+    assert "Nothing was changed" in r.text
+    assert "reason" in r.text
+    assert 'data-isolated="true"' not in client.get(f"/nodes/{node}").text
+
+
+def test_turning_the_policy_off_lets_the_breaker_go(signed_in, client, make_token):
+    from tierwatch.agent.protocol import utcnow
+    from tierwatch.server.actions import policy
+    from tierwatch.server.actions.models import PolicySettingsRow
+
+    app = client.app
+    with app.state.sessionmaker() as s:
+        s.add(PolicySettingsRow(id=1, enabled=False, updated_by="", breaker_message="held",
+                                breaker_tripped_at=utcnow()))
+        s.commit()
+        run = policy.run(s, app.state.settings, now=utcnow())
+        s.commit()
+    assert run.reset
+    client = signed_in("viewer")
+    assert 'data-breaker="ok"' in client.get("/").text
