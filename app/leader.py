@@ -20,8 +20,13 @@ from sqlalchemy import Connection, Engine, text
 
 log = logging.getLogger(__name__)
 
-# "tierwatc" as a signed 64-bit key: one lock per database for tierwatch's background work.
-LOCK_KEY = int.from_bytes(b"tierwatc", "big") - 2**63
+# The lock is (class, object) = ("tw", hash of database + schema): one per tierwatch
+# deployment, so two deployments in different schemas of one database never block each other.
+LOCK_CLASS = int.from_bytes(b"tw", "big")
+LOCK_SQL = ("SELECT pg_try_advisory_lock(:k, hashtext(current_database() || '.' || "
+            "current_schema()))")
+UNLOCK_SQL = ("SELECT pg_advisory_unlock(:k, hashtext(current_database() || '.' || "
+              "current_schema()))")
 
 
 class LeaderLock:
@@ -29,10 +34,10 @@ class LeaderLock:
 
     Args:
         engine: the server's engine (a dedicated connection is taken from it).
-        key: the advisory-lock key.
+        key: the advisory lock's class (the object is the database + schema).
     """
 
-    def __init__(self, engine: Engine, key: int = LOCK_KEY) -> None:
+    def __init__(self, engine: Engine, key: int = LOCK_CLASS) -> None:
         self._engine = engine
         self._key = key
         self._conn: Connection | None = None
@@ -65,7 +70,7 @@ class LeaderLock:
             log.warning("cannot reach the database to take the leader lock", exc_info=True)
             return False
         try:
-            got = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": self._key}).scalar()
+            got = conn.execute(text(LOCK_SQL), {"k": self._key}).scalar()
             conn.commit()
         except Exception:  # noqa: BLE001
             log.warning("taking the leader lock failed", exc_info=True)
@@ -92,7 +97,7 @@ class LeaderLock:
         """Give the lock up (on shutdown)."""
         if self._conn is not None:
             try:
-                self._conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": self._key})
+                self._conn.execute(text(UNLOCK_SQL), {"k": self._key})
                 self._conn.commit()
             except Exception:  # noqa: BLE001
                 pass

@@ -1,0 +1,46 @@
+"""The leader lock: on PostgreSQL exactly one holder per database schema (a deployment), taken
+over when the holder goes; on SQLite every process leads (one server per file)."""
+
+from __future__ import annotations
+
+import uuid
+
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from tierwatch.server.db import make_engine
+from tierwatch.server.leader import LeaderLock
+
+
+def test_one_leader_per_schema_and_takeover(db_url):
+    first, second = make_engine(db_url), make_engine(db_url)
+    a, b = LeaderLock(first), LeaderLock(second)
+    try:
+        if not a.is_postgres:
+            assert a.check()
+            assert b.check()
+            return
+        assert a.check()
+        assert not b.check()
+        assert a.check()  # kept
+        a.release()
+        assert b.check()
+        assert not a.check()
+        # Another deployment (another schema of the same database) has its own lock.
+        schema = f"tw_other_{uuid.uuid4().hex[:8]}"
+        with first.begin() as conn:
+            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+        other_url = (make_url(db_url).update_query_dict({"options": f"-csearch_path={schema}"})
+                     .render_as_string(hide_password=False))
+        other = make_engine(other_url)
+        try:
+            assert LeaderLock(other).check()
+        finally:
+            other.dispose()
+            with first.begin() as conn:
+                conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+    finally:
+        a.release()
+        b.release()
+        first.dispose()
+        second.dispose()
