@@ -49,7 +49,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from tierwatch.agent.checkpoint.layout import LayoutError, check_job_id, check_step
+from tierwatch.agent.checkpoint.layout import (
+    LayoutError,
+    MemoryLayout,
+    check_job_id,
+    check_step,
+)
 from tierwatch.agent.checkpoint.persister import PersistentError, PersistentTier
 from tierwatch.agent.checkpoint.replicator import XXH3_HEADER, PeerClient
 from tierwatch.agent.checkpoint.rollback import RequestStore, parse_restore_command
@@ -93,8 +98,13 @@ class CheckpointService:
         self.emit = emit
         self.node = settings.node or ""
         self.started = False  # set by start(): agent.json written, worker running
-        self.store = MemoryStore(settings.resolved_memory_dir(), node=self.node,
-                                 budget_bytes=settings.resolved_memory_budget())
+        root = settings.resolved_memory_dir()
+        # restore requests pin their steps: retention of replicas and of the persistent tier
+        # (and the ranks' memory retention, through the requests they read) keeps them
+        self.requests = RequestStore(MemoryLayout(root))
+        self.store = MemoryStore(root, node=self.node,
+                                 budget_bytes=settings.resolved_memory_budget(),
+                                 pins=self.requests.pinned_steps)
         url = settings.resolved_persistent_url()
         try:
             self.persistent = PersistentTier(url)
@@ -108,7 +118,6 @@ class CheckpointService:
                                  nice=settings.ckpt_nice)
         self._peer = PeerClient(self.peer_token) if self.peer_token else None
         self.stager = Stager(self.store.layout, node=self.node, peer=self._peer, emit=emit)
-        self.requests = RequestStore(self.store.layout)
         self.agent_info: dict[str, Any] = {}
 
     def start(self, listen_host: str, port: int) -> None:
@@ -191,7 +200,9 @@ class CheckpointService:
         memory folder (fsync'd, so an agent restart keeps it); the ranks read it through
         ``GET /v1/ckpt/jobs/{job}/restore-requests``, roll back (or restore it at their next
         start) and retire it. A request id the ranks already retired is ignored (a command
-        delivered again).
+        delivered again). While it is pending (not retired, not expired), its step is
+        *pinned*: this agent's replica eviction and persistent retention keep it, and the
+        ranks keep it in memory (docs/checkpointing.md, "Pinned steps").
 
         Args:
             command: ``kind="restore"``, ``args={"request_id": int, "job_id": str, "step":

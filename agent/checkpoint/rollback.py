@@ -18,6 +18,10 @@ job to go back to a committed step. Its way to the ranks:
    restart) and ``fences``, one ``(request_id, step)`` per rollback that loaded ``step``.
    Then they retire the request on the agent (``DELETE …/restore-requests/{id}``).
 
+Pins: while a request is pending (kept, not retired, not expired), its step is *pinned*:
+retention keeps it in every tier (:func:`pins_of`, :meth:`RequestStore.pinned_steps`), since
+the ranks act on it only once every rank's agent has it, possibly many steps later.
+
 Fences and timelines: steps saved after rollback ``X`` list every fence in their manifest;
 a step of an older timeline above a fence's step is a diverged future that no restore loads
 (:func:`tierwatch.agent.checkpoint.agreement.is_dead`).
@@ -190,8 +194,13 @@ class RequestStore:
             atomic_write_json(d / f"{REQUEST_PREFIX}{request.request_id}.json", request)
             return True
 
-    def pending(self, job_id: str) -> list[RestoreRequest]:
-        """The job's requests not retired, oldest first (unreadable files are skipped).
+    def pending(self, job_id: str, *, quiet: bool = False) -> list[RestoreRequest]:
+        """The job's requests not retired and not expired, oldest first (unreadable files
+        are skipped).
+
+        Args:
+            job_id: The job.
+            quiet: Log expired requests at DEBUG instead of INFO (retention asks often).
 
         Raises:
             LayoutError: a bad job id.
@@ -202,16 +211,28 @@ class RequestStore:
         for p in sorted(d.glob(f"{REQUEST_PREFIX}*.json")) if d.is_dir() else []:
             try:
                 req = RestoreRequest.model_validate_json(p.read_bytes())
+            except FileNotFoundError:  # retired meanwhile
+                continue
             except (OSError, ValueError) as exc:
                 log.warning("restore request %s unreadable, skipped: %s", p, exc)
                 continue
             if req.job_id == job_id and req.request_id > retired:
                 if req.expired(utcnow()):
-                    log.info("restore request %d for %s expired at %s; not served",
-                             req.request_id, job_id, req.not_after)
+                    log.log(logging.DEBUG if quiet else logging.INFO,
+                            "restore request %d for %s expired at %s; not served",
+                            req.request_id, job_id, req.not_after)
                     continue
                 out.append(req)
         return sorted(out, key=lambda r: r.request_id)
+
+    def pinned_steps(self, job_id: str) -> dict[int, list[int]]:
+        """The job's steps that retention must keep in every tier: step → ids of the pending
+        requests (not retired, not expired) that name it.
+
+        Raises:
+            LayoutError: a bad job id.
+        """
+        return pins_of(self.pending(job_id, quiet=True))
 
     def retire(self, job_id: str, up_to: int) -> list[int]:
         """Retire the job's requests with ids ≤ ``up_to`` (served or superseded).
@@ -291,6 +312,33 @@ class Timeline:
         if loaded_step is not None and (request_id, loaded_step) not in fences:
             fences.append((request_id, loaded_step))
         return Timeline(served=max(self.served, request_id), fences=sorted(fences))
+
+
+def pins_of(requests: Iterable[RestoreRequest], *, served: int = 0,
+            now: datetime | None = None) -> dict[int, list[int]]:
+    """Steps pinned by ``requests``: step → request ids, for requests above ``served`` that
+    have not expired by ``now`` (default: the current time).
+
+    A pinned step stays in every tier while its request is pending, whatever the retention
+    (``keep_memory``, ``keep_peer``, ``keep_persistent``): the ranks may act on the request
+    only several steps after the server accepted it.
+    """
+    now = now or utcnow()
+    out: dict[int, list[int]] = {}
+    for r in requests:
+        if r.request_id > served and not r.expired(now):
+            out.setdefault(r.step, []).append(r.request_id)
+    return {step: sorted(ids) for step, ids in sorted(out.items())}
+
+
+def describe_pins(pins: Mapping[int, Iterable[int]]) -> str:
+    """``"step 5 (request 3), step 9 (requests 4, 6)"`` for messages ("" when none)."""
+    parts = []
+    for step, ids in sorted(pins.items()):
+        ids = sorted(ids)
+        parts.append(f"step {step} (request{'s' if len(ids) > 1 else ''} "
+                     f"{', '.join(str(i) for i in ids)})")
+    return ", ".join(parts)
 
 
 def newest_unserved(requests: Iterable[RestoreRequest], served: int) -> int:

@@ -8,7 +8,8 @@
 - receives peer replicas as a stream (:meth:`MemoryStore.receive_replica`): the bytes go to a
   temporary name while being hashed, the size and xxh3-64 are checked, then the file is
   renamed into ``replicas/<src>/<job>/step-<N>/``; a commit marker received for step N evicts
-  that source's older replicas of the job that the marker's ``retain["peer"]`` does not keep;
+  that source's older replicas of the job that the marker's ``retain["peer"]`` does not keep
+  and no pending restore request of the job names (a *pinned* step, :meth:`pinned_steps`);
 - lists what it can supply for a restore (:meth:`MemoryStore.available`), from manifests only;
 - keeps the tier worker's progress in ``<step>/.tier-<r>.json``.
 
@@ -23,7 +24,7 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -48,10 +49,12 @@ from tierwatch.agent.checkpoint.manifest import (
     load_manifest,
     read_commit,
 )
+from tierwatch.agent.checkpoint.rollback import describe_pins
 from tierwatch.agent.protocol import utcnow
 
 log = logging.getLogger(__name__)
 
+PinSource = Callable[[str], Mapping[int, list[int]]]
 UPLOAD_TMP_PREFIX = ".tmp-upload-"
 PROGRESS_PREFIX = ".tier-"
 WRITE_CHUNK = 1024 * 1024
@@ -101,16 +104,22 @@ class MemoryStore:
         root: The memory folder (``--memory-dir``); created if missing.
         node: This node's name.
         budget_bytes: Most bytes the folder may hold before replica uploads are refused (507).
+        pins: job id → {step: request ids} of the job's pending restore requests (the
+            agent's :meth:`RequestStore.pinned_steps
+            <tierwatch.agent.checkpoint.rollback.RequestStore.pinned_steps>`); None: no step
+            is pinned.
 
     Raises:
         OSError: the folder cannot be created.
     """
 
-    def __init__(self, root: Path, *, node: str, budget_bytes: int) -> None:
+    def __init__(self, root: Path, *, node: str, budget_bytes: int,
+                 pins: PinSource | None = None) -> None:
         self.layout = MemoryLayout(root)
         self.root = self.layout.root
         self.node = check_node_name(node)
         self.budget_bytes = budget_bytes
+        self._pins = pins
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._reserved: dict[str, int] = {}
@@ -199,16 +208,32 @@ class MemoryStore:
                 total += st.st_size
         return total
 
+    def pinned_steps(self, job_id: str) -> dict[int, list[int]]:
+        """The job's steps pinned by pending restore requests: step → request ids. Retention
+        keeps them in every tier this agent manages (replicas; persistent on the node of rank
+        0) until the request is retired or expires. An unreadable request folder pins
+        nothing (its files are skipped with a warning)."""
+        if self._pins is None:
+            return {}
+        try:
+            return dict(self._pins(job_id))
+        except (OSError, ValueError) as exc:
+            log.warning("restore requests of %s unreadable (%s): no step pinned", job_id, exc)
+            return {}
+
     def free_bytes(self) -> int:
         """``budget - used`` (never below 0)."""
         return max(0, self.budget_bytes - self.used_bytes())
 
-    def _over_budget(self, what: str, size: int, used: int) -> StoreError:
+    def _over_budget(self, what: str, size: int, used: int, job_id: str) -> StoreError:
+        pins = self.pinned_steps(job_id)
+        pinned = (f"; {job_id} also keeps {describe_pins(pins)} while those restore requests "
+                  "are pending") if pins else ""
         return StoreError(
             507,
             f"{what}: {size} bytes do not fit in node {self.node}'s memory budget "
-            f"({used} of {self.budget_bytes} bytes used); raise --memory-budget on {self.node}, "
-            "lower the job's retention, or free its memory folder "
+            f"({used} of {self.budget_bytes} bytes used{pinned}); raise --memory-budget on "
+            f"{self.node}, lower the job's retention, or free its memory folder "
             "(tierwatch-agent ckpt gc)",
         )
 
@@ -237,7 +262,7 @@ class MemoryStore:
             used = disk + sum(self._reserved.values())
             limit = self.budget_bytes - used
             if size is not None and size > limit:
-                raise self._over_budget(what, size, used)
+                raise self._over_budget(what, size, used, job_id)
             self._reserved[key] = size or 0
         return ReplicaUpload(self, key=key, what=what, src_node=src_node, job_id=job_id,
                              step=step, name=name, xxh3=xxh3, size=size, limit=limit,
@@ -267,15 +292,23 @@ class MemoryStore:
 
     def evict_replicas(self, *, src_node: str, job_id: str, newest: int,
                        keep: set[int]) -> list[tuple[int, list[int]]]:
-        """Remove replica steps of (src_node, job) older than ``newest`` not in ``keep``.
+        """Remove replica steps of (src_node, job) older than ``newest`` not in ``keep`` and
+        not pinned by a pending restore request of the job (:meth:`pinned_steps`).
 
         Returns:
             ``(step, ranks whose manifest it held)`` for each removed step.
         """
         job_dir = self.layout.replica_job_dir(src_node, job_id)
+        steps = _steps_in(job_dir)
+        pins = self.pinned_steps(job_id) if any(s < newest and s not in keep
+                                                 for s in steps) else {}
         evicted = []
-        for step in _steps_in(job_dir):
+        for step in steps:
             if step >= newest or step in keep:
+                continue
+            if step in pins:
+                log.debug("replica %s/%s/step-%d kept: pinned by restore request(s) %s",
+                          src_node, job_id, step, pins[step])
                 continue
             d = job_dir / f"step-{step}"
             ranks = sorted(r for p in d.iterdir()
@@ -453,7 +486,7 @@ class ReplicaUpload:
             self.written += len(chunk)
             if self.written > self.limit:
                 raise self.store._over_budget(self.what, max(self.written, self.size or 0),
-                                              self.used)
+                                              self.used, self.job_id)
             self._hash.update(chunk)
             self._file.write(chunk)
         except OSError as exc:

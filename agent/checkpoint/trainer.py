@@ -45,6 +45,12 @@ Design notes:
   one may be busy with a background save), so all ranks roll back at the same step
   boundary once every rank knows the request. The diverged future (steps above the target)
   is dropped from every tier and fenced off (:mod:`tierwatch.agent.checkpoint.rollback`).
+- **Pinned steps.** Until the ranks act, a pending request's step is *pinned*: every rank
+  sends the steps its agent's requests name with its save outcome, and rank 0 adds them all
+  to the retention of every tier in its decision (the commit marker's ``retain``), so memory,
+  replicas and the persistent tier keep the step although it is older than ``keep_*``; the
+  agents also pin what they hold themselves. Once the request is served or expires, the next
+  retention removes the step as usual.
 """
 
 from __future__ import annotations
@@ -87,8 +93,10 @@ from tierwatch.agent.checkpoint.rollback import (
     RequestPoller,
     RestoreRequest,
     Timeline,
+    describe_pins,
     newest_unserved,
     pick_request,
+    pins_of,
 )
 from tierwatch.agent.checkpoint.staging import PendingCopies, Stager
 from tierwatch.agent.protocol import (
@@ -585,7 +593,8 @@ class TieredCheckpointer:
 
         # 1. Agree that every rank can write (a rank that skipped dcp.save alone would
         #    leave the others waiting in its collectives).
-        reason = self._budget_problem(job.staged_bytes)
+        pins = self.pinned_steps()
+        reason = self._budget_problem(job.staged_bytes, pins)
         verdicts = self._all_gather(reason)
         problems = [f"rank {r}: {v}" for r, v in enumerate(verdicts) if v]
         if problems:
@@ -625,11 +634,15 @@ class TieredCheckpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         job.write_s = time.monotonic() - t0
 
-        # 3. Every rank's outcome; rank 0 decides commit, persistence and retention.
-        outcomes = self._all_gather(error)
+        # 3. Every rank's outcome and the steps its agent's restore requests pin; rank 0
+        #    decides commit, persistence and retention (pinned steps stay in every tier).
+        gathered = self._all_gather((error, sorted(pins)))
+        outcomes = [e for e, _ in gathered]
+        pinned = sorted({s for _, steps in gathered for s in steps})
         decision = None
         if self.rank == 0:
-            decision = self._decide(job.step, outcomes, force_persist=job.persist)
+            decision = self._decide(job.step, outcomes, force_persist=job.persist,
+                                    pinned=pinned)
         decision = self._broadcast_from_0(decision)
         if not decision["committed"]:
             self._remove_own(job.step)
@@ -682,18 +695,36 @@ class TieredCheckpointer:
             with contextlib.suppress(FileNotFoundError):
                 (step_dir / n).unlink()
 
-    def _budget_problem(self, nbytes: int) -> str | None:
+    def _budget_problem(self, nbytes: int, pins: dict[int, list[int]] | None = None
+                        ) -> str | None:
         if self.memory_budget <= 0:
             return None
         used = _dir_bytes(self.layout.root)
         if used + nbytes > self.memory_budget:
+            pinned = (f" (in use includes {describe_pins(pins)}, kept while those restore "
+                      "requests are pending)") if pins else ""
             return (f"node {self.node} memory budget exceeded: {_human(used)} in use + "
-                    f"{_human(nbytes)} for this step > budget {_human(self.memory_budget)}; "
-                    "raise the agent's --memory-budget or keep fewer steps (keep_memory)")
+                    f"{_human(nbytes)} for this step > budget {_human(self.memory_budget)}"
+                    f"{pinned}; raise the agent's --memory-budget or keep fewer steps "
+                    "(keep_memory)")
         return None
 
+    def pinned_steps(self) -> dict[int, list[int]]:
+        """Steps named by the restore requests this rank's agent holds for the job (not
+        served, not expired): step → request ids, from the poller's last answer (no network).
+
+        Retention keeps them in every tier until the request is served or expires: rank 0
+        adds every rank's pins to its retention decision, so a request one node's agent got
+        first already protects the step on all nodes.
+        """
+        return pins_of(self._poller.snapshot(), served=self._timeline.served)
+
     def _decide(self, step: int, outcomes: list[str | None], *,
-                force_persist: bool = False) -> dict[str, Any]:
+                force_persist: bool = False, pinned: list[int] | None = None
+                ) -> dict[str, Any]:
+        """Rank 0's decision for ``step``: committed, persist, and ``retain`` per tier (the
+        newest ``keep[tier]`` steps of the tier, plus the ``pinned`` steps older than
+        ``step``)."""
         failed = [f"rank {r}: {e}" for r, e in enumerate(outcomes) if e]
         if failed:
             return {"committed": False, "why": "; ".join(failed)[:1800]}
@@ -703,10 +734,11 @@ class TieredCheckpointer:
         self._committed = [s for s in self._committed if s < step] + [step]
         if persist:
             self._persisted = [s for s in self._persisted if s < step] + [step]
+        old_pins = {s for s in pinned or [] if s < step}
         retain = {
-            "memory": self._committed[-self.keep["memory"]:],
-            "peer": self._committed[-self.keep["peer"]:],
-            "persistent": self._persisted[-self.keep["persistent"]:],
+            "memory": sorted(set(self._committed[-self.keep["memory"]:]) | old_pins),
+            "peer": sorted(set(self._committed[-self.keep["peer"]:]) | old_pins),
+            "persistent": sorted(set(self._persisted[-self.keep["persistent"]:]) | old_pins),
         }
         self._committed = self._committed[-max(self.keep["memory"], self.keep["peer"]):]
         return {"committed": True, "persist": persist, "retain": retain}
@@ -714,16 +746,19 @@ class TieredCheckpointer:
     def _retain_memory(self, keep: list[int], newest: int) -> None:
         """Remove this rank's files of memory steps rank 0 did not retain.
 
+        ``keep`` holds the steps pinned by pending restore requests (rank 0's decision); the
+        steps this rank's agent pins now are kept too (a request that arrived since).
+
         The newest step marked for the persistent tier stays until this node's agent has
         uploaded it (``.tier-<r>.json`` says so): the agent reads the upload from memory,
         and with saves every step retention would otherwise evict it mid-upload. An older
         persist step is superseded (the agent uploads the newest one) and goes.
         """
-        keep_set = set(keep) | {newest}
+        keep_set = set(keep) | {newest} | set(self.pinned_steps())
         steps = self.layout.steps(self.job_id)
-        pinned = self._pending_upload(steps)
+        uploading = self._pending_upload(steps)
         for step in steps:
-            if step in keep_set or step >= newest or step == pinned:
+            if step in keep_set or step >= newest or step == uploading:
                 continue
             if self._remove_own(step):
                 self._event(step, "memory", "evicted")

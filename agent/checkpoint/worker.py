@@ -13,8 +13,9 @@ node's own ranks write) every scan interval, and at once after ``POST /v1/ckpt/n
   memory before the other nodes are done), waits (polling each scan, at most
   ``metadata_wait_s``) until manifests of all ``world_size`` ranks are in the persistent
   folder, then renames it to ``.metadata`` (last), reports the whole step committed (``rank``
-  None) and applies persistent retention. After a restart it finds such steps again on the
-  persistent tier.
+  None) and applies persistent retention (steps named by the job's pending restore requests
+  stay: :meth:`MemoryStore.pinned_steps <.store.MemoryStore.pinned_steps>`). After a
+  restart it finds such steps again on the persistent tier.
 
 Progress lives in ``<step>/.tier-<r>.json`` (``{"peer": {"targets": {node: "done"}, "done":
 bool}, "persistent": {"uploaded": bool}}``), so a restarted agent skips finished work and
@@ -559,7 +560,8 @@ class TierWorker:
 
     def _retain_persistent(self, p: PendingMetadata) -> None:
         """Delete persistent steps older than ``p.step`` that rank 0's decision does not keep
-        (``p.step``, the newest committed, always stays)."""
+        and no pending restore request of the job names (a pinned step stays until its
+        request is retired or expires; ``p.step``, the newest committed, always stays)."""
         keep = set(p.keep or [])
         try:
             steps = self.persistent.steps(p.job_id)
@@ -567,8 +569,14 @@ class TierWorker:
             self._event(p.job_id, p.step, "persistent", "failed", None, p.world_size,
                         message=f"retention: {exc}")
             return
+        pins = self.store.pinned_steps(p.job_id) if any(
+            s < p.step and s not in keep for s in steps) else {}
         for step in steps:
             if step >= p.step or step in keep:
+                continue
+            if step in pins:
+                log.info("persistent step %d of %s kept: pinned by restore request(s) %s",
+                         step, p.job_id, pins[step])
                 continue
             try:
                 self.persistent.delete_step(p.job_id, step)
@@ -578,7 +586,8 @@ class TierWorker:
                 continue
             self._pending.pop((p.job_id, step), None)
             self._event(p.job_id, step, "persistent", "evicted", None, p.world_size,
-                        message=f"retention after step {p.step} (keeps {sorted(keep)})")
+                        message=f"retention after step {p.step} (keeps {sorted(keep)}"
+                        + (f", pinned {sorted(pins)}" if pins else "") + ")")
 
     # -- helpers -------------------------------------------------------------------------
     def _mark(self, c: LocalCommit, tier: str, **values: Any) -> None:

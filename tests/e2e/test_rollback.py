@@ -194,3 +194,63 @@ def test_operator_rolls_a_running_job_back_and_the_ranks_agree(cluster: Cluster,
     wait_for(lambda: {(0, "loaded"), (1, "loaded")} <= op.phases(second), timeout=30,
              what="request 2 loaded on both ranks")
     assert pending(cluster, job) == []
+
+
+@pytest.fixture
+def direct_cluster(tmp_path: Path):
+    """Two nodes whose agents run in the test process, so a test can hand the restore
+    command to one agent long before the other (the server sends it to both at once)."""
+    c = start_cluster(tmp_path / "direct", with_server=False)
+    for name in PLACEMENT:
+        c.add_inprocess_node(name)
+    yield c
+    c.stop()
+
+
+def test_a_requested_step_outlives_retention_until_every_rank_acts(direct_cluster: Cluster,
+                                                                   tmp_path: Path) -> None:
+    """The request reaches node-b's agent while step S is the newest; node-a's agent gets it
+    only after many more steps, which retention (keep 2 in memory and peers, persistent only
+    every 1000 steps) would have used to evict S everywhere. S stays pinned in every tier
+    (node-a's rank 0 decides retention for both ranks and knows node-b's pins through the
+    save collective), so the rollback to S succeeds; afterwards retention removes S."""
+    c = direct_cluster
+    job, log, total = "rb-pinned", tmp_path / "pinned", 20
+    args = ["--job-id", job, "--steps", str(total), "--log-dir", str(log), *SMALL,
+            # (the last of a repeated option wins) the default memory retention, and no
+            # persistent copy of any step but 0
+            "--keep-memory", "2", "--persist-every", "1000", "--step-sleep", "0.8"]
+    procs = c.launch(args, placement=PLACEMENT, log_dir=log)
+    a, b = c.nodes["node-a"], c.nodes["node-b"]
+
+    def newest(node, rank: int) -> int:
+        return max(committed_steps(node, job, rank) or [-1])
+
+    target = wait_for(lambda: newest(b, 1) if newest(b, 1) >= 2 else None, timeout=60,
+                      interval=0.02, what="a step committed")
+    b.deliver(restore_command(request_id=1, job_id=job, step=target, reason="pin test"))
+    wait_for(lambda: newest(b, 1) >= target + 6, timeout=60, interval=0.1,
+             what=f"step {target + 6} committed")
+    assert target + 6 < total - 1, "training went too fast for the test"
+    # retention kept the pinned step on both nodes, also where the agent has no request
+    assert target in committed_steps(a, job, 0)
+    assert target in committed_steps(b, job, 1)
+    assert len(committed_steps(a, job, 0)) <= 4  # the newest 2, S, the persisted step 0
+    a.deliver(restore_command(request_id=1, job_id=job, step=target, reason="pin test"))
+    assert c.wait_ranks(procs, 120) == [0, 0], procs[0].log_tail()
+
+    for rank in (0, 1):
+        before, after = runs(read_log(log, rank))
+        assert before[-1]["step"] >= target + 6
+        assert after[0]["step"] == target + 1
+        assert {x["restored_from"] for x in after} == {target}
+        assert after[-1]["step"] == total - 1
+        rep = json.loads((log / f"restores-{rank}.jsonl").read_text().splitlines()[-1])
+        assert (rep["request_id"], rep["phase"], rep["step"], rep["ok"]) == \
+            (1, "loaded", target, True), rep
+    assert pending(c, job) == []
+    # served: normal retention removed the step again
+    assert target not in committed_steps(a, job, 0)
+    assert target not in committed_steps(b, job, 1)
+    for holder, src in ((a, "node-b"), (b, "node-a")):
+        assert not (holder.memory_dir / "replicas" / src / job / f"step-{target}").exists()

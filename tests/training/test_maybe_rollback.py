@@ -225,3 +225,58 @@ def test_maybe_rollback_in_one_process(node) -> None:
     wait_for(lambda: {(1, "staging"), (1, "loaded"), (2, "failed"), (3, "loaded")}
              <= {(r["request_id"], r["phase"]) for r in node.spooled_restores()},
              timeout=10, what=f"restore reports in the agent's batches (so far {phases})")
+
+
+def restore_command_until(*, request_id: int, job_id: str, step: int, expires_in_s: float):
+    """A restore command the server gives up on after ``expires_in_s`` (its ``not_after``)."""
+    from datetime import timedelta
+
+    from tierwatch.agent.protocol import Command, utcnow
+
+    return Command(id=f"cmd-{request_id}", kind="restore", args={
+        "request_id": request_id, "job_id": job_id, "step": step, "tier": None,
+        "reason": "pin test", "actor": "pytest",
+        "not_after": (utcnow() + timedelta(seconds=expires_in_s)).isoformat()})
+
+
+@pytest.mark.e2e
+def test_memory_retention_keeps_a_pinned_step_until_served_or_expired(node) -> None:
+    job = "rb-pinned"
+    state = make_state()
+    # persist_every large: only step 0 goes to the persistent tier (it may stay in memory
+    # until uploaded, so the checks below leave it out)
+    ckpt = TieredCheckpointer(job, node.url, latency_every=0, keep_memory=2, keep_peer=2,
+                              persist_every=1000, request_poll_s=0.05)
+
+    def save(steps: range) -> list[int]:
+        for step in steps:
+            train_step(state)
+            ckpt.save(step, state)
+            assert ckpt.wait()
+        return [s for s in ckpt.layout.steps(job) if s != 0]
+
+    def retain(step: int) -> dict:
+        marker = ckpt.layout.step_dir(job, step) / "commit-0.json"
+        return json.loads(marker.read_text())["retain"]
+
+    assert save(range(3)) == [1, 2]
+    node.deliver(restore_command(request_id=1, job_id=job, step=1))
+    wait_for(lambda: ckpt.pinned_steps() == {1: [1]}, timeout=10, what="step 1 pinned")
+    assert save(range(3, 7)) == [1, 5, 6]  # keep_memory 2, and the pinned step 1
+    assert retain(6) == {"memory": [1, 5, 6], "peer": [1, 5, 6], "persistent": [0, 1]}
+
+    # served (the ranks retire it): the next retention removes step 1
+    assert httpx.delete(f"{node.url}/v1/ckpt/jobs/{job}/restore-requests/1",
+                        timeout=5).json() == {"retired": [1]}
+    wait_for(lambda: ckpt.pinned_steps() == {}, timeout=10, what="the pin released")
+    assert save(range(7, 8)) == [6, 7]
+    assert retain(7)["memory"] == [6, 7]
+
+    # a request the server gives up on pins its step only until then
+    node.deliver(restore_command_until(request_id=2, job_id=job, step=7, expires_in_s=1.5))
+    wait_for(lambda: ckpt.pinned_steps() == {7: [2]}, timeout=10, what="step 7 pinned")
+    assert save(range(8, 10)) == [7, 8, 9]
+    wait_for(lambda: ckpt.pinned_steps() == {}, timeout=10, what="request 2 to expire")
+    assert save(range(10, 11)) == [9, 10]
+    assert ckpt.maybe_rollback(state, step=10) is None  # nothing pending: no rollback
+    ckpt.close()
