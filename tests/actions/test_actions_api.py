@@ -130,10 +130,18 @@ def test_sql_looking_reason_is_stored_literally(client, make_token, tokens):
     assert _audit(client, tokens, target="n1")[0]["reason"] == reason
 
 
+def age_deliveries(client: TestClient, seconds: float) -> None:
+    """Move every command's delivery time back (instead of waiting out redeliver_s)."""
+    with client.app.state.sessionmaker() as s:
+        for row in s.query(CommandRow).filter(CommandRow.delivered_at.is_not(None)):
+            row.delivered_at -= timedelta(seconds=seconds)
+        s.commit()
+
+
 @pytest.fixture
 def command_settings(db_url: str) -> Settings:
     return Settings(database_url=db_url, dev=True, prune_interval_s=0,
-                    isolation={"driver": "command"}, commands={"redeliver_s": 0.2})
+                    isolation={"driver": "command"}, commands={"redeliver_s": 0.5})
 
 
 @pytest.fixture
@@ -161,9 +169,7 @@ def test_node_local_driver_command_is_delivered_once_and_results_recorded(
     # either (it is on its way).
     assert agents.post("n2") == []
     # The answer was lost: after redeliver_s the same command comes again, same id.
-    import time
-
-    time.sleep(0.3)
+    age_deliveries(client, 1.0)
     again = agents.post("n1")
     assert [c["id"] for c in again] == [cmd["id"]]
     agents.post("n1", command_results=[CommandResult(id=cmd["id"], state="running",
@@ -179,7 +185,7 @@ def test_node_local_driver_command_is_delivered_once_and_results_recorded(
     # n2 cannot report on n1's command.
     agents.post("n2", command_results=[CommandResult(id=cmd["id"], state="failed",
                                                      ts=utcnow())])
-    time.sleep(0.3)
+    age_deliveries(client, 1.0)
     assert agents.post("n1") == []  # finished: never delivered again
     got = client.get(f"/api/v1/commands/{cmd['id']}", headers=auth(tokens["viewer"])).json()
     assert got["state"] == "succeeded"
@@ -338,8 +344,6 @@ def test_a_step_evicted_by_a_rollback_and_saved_again_is_restorable_again(
 def test_a_driver_run_the_agent_never_finished_is_sent_again_then_given_up(
     command_client, make_token, tokens
 ):
-    import time
-
     client = command_client
     agents = Agents(client, make_token)
     agents.post("n1")
@@ -348,7 +352,7 @@ def test_a_driver_run_the_agent_never_finished_is_sent_again_then_given_up(
     assert [c["id"] for c in agents.post("n1")] == [cmd["id"]]
     agents.post("n1", command_results=[CommandResult(id=cmd["id"], state="running",
                                                      ts=utcnow())])
-    time.sleep(0.3)  # redeliver_s = 0.2: the agent may have crashed mid-run
+    age_deliveries(client, 1.0)  # past redeliver_s: the agent may have crashed mid-run
     assert [c["id"] for c in agents.post("n1")] == [cmd["id"]]
     got = client.get(f"/api/v1/commands/{cmd['id']}", headers=auth(tokens["viewer"])).json()
     assert got["state"] == "running"

@@ -3,12 +3,12 @@ give-up, receiver down, several webhooks, and the lease after a crash mid-round.
 
 from __future__ import annotations
 
-import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from alert_support import Receiver, deliver
 from fastapi.testclient import TestClient
+from procs import wait_for
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -298,12 +298,9 @@ def test_the_running_server_delivers(app, receiver: Receiver) -> None:  # type: 
                 severity="critical", summary="breaker open", now=utcnow(),
             )
             s.commit()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+        def delivered() -> bool:
             with app.state.sessionmaker() as s:
-                if s.scalar(select(AlertDelivery.state)) == "delivered":
-                    break
-            time.sleep(0.05)
-        else:
-            pytest.fail("the server did not deliver within 20 s")
+                return s.scalar(select(AlertDelivery.state)) == "delivered"
+
+        wait_for(delivered, timeout=20, interval=0.05, what="the server's own delivery")
     assert [r.body["alert"]["summary"] for r in receiver.requests] == ["breaker open"]

@@ -241,10 +241,13 @@ def test_two_servers_on_one_database_act_once(tmp_path, pg_url):
                  timeout=30, what="gpu-9 reported")
         inject_xid(agent)
         wait_for(lambda: len(calls(log)) >= 1, timeout=30, what="scontrol drain ran")
-        # Give the follower several ticks in which it could (wrongly) act too.
-        import time
+        # Give the follower several ticks in which it could (wrongly) act too: 8 more
+        # reports at 0.5 s (the background ticks every second).
+        def seq():
+            return api(one, viewer, "GET", "/api/v1/nodes/gpu-9").json()["reports"]["last_seq"]
 
-        time.sleep(4)
+        start = seq()
+        wait_for(lambda: seq() >= start + 8, timeout=30, what="8 more reports")
         assert [c["argv"][2] for c in calls(log)] == ["state=drain"]
         entries = api(one, viewer, "GET", "/api/v1/audit", params={"actor": "policy"}).json()
         assert [(e["action"], e["outcome"]) for e in entries] == [
