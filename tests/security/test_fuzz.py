@@ -80,10 +80,11 @@ def _known_ids(case):  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def fuzz_app(app, client, tokens):  # type: ignore[no-untyped-def]
-    """A second app on the seeded database: schemathesis runs its lifespan itself (and the
-    schemathesis pytest plugin ends it when the test ends)."""
+    """A second app on the seeded database: schemathesis runs its lifespan itself and does
+    not end it, so this app runs no background work (its leader lock would otherwise outlive
+    the test and keep every later server on this database from leading)."""
     seed_cluster(client, tokens)
-    return create_app(app.state.settings)
+    return create_app(app.state.settings.model_copy(update={"background_tick_s": 0}))
 
 
 @pytest.mark.parametrize("label", OPERATIONS)
