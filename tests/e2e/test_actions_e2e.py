@@ -109,7 +109,8 @@ def test_command_driver_runs_on_the_agent_and_waits_for_a_dead_one(tmp_path, db_
         server.stop()
 
 
-def test_slurm_driver_drains_a_node_whose_agent_is_dead(tmp_path, db_url):
+def test_slurm_driver_drains_a_node_whose_agent_is_dead(tmp_path, own_db):
+    db_url = own_db
     scontrol, log = recorder(tmp_path, "scontrol")
     server = make_server(tmp_path / "server", db_url, TIERWATCH_ISOLATION__DRIVER="slurm",
                          TIERWATCH_ISOLATION__SCONTROL=str(scontrol))
@@ -146,7 +147,8 @@ def _policy_env(**extra: str) -> dict[str, str]:
             "TIERWATCH_POLICY__UNREACHABLE_S": "600", **extra}
 
 
-def test_policy_isolates_on_xid_79_and_the_breaker_holds(tmp_path, db_url):
+def test_policy_isolates_on_xid_79_and_the_breaker_holds(tmp_path, own_db):
+    db_url = own_db
     server = make_server(tmp_path / "server", db_url, **_policy_env())
     server.start()
     agents = []
@@ -191,10 +193,10 @@ def test_policy_isolates_on_xid_79_and_the_breaker_holds(tmp_path, db_url):
         server.stop()
 
 
-@pytest.fixture
-def pg_url() -> str:
-    """A freshly migrated PostgreSQL schema (the leader lock is a PostgreSQL advisory lock;
-    on SQLite one server runs per database file)."""
+def _fresh_pg_schema(prefix: str):
+    """A freshly migrated PostgreSQL schema of its own (a generator: yields its URL, then
+    drops it). The leader lock is per schema, so a server here leads whatever else holds
+    the lock of the test session's schema."""
     import os
     import uuid
 
@@ -207,7 +209,7 @@ def pg_url() -> str:
     base = os.environ.get("TIERWATCH_TEST_DATABASE_URL")
     if not base:
         pytest.skip("TIERWATCH_TEST_DATABASE_URL is not set (.ci/run sets it)")
-    schema = f"tw_lead_{uuid.uuid4().hex[:12]}"
+    schema = f"{prefix}_{uuid.uuid4().hex[:12]}"
     admin = make_engine(base)
     with admin.begin() as conn:
         conn.execute(text(f'CREATE SCHEMA "{schema}"'))
@@ -218,6 +220,23 @@ def pg_url() -> str:
     with admin.begin() as conn:
         conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
     admin.dispose()
+
+
+@pytest.fixture
+def pg_url():
+    """A freshly migrated PostgreSQL schema (the leader lock is a PostgreSQL advisory lock;
+    on SQLite one server runs per database file)."""
+    yield from _fresh_pg_schema("tw_lead")
+
+
+@pytest.fixture
+def own_db(db_url):
+    """The backend under test in a database of this test's own: a fresh schema on
+    PostgreSQL, the (emptied) session database on SQLite."""
+    if db_url.startswith("sqlite"):
+        yield db_url
+    else:
+        yield from _fresh_pg_schema("tw_act")
 
 
 @pytest.mark.postgres
