@@ -6,9 +6,10 @@ Nested health thresholds use a double underscore, e.g. ``TIERWATCH_HEALTH__STRAG
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tierwatch.server.actions.drivers import IsolationSettings
@@ -56,6 +57,10 @@ class Settings(BaseSettings):
         commands: the command queue (``TIERWATCH_COMMANDS__TTL_S`` …).
         policy: the auto-isolation policy (``TIERWATCH_POLICY__ENABLED`` …).
         alerts: webhooks (``TIERWATCH_ALERTS__WEBHOOKS='["https://…"]'`` …).
+        demo_report: the JSON report ``make demo`` writes (``TIERWATCH_DEMO_REPORT=
+            var/demo-report.json``, relative to the working directory), shown at ``/demo``
+            and ``/api/v1/demo/report`` and linked from the dashboard's navigation; read
+            again at every request. Unset (or empty): no demo report, both answer 404.
     """
 
     model_config = SettingsConfigDict(
@@ -81,6 +86,12 @@ class Settings(BaseSettings):
     commands: QueueSettings = QueueSettings()
     policy: PolicySettings = PolicySettings()
     alerts: AlertSettings = AlertSettings()
+    demo_report: Path | None = None
+
+    @field_validator("demo_report", mode="before")
+    @classmethod
+    def _blank_demo_report_is_unset(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value
 
     def check_serving(self) -> None:
         """Refuse settings that are unsafe for serving.

@@ -31,7 +31,7 @@ from tierwatch.server.ingest.writer import IngestWriter
 from tierwatch.server.metrics import make_registry
 from tierwatch.server.resources import resource_dir
 from tierwatch.server.security import LoginLimiter, TokenResolver, principal_from_request
-from tierwatch.server.web import actions_views
+from tierwatch.server.web import actions_views, demo_views
 from tierwatch.server.web import views as web_views
 
 log = logging.getLogger("tierwatch.server")
@@ -193,9 +193,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(checkpoints_api.router)
     app.include_router(actions_api.router)
     app.include_router(alerts_api.router)
+    app.include_router(demo_views.api_router)
     app.include_router(web_views.router)
     app.include_router(alerts_views.router)
     app.include_router(actions_views.router)
+    app.include_router(demo_views.router)
     app.mount("/static", StaticFiles(directory=resource_dir("static")), name="static")
 
     _register_wire_schemas(app)
