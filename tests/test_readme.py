@@ -340,7 +340,9 @@ def seed(server_url: str, token_for) -> None:  # noqa: ANN001 - Server.token
 
     now = utcnow()
     for rank, node in enumerate((SICK, OTHER)):
-        batch = make_batch(node, 1, gpus=8, xids=[(3, 79)] if node == SICK else None)
+        # interval_s: one report each, which must not turn unreachable during the test
+        batch = make_batch(node, 1, gpus=8, interval_s=600,
+                           xids=[(3, 79)] if node == SICK else None)
         batch = batch.model_copy(update={
             "progress": [JobProgress(job_id=JOB, rank=rank, world_size=2, step=1250, ts=now,
                                      layout=[SICK, OTHER] if rank == 0 else None)],
