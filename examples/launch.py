@@ -16,6 +16,7 @@ wait in a collective until it times out) and exits with that rank's code.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -43,38 +44,107 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_node(spec: str, p: argparse.ArgumentParser) -> tuple[str, str]:
+    """``NAME=URL`` → (name, url); exits with a usage error otherwise."""
+    name, sep, url = spec.partition("=")
+    if not sep or not name or not url.startswith(("http://", "https://")):
+        p.error(f"--node {spec!r}: use NAME=http://HOST:PORT")
+    return name, url
+
+
+def read_go(path: str, nnodes: int) -> list[tuple[str, str]]:
+    """The nodes a go file names.
+
+    Raises:
+        ValueError: not ``{"nodes": [[NAME, URL], …]}`` with ``nnodes`` entries.
+    """
+    with open(path) as f:
+        body = json.load(f)
+    nodes = body.get("nodes") if isinstance(body, dict) else None
+    if not isinstance(nodes, list) or len(nodes) != nnodes or not all(
+            isinstance(n, list) and len(n) == 2 and all(isinstance(x, str) for x in n)
+            for n in nodes):
+        raise ValueError(f"{path}: expected {{\"nodes\": [[NAME, AGENT_URL], …]}} with "
+                         f"{nnodes} nodes, got {body!r}")
+    return [(n[0], n[1]) for n in nodes]
+
+
+def wait_for_go(path: str, nnodes: int, procs: list[subprocess.Popen[bytes]]
+                ) -> list[tuple[str, str]] | None:
+    """Block until ``path`` exists and names the nodes; None when a rank died first or
+    the file is malformed (the error is printed)."""
+    while not os.path.exists(path):
+        if any(q.poll() is not None for q in procs):
+            print("[launch] a standby rank exited before the go file came", file=sys.stderr,
+                  flush=True)
+            return None
+        time.sleep(0.05)
+    try:
+        return read_go(path, nnodes)
+    except (OSError, ValueError) as exc:
+        print(f"[launch] {exc}", file=sys.stderr, flush=True)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="one process per rank over simulated nodes")
-    p.add_argument("--node", action="append", required=True, metavar="NAME=AGENT_URL",
+    p.add_argument("--node", action="append", default=[], metavar="NAME=AGENT_URL",
                    help="a simulated node and its agent's URL (repeat per node)")
+    p.add_argument("--standby", default=None, metavar="GO_FILE",
+                   help="start the ranks now, before their nodes are known: each imports its "
+                   "libraries, then waits for GO_FILE ({\"nodes\": [[NAME, AGENT_URL], …]}, "
+                   "written atomically by a supervisor); a warm relaunch skips the imports")
+    p.add_argument("--nnodes", type=int, default=0,
+                   help="with --standby: how many nodes GO_FILE will name")
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--master-port", type=int, default=0, help="default: a free port")
+    p.add_argument("--ranks-file", default=None, metavar="PATH",
+                   help="write {\"ranks\": [{rank, pid, node}]} here once every rank started "
+                   "(a supervisor uses it to find the process of a rank)")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
     args = p.parse_args(argv)
     script = [a for a in args.script if a != "--"] if args.script[:1] == ["--"] \
         else args.script
     if not script:
         p.error("give the training script after --")
-    nodes = []
-    for spec in args.node:
-        name, sep, url = spec.partition("=")
-        if not sep or not url.startswith(("http://", "https://")):
-            p.error(f"--node {spec!r}: use NAME=http://HOST:PORT")
-        nodes.append((name, url))
     if args.ranks_per_node < 1:
         p.error("--ranks-per-node must be ≥ 1")
-    world = len(nodes) * args.ranks_per_node
+    if bool(args.standby) == bool(args.node):
+        p.error("give the nodes (--node NAME=URL …) or --standby GO_FILE --nnodes N, not both")
+    if args.standby and args.nnodes < 1:
+        p.error("--standby needs --nnodes N (N ≥ 1): the number of nodes GO_FILE will name")
+    nodes = [parse_node(spec, p) for spec in args.node]
+    nnodes = args.nnodes if args.standby else len(nodes)
+    world = nnodes * args.ranks_per_node
     port = args.master_port or free_port()
     procs: list[subprocess.Popen[bytes]] = []
-    for n, (name, url) in enumerate(nodes):
+    for n in range(nnodes):
         for local in range(args.ranks_per_node):
             rank = n * args.ranks_per_node + local
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
                        LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(args.ranks_per_node),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       TIERWATCH_AGENT_URL=url, TIERWATCH_NODE=name)
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            if args.standby:
+                env["TIERWATCH_GO_FILE"] = os.path.abspath(args.standby)
+            else:
+                env.update(TIERWATCH_AGENT_URL=nodes[n][1], TIERWATCH_NODE=nodes[n][0])
             procs.append(subprocess.Popen([sys.executable, *script], env=env,
                                           preexec_fn=_die_with_parent))
+    if args.standby:
+        nodes = wait_for_go(args.standby, nnodes, procs)
+        if nodes is None:
+            stop = [q for q in procs if q.poll() is None]
+            for q in stop:
+                q.terminate()
+            return 1
+
+    if args.ranks_file:
+        placed = [{"rank": r, "pid": q.pid, "node": nodes[r // args.ranks_per_node][0]}
+                  for r, q in enumerate(procs)]
+        tmp = f"{args.ranks_file}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"ranks": placed, "master_port": port}, f)
+        os.replace(tmp, args.ranks_file)
 
     def stop_all(sig: int = signal.SIGTERM) -> None:
         for q in procs:

@@ -18,9 +18,11 @@ Launch one process per rank with the usual torch.distributed environment (``RANK
     TIERWATCH_AGENT_URL=http://127.0.0.1:9470 torchrun --nproc-per-node 2 \\
         examples/train_gpt.py --job-id gpt-small --steps 200
 
-Each rank appends ``{"step", "loss", "lr", "rank", "restored_from"}`` lines to
-``--log-dir/rank-<r>.jsonl`` (``restored_from``: the step the run started from, or after a
-rollback the step it rolled back to) and each restore's report to ``restores-<r>.jsonl``;
+Each rank appends ``{"step", "loss", "lr", "rank", "restored_from", "step_s", "compute_s",
+"save_s", "t"}`` lines to ``--log-dir/rank-<r>.jsonl`` (``restored_from``: the step the run
+started from, or after a rollback the step it rolled back to; ``compute_s``: seconds of the
+step before ``save``, ``save_s``: seconds the training thread spent in ``save``, ``t``: Unix
+time at the step's end) and each restore's report to ``restores-<r>.jsonl``;
 with ``--final`` rank 0 writes digests of the final model, optimizer, scheduler, RNG and
 sampler state there (used by the bit-exact resume test).
 """
@@ -33,6 +35,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import sysconfig
 import time
@@ -152,6 +155,25 @@ def digest(obj: object) -> str:
     return h.hexdigest()
 
 
+def wait_for_go(path: str) -> None:
+    """A standby rank (``examples/launch.py --standby``): its libraries are imported; wait
+    until the supervisor's go file names the nodes, then take this rank's node
+    (``nodes[RANK // LOCAL_WORLD_SIZE]``) as ``TIERWATCH_NODE`` / ``TIERWATCH_AGENT_URL``.
+
+    Raises:
+        SystemExit: the go file does not name this rank's node.
+    """
+    while not os.path.exists(path):
+        time.sleep(0.02)
+    with open(path) as f:
+        nodes = json.load(f).get("nodes", [])
+    index = int(os.environ["RANK"]) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if index >= len(nodes):
+        raise SystemExit(f"{path} names {len(nodes)} nodes; rank {os.environ['RANK']} needs "
+                         f"node {index}")
+    os.environ["TIERWATCH_NODE"], os.environ["TIERWATCH_AGENT_URL"] = nodes[index]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--job-id", default="gpt-small")
@@ -171,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulate silent data corruption: once per process, after STEP, "
                    "rank 0 perturbs a weight (the steps after it are a diverged future to "
                    "roll back from)")
+    p.add_argument("--sdc-signal", action="store_true",
+                   help="simulate silent data corruption when rank 0 gets SIGUSR1: it perturbs "
+                   "a weight after its current step and logs {\"event\": \"sdc\", \"step\"}")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--step-sleep", type=float, default=0.0,
                    help="extra seconds per step (to slow a demo down)")
@@ -187,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
+    if os.environ.get("TIERWATCH_GO_FILE"):
+        wait_for_go(os.environ["TIERWATCH_GO_FILE"])
     distributed = "RANK" in os.environ
     if distributed:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
@@ -268,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
 
     step = start
     corrupted = False
+    sdc_requested: list[int] = []  # SIGUSR1 arrivals (--sdc-signal)
+    if args.sdc_signal and rank == 0:
+        signal.signal(signal.SIGUSR1, lambda *_: sdc_requested.append(1))
     while step < args.steps:
         t0 = time.monotonic()
         batch = next_batch()
@@ -282,14 +312,25 @@ def main(argv: list[str] | None = None) -> int:
             with torch.no_grad():  # an exponent bit flip in one weight of the final norm
                 model.ln.weight.view(-1)[0] *= 64.0
             print(f"[train] simulated silent data corruption after step {step}", flush=True)
+        if sdc_requested:
+            sdc_requested.clear()
+            with torch.no_grad():  # the same bit flip, now, at an operator's signal
+                model.ln.weight.view(-1)[0] *= 64.0
+            log.write(json.dumps({"event": "sdc", "step": step, "rank": rank,
+                                  "t": time.time()}) + "\n")
+            print(f"[train] simulated silent data corruption after step {step}", flush=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        compute_s = time.monotonic() - t0
         last_step = step == args.steps - 1
         if (step + 1) % args.save_every == 0 or last_step:
             ckpt.save(step, state, persist=last_step or None)  # the final step persists too
+        step_s = time.monotonic() - t0
         log.write(json.dumps({"step": step, "loss": loss.item(), "lr": sched.get_last_lr()[0],
                               "rank": rank, "restored_from": last,
-                              "step_s": round(time.monotonic() - t0, 4)}) + "\n")
+                              "step_s": round(step_s, 4), "compute_s": round(compute_s, 4),
+                              "save_s": round(step_s - compute_s, 4),
+                              "t": round(time.time(), 4)}) + "\n")
         log.flush()
         if rank == 0 and step % 20 == 0:
             print(f"[train] step {step} loss {loss.item():.4f}", flush=True)
