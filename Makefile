@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 DEMO_SECONDS ?= 0
+DEMO_MTBF ?= 60
+DEMO_SEED ?= 3
 PYTEST_ARGS ?=
 
 .PHONY: demo test setup vendor lint bench clean
@@ -29,7 +31,7 @@ setup: $(VENV)/.installed static/vendor/.installed
 vendor: static/vendor/.installed
 
 demo: setup
-	$(PY) scripts/demo.py --seconds $(DEMO_SECONDS)
+	DEMO_SECONDS=$(DEMO_SECONDS) DEMO_MTBF=$(DEMO_MTBF) DEMO_SEED=$(DEMO_SEED) $(PY) scripts/demo.py
 
 test: setup
 	$(VENV)/bin/ruff check .

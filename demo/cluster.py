@@ -56,7 +56,7 @@ def server_env(var: Path, *, report: Path, policy_unreachable_s: float,
         "TIERWATCH_SECRET_KEY": secrets.token_urlsafe(48),
         "TIERWATCH_POLICY__ENABLED": "true",
         "TIERWATCH_POLICY__UNREACHABLE_S": f"{policy_unreachable_s:g}",
-        "TIERWATCH_POLICY__BREAKER_PCT": "0.4",
+        "TIERWATCH_POLICY__BREAKER_PCT": "40",
         "TIERWATCH_POLICY__BREAKER_WINDOW_S": "120",
         "TIERWATCH_POLICY__ACTIONS": json.dumps(
             ["RESET_GPU", "RESTART_BM", "REPLACE_GPU", "CHECK_COOLING"]),

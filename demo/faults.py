@@ -183,8 +183,23 @@ def failure_count(seconds: float, mtbf_s: float) -> int:
     return int(seconds // mtbf_s)
 
 
+def pick(catalog: list[FailureKind], components: list[str]) -> list[FailureKind]:
+    """The rows named by ``components`` (exact component names), in that order.
+
+    Raises:
+        CatalogError: a name is not a component of the table (the message lists them).
+    """
+    by = {k.component: k for k in catalog}
+    unknown = [c for c in components if c not in by]
+    if unknown:
+        raise CatalogError(f"unknown component(s) {', '.join(map(repr, unknown))}; choose "
+                           f"from: {', '.join(by)}")
+    return [by[c] for c in components]
+
+
 def schedule(catalog: list[FailureKind], *, seconds: float, mtbf_s: float, seed: int,
-             world_size: int, warmup_s: float, tail_s: float) -> Iterator[PlannedFailure]:
+             world_size: int, warmup_s: float, tail_s: float,
+             forced: list[FailureKind] | None = None) -> Iterator[PlannedFailure]:
     """The failures of a run, in time order (see the module docs for the stratification).
 
     Args:
@@ -196,6 +211,8 @@ def schedule(catalog: list[FailureKind], *, seconds: float, mtbf_s: float, seed:
         world_size: ranks of the job (a failure strikes one rank's node).
         warmup_s: no failure before this (s); tail_s: none in the last ``tail_s`` seconds,
             so the last recovery fits in the run.
+        forced: when given, the failures are these kinds in turn (cycled) instead of
+            drawn; the times and target ranks are drawn as usual.
 
     Raises:
         ValueError: bad ``mtbf_s``/``seconds``, ``world_size`` < 1, or a window after the
@@ -221,4 +238,6 @@ def schedule(catalog: list[FailureKind], *, seconds: float, mtbf_s: float, seed:
     for i in slots:
         at = start + slot * (i + rng.random())
         kind = rng.choices(catalog, weights=weights)[0]
+        if forced:
+            kind = forced[i % len(forced)]
         yield PlannedFailure(i, round(at, 3), kind, rng.randrange(world_size))

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -264,7 +265,7 @@ class Demo:
         rec.isolated = bool(view.get("isolated"))
         if rec.isolated:
             reason = (view.get("isolation") or {}).get("reason", "")
-            self.say(f"{rec.node} isolated by {(view.get('isolation') or {}).get('actor')}: "
+            self.say(f"{rec.node} isolated by {(view.get('isolation') or {}).get('by')}: "
                      f"{reason}")
             self.repairs.append((time.time() + self.args.repair, rec.node or "", action))
         new = layout[rec.rank or 0]
@@ -322,11 +323,14 @@ class Demo:
         r = self.cluster.api("POST", f"/jobs/{JOB}/restore",
                              json={"step": target, "reason": reason})
         if r.status_code == 409:
-            steps = [int(s) for s in _restorable(r.json()) if int(s) < bad]
-            if not steps:
+            held = {s: t for s, t in _restorable(r.json()).items() if s < bad}
+            # the newest persisted step before the corruption (kept longest, so it is still
+            # there when the request reaches the agents), else the newest of any tier
+            persisted = [s for s, t in held.items() if "persistent" in t]
+            if not held:
                 rec.note = f"no step before {bad} is restorable: {r.text}"
                 return
-            target = max(steps)
+            target = max(persisted or held)
             r = self.cluster.api("POST", f"/jobs/{JOB}/restore",
                                  json={"step": target, "reason": reason})
         if r.status_code != 202:
@@ -518,9 +522,11 @@ class Demo:
                  f"{self.cluster.url}/demo")
         print(BANNER.format(url=self.cluster.url, token=self.cluster.token,
                             report=self.report_path, logs=self.cluster.logs), flush=True)
-        plan = faults.schedule(faults.load_catalog(), seconds=self.args.seconds,
-                               mtbf_s=self.args.mtbf, seed=self.args.seed, world_size=WORLD,
-                               warmup_s=WARMUP_S, tail_s=TAIL_S)
+        catalog = faults.load_catalog()
+        forced = faults.pick(catalog, self.args.failure) if self.args.failure else None
+        plan = faults.schedule(catalog, seconds=self.args.seconds, mtbf_s=self.args.mtbf,
+                               seed=self.args.seed, world_size=WORLD, warmup_s=WARMUP_S,
+                               tail_s=TAIL_S, forced=forced)
         upcoming = next(plan, None)
         last_write = 0.0
         assert self.t0 is not None
@@ -586,14 +592,13 @@ def _seen(view: dict[str, Any], since: datetime) -> bool:
     return bool(last) and datetime.fromisoformat(last.replace("Z", "+00:00")) > since
 
 
-def _restorable(body: Any) -> list[int]:
-    """Steps named in a 409 answer of ``POST …/restore`` ("restorable": …)."""
-    detail = body.get("detail", body) if isinstance(body, dict) else body
-    if isinstance(detail, dict):
-        for key in ("restorable", "restorable_steps", "steps"):
-            if isinstance(detail.get(key), list | dict):
-                return [int(s) for s in detail[key]]
-    return []
+def _restorable(body: Any) -> dict[int, list[str]]:
+    """The steps a 409 answer of ``POST …/restore`` lists, with their tiers
+    (``"… steps that can be restored: 33 (memory), 31 (memory/persistent) …"``)."""
+    detail = body.get("detail", "") if isinstance(body, dict) else str(body)
+    text = str(detail).split("steps that can be restored:", 1)[-1]
+    return {int(m.group(1)): m.group(2).split("/")
+            for m in re.finditer(r"(\d+) \(([a-z/]+)\)", text)}
 
 
 def _rmtree(p: Path) -> None:
@@ -611,6 +616,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="mean time between failures, seconds [DEMO_MTBF]")
     p.add_argument("--seed", type=int, default=env_number("DEMO_SEED", 3, int),
                    help="seed of the failure draw [DEMO_SEED]")
+    p.add_argument("--failure", action="append", default=[], metavar="COMPONENT",
+                   help="inject this component's failure (a row of the Llama 3 table, e.g. "
+                   "'Silent Data Corruption') instead of drawing one; repeat to cycle")
     p.add_argument("--repair", type=float, default=REPAIR_S,
                    help="simulated repair time of an isolated node, seconds")
     p.add_argument("--port", type=int, default=8000)
@@ -632,6 +640,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"DEMO_MTBF / --mtbf must be > 0 seconds, got {args.mtbf:g}")
     if args.seconds < 0:
         p.error(f"DEMO_SECONDS / --seconds must be ≥ 0, got {args.seconds:g}")
+    try:
+        faults.pick(faults.load_catalog(), args.failure)
+    except faults.CatalogError as exc:
+        p.error(str(exc))
     n = faults.failure_count(args.seconds, args.mtbf)
     if args.seconds and n and args.seconds - TAIL_S - WARMUP_S < 1:
         p.error(f"DEMO_SECONDS={args.seconds:g} leaves no room for {n} failure(s): the first "
