@@ -8,6 +8,13 @@ Each simulated node is a tierwatch agent with its own URL; its ranks get
         --node node-b=http://127.0.0.1:9472 --ranks-per-node 2 -- \\
         examples/train_gpt.py --job-id gpt-small --steps 200
 
+With ``--standby GO_FILE --nnodes N`` the ranks start before their nodes are known: each
+imports its libraries and waits until a supervisor writes GO_FILE
+(``{"nodes": [[NAME, AGENT_URL], ...]}``); ``TIERWATCH_GO_FILE`` tells the script where it
+is (``examples/train_gpt.py`` reads it). The demo keeps such a warm incarnation ready so a
+relaunch after a failure skips Python's and torch's start-up. ``--ranks-file`` writes every
+rank's pid and node, for a supervisor that needs to find a rank.
+
 On a real cluster use ``torchrun`` (or Slurm's ``srun``) and set ``TIERWATCH_AGENT_URL`` per
 node instead. When one rank exits with an error, the launcher stops the others (they would
 wait in a collective until it times out) and exits with that rank's code.
