@@ -1,6 +1,7 @@
 """The demo's simulated cluster: a tierwatch-server and one tierwatch-agent per node.
 
-Every node is a real ``tierwatch-agent run --collector simulated`` process with its own name,
+Every node is a real ``tierwatch-agent run --collector simulated`` process (``nvml`` when
+this machine has NVIDIA GPUs: then every node reads the same real GPUs) with its own name,
 local API port (127.0.0.1), memory-tier folder and spool; all of them share one persistent
 tier (a folder under the demo's state dir). The server runs with SQLite and the
 auto-isolation policy on. Nothing listens beyond 127.0.0.1.
@@ -36,6 +37,26 @@ def port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def nvml_gpus(nvml: Any = None) -> int:
+    """How many GPUs NVML shows on this machine (0 without NVML, a driver or a GPU).
+
+    ``nvml``: a pynvml module (default: nvidia-ml-py's), as the agent's NVML collector
+    takes it.
+    """
+    from tierwatch.agent.collectors.nvml import NvmlCollector
+
+    collector = NvmlCollector(nvml=nvml)
+    try:
+        return int(collector.nvml.nvmlDeviceGetCount()) if collector.is_available() else 0
+    except Exception:  # noqa: BLE001 - any NVML trouble means: simulate
+        return 0
+    finally:
+        try:
+            collector.shutdown()
+        except Exception:  # noqa: BLE001 - nothing to release
+            pass
 
 
 def server_env(var: Path, *, report: Path, policy_unreachable_s: float,
@@ -173,6 +194,7 @@ class Cluster:
     report: Path
     policy_unreachable_s: float = 3.0
     quiet_s: float = 10.0
+    collector: str = "simulated"  # or "nvml": every agent reads this machine's real GPUs
     env: dict[str, str] = field(default_factory=dict)
     nodes: dict[str, Node] = field(default_factory=dict)
     server: subprocess.Popen[bytes] | None = None
@@ -237,13 +259,14 @@ class Cluster:
             name=name, port=port, memory_dir=d / "memory", spool_dir=d / "spool",
             state_dir=d / "state", log_path=self.logs / f"{name}.log",
             argv=[str(BIN / "tierwatch-agent"), "run", "--node", name, "--server", self.url,
-                  "--token", token, "--collector", "simulated",
+                  "--token", token, "--collector", self.collector,
                   "--interval", f"{self.interval_s:g}", "--listen", f"127.0.0.1:{port}",
                   "--spool-dir", str(d / "spool"), "--memory-dir", str(d / "memory"),
                   "--state-dir", str(d / "state"),
                   "--persistent-url", self.persistent_dir.resolve().as_uri(),
-                  "--sim-gpus", str(self.gpus), "--sim-seed", str(index + 1),
-                  "--ckpt-scan-interval", "0.5"],
+                  "--ckpt-scan-interval", "0.5",
+                  *(["--sim-gpus", str(self.gpus), "--sim-seed", str(index + 1)]
+                    if self.collector == "simulated" else [])],
             env={**{k: v for k, v in os.environ.items() if not k.startswith("TIERWATCH_")},
                  "TIERWATCH_PEER_TOKEN": self.peer_token},
         )

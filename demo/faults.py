@@ -96,13 +96,17 @@ GPU_EFFECTS: dict[str, Effect] = {
 }
 
 
-def effect_of(kind: FailureKind) -> Effect:
+def effect_of(kind: FailureKind, *, real_gpus: bool = False) -> Effect:
     """The demo's way of making ``kind`` happen (see :class:`Effect`).
 
     Rules: ``rollback`` → sdc; ``process`` → process; ``rack`` → network; ``node``: a GPU
     component → its :data:`GPU_EFFECTS` entry (an unlisted GPU component: XID 79), any other
-    component (host parts, unplanned maintenance) → host.
+    component (host parts, unplanned maintenance) → host. With ``real_gpus`` (the agents read
+    real GPUs through NVML, where nothing can be injected) a GPU fault is made real as a
+    lost host instead: the node still has to go, and tierwatch sees its silence.
     """
+    if real_gpus and kind.failure_class == "node":
+        return Effect("host")
     if kind.failure_class == "rollback":
         return Effect("sdc")
     if kind.failure_class == "process":

@@ -31,6 +31,7 @@ from typing import Any
 
 import fsspec
 
+from demo import cluster as cluster_mod
 from demo import faults, report
 from demo.cluster import Cluster, port_free
 from demo.injector import strike
@@ -117,9 +118,12 @@ class Demo:
         self.args = args
         self.var: Path = args.var_dir
         self.report_path: Path = args.report
+        self.real_gpus = args.collector == "nvml" or (
+            args.collector == "auto" and cluster_mod.nvml_gpus() > 0)
         self.cluster = Cluster(var=self.var, port=args.port, agent_port=args.agent_port,
                                gpus=args.gpus, interval_s=args.interval,
-                               report=self.report_path.resolve())
+                               report=self.report_path.resolve(),
+                               collector="nvml" if self.real_gpus else "simulated")
         self.log_dir = self.var / "train"
         self.train_args = [
             "--job-id", JOB, "--steps", "1000000", "--width", "128", "--layers", "2",
@@ -219,7 +223,7 @@ class Demo:
     def inject(self, plan: faults.PlannedFailure) -> FailureRecord:
         assert self.job is not None
         assert self.t0 is not None
-        effect = plan.effect
+        effect = faults.effect_of(plan.kind, real_gpus=self.real_gpus)
         rank = 0 if effect.action == "sdc" else plan.rank
         node_name = self.job.layout[rank]
         node = self.cluster.nodes[node_name]
@@ -624,6 +628,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--agent-port", type=int, default=9470, help="first agent's local port")
     p.add_argument("--gpus", type=int, default=8, help="simulated GPUs per node")
+    p.add_argument("--collector", choices=("auto", "simulated", "nvml"), default="auto",
+                   help="the agents' collector: auto = nvml when NVML shows GPUs here (GPU "
+                   "faults are then made real as lost hosts: nothing can be injected into a "
+                   "real GPU), else simulated")
     p.add_argument("--interval", type=float, default=1.0, help="agent report interval (s)")
     p.add_argument("--persist-every", type=int, default=10)
     p.add_argument("--step-sleep", type=float, default=0.25,
