@@ -9,13 +9,14 @@ and the report say all of that.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 
 import httpx
 import pytest
-from procs import REPO_ROOT, free_port, port_block
+from procs import REPO_ROOT, free_port, port_block, wait_for
 
 from demo import faults
 
@@ -33,8 +34,8 @@ def test_short_demo_recovers_from_its_failure_and_reports_it(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, str(REPO_ROOT / "scripts" / "demo.py"), "--port", str(port),
          "--agent-port", str(agent_port), "--var-dir", str(tmp_path / "demo"),
-         "--report", str(report_path)],
-        env={**__import__("os").environ, "DEMO_SECONDS": str(SECONDS), "DEMO_MTBF": "60",
+         "--report", str(report_path), "--collector", "simulated"],
+        env={**os.environ, "DEMO_SECONDS": str(SECONDS), "DEMO_MTBF": "60",
              "DEMO_SEED": str(SEED)},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -44,18 +45,17 @@ def test_short_demo_recovers_from_its_failure_and_reports_it(tmp_path):
     try:
         url = f"http://127.0.0.1:{port}"
         # while it runs: the dashboard serves the live report to the printed token
-        deadline = __import__("time").monotonic() + 120
-        token = None
-        while page is None and __import__("time").monotonic() < deadline \
-                and proc.poll() is None:
+        def live_report():
+            assert proc.poll() is None, "".join(lines)
             token = next((ln.split(":", 1)[1].strip() for ln in lines
                           if ln.strip().startswith("sign in")), None)
-            if token and report_path.exists():
-                r = httpx.get(f"{url}/api/v1/demo/report",
-                              headers={"Authorization": f"Bearer {token}"}, timeout=5)
-                if r.status_code == 200:
-                    page = r.json()
-            __import__("time").sleep(0.5)
+            if not token or not report_path.exists():
+                return None
+            r = httpx.get(f"{url}/api/v1/demo/report",
+                          headers={"Authorization": f"Bearer {token}"}, timeout=5)
+            return r.json() if r.status_code == 200 else None
+
+        page = wait_for(live_report, timeout=120, interval=0.5, what="the live demo report")
         assert page is not None, "".join(lines)
         assert page["status"] == "running"
         assert proc.wait(timeout=240) == 0, "".join(lines[-80:])
