@@ -24,18 +24,19 @@ import re
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import fsspec
+from pydantic import Field
 
 from demo import cluster as cluster_mod
 from demo import faults, report
 from demo.cluster import Cluster, port_free
 from demo.injector import strike
 from demo.supervisor import Job, Supervisor
+from tierwatch.server.web.demo_report import DemoReport, Failure
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = "demo-gpt"
@@ -85,30 +86,13 @@ def iso(ts: float) -> str:
     return utc(ts).isoformat()
 
 
-@dataclass
-class FailureRecord:
-    """One injected failure and how the job came back (the report's ``failures`` item)."""
+class FailureRecord(Failure):
+    """One injected failure and how the job came back: the report's ``failures`` item (the
+    dashboard's schema, :class:`~tierwatch.server.web.demo_report.Failure`), plus the
+    measured costs of this recovery, which feed the report's ``costs`` and ``baseline``."""
 
-    at_s: float
-    component: str
-    category: str
-    failure_class: str
-    node: str | None
-    rank: int | None
-    injected: str
-    detected_after_s: float | None = None
-    isolated: bool = False
-    replaced_by: str | None = None
-    restored_step: int | None = None
-    restore_tier: str | None = None
-    rank_tiers: dict[str, str] = field(default_factory=dict)
-    steps_lost: int | None = None
-    downtime_s: float | None = None
-    recovered: bool = False
-    note: str | None = None
-    # measured costs of this recovery (not in the report's failure schema)
-    restore_s: float | None = None
-    restart_s: float | None = None
+    restore_s: float | None = Field(default=None, exclude=True)
+    restart_s: float | None = Field(default=None, exclude=True)
 
 
 class Demo:
@@ -234,7 +218,7 @@ class Demo:
         rec = FailureRecord(at_s=round(fail_t - self.t0, 2), component=plan.kind.component,
                             category=plan.kind.category,
                             failure_class=plan.kind.failure_class, node=node_name, rank=rank,
-                            injected=injected)
+                            injected=injected, recovered=False)
         self.say(f"failure {plan.index + 1}: {plan.kind.component} ({plan.kind.failure_class})"
                  f" on {node_name} (rank {rank}): {injected}")
         if effect.action == "sdc":
@@ -505,12 +489,12 @@ class Demo:
                       "spare": sorted(n for n, v in views.items()
                                       if n not in in_use and not v["isolated"]),
                       "isolated": sorted(n for n, v in views.items() if v["isolated"])},
-            "failures": [{k: v for k, v in asdict(r).items()
-                          if k not in ("restore_s", "restart_s")} for r in self.records],
+            "failures": [r.model_dump(mode="json") for r in self.records],
         }
 
     def write_report(self, status: str) -> dict[str, Any]:
         rep = self.build_report(status)
+        DemoReport.model_validate(rep)  # what the dashboard will read (raises on a mismatch)
         self.report_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.report_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(rep, indent=2))
