@@ -28,6 +28,20 @@ BIN = Path(sys.executable).parent
 PEER_TOKEN_BYTES = 32
 
 
+def detach() -> None:
+    """In a child, before exec: a session of its own (a terminal's Ctrl-C reaches only the
+    demo, which then stops its children in order, after the final report), and SIGTERM
+    when the demo dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``), so nothing outlives
+    it."""
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
 def port_free(port: int) -> bool:
     """Whether ``port`` on 127.0.0.1 can be bound now."""
     with socket.socket() as s:
@@ -116,7 +130,7 @@ class Node:
             return
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the child
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self.log,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, preexec_fn=detach)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Wait until the agent's local API answers.
@@ -193,7 +207,7 @@ class Cluster:
     interval_s: float
     report: Path
     policy_unreachable_s: float = 3.0
-    quiet_s: float = 10.0
+    quiet_s: float = 5.0
     collector: str = "simulated"  # or "nvml": every agent reads this machine's real GPUs
     env: dict[str, str] = field(default_factory=dict)
     nodes: dict[str, Node] = field(default_factory=dict)
@@ -236,7 +250,8 @@ class Cluster:
         log = open(self.logs / "server.log", "wb")  # noqa: SIM115 - lives as long as the child
         self.server = subprocess.Popen(
             [str(BIN / "tierwatch-server"), "serve", "--host", "127.0.0.1", "--port",
-             str(self.port)], env=self.env, stdout=log, stderr=subprocess.STDOUT)
+             str(self.port)], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=detach)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and self.server.poll() is None:
             try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -51,16 +52,19 @@ def env_number(name: str, default: float, kind: type = float) -> Any:
     """``kind(os.environ[name])`` or ``default``.
 
     Raises:
-        SystemExit: the variable is set but not a number (the message names it).
+        SystemExit: the variable is set but not a finite number (the message names it).
     """
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
     try:
-        return kind(raw)
+        value = kind(raw)
     except ValueError:
+        value = None
+    if value is None or not math.isfinite(value):
         raise SystemExit(f"error: {name}={raw!r} is not a {'whole ' if kind is int else ''}"
-                         "number") from None
+                         "number")
+    return value
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -126,6 +130,8 @@ class Demo:
         self.stopping = False
         self.job: Job | None = None
         self.persistent_restore_s: float | None = None
+        self.planned: int | None = None
+        self.write_samples: list[float] = []  # δ samples: memory + persistent commit medians
 
     # -- logs --------------------------------------------------------------------------
     def steps(self, rank: int = 0) -> list[dict[str, Any]]:
@@ -142,10 +148,12 @@ class Demo:
     # -- set-up ------------------------------------------------------------------------
     def start(self) -> None:
         self.var.mkdir(parents=True, exist_ok=True)
-        for stale in ("train", "nodes", "persistent"):
+        # a fresh run: a previous run's go files would start this run's standby at once
+        for stale in ("train", "nodes", "persistent", "logs"):
             _rmtree(self.var / stale)
-        for f in self.var.glob("ranks-*.json"):
-            f.unlink()
+        for pattern in ("ranks-*.json", "go-*.json", "go-*.tmp"):
+            for f in self.var.glob(pattern):
+                f.unlink()
         self.report_path.unlink(missing_ok=True)
         self.cluster.start_server()
         names = [f"gpu-node-{i + 1:02d}" for i in range(NODES)]
@@ -241,7 +249,8 @@ class Demo:
         since = utc(fail_t)
         layout, views = None, {}
         while layout is None and not self.stopping:
-            layout, views = self.sup.wait_for_verdict(since, stop=lambda: self.stopping)
+            layout, views = self.sup.wait_for_verdict(since, stop=lambda: self.stopping,
+                                                      tick=self.do_repairs)
             if node_bad and rec.detected_after_s is None:
                 rec.detected_after_s = self._detected(rec.node, fail_t)
             if layout is None:
@@ -252,9 +261,12 @@ class Demo:
         view = views.get(rec.node or "", {})
         rec.isolated = bool(view.get("isolated"))
         if rec.isolated:
-            reason = (view.get("isolation") or {}).get("reason", "")
-            self.say(f"{rec.node} isolated by {(view.get('isolation') or {}).get('by')}: "
-                     f"{reason}")
+            iso = view.get("isolation") or {}
+            at = ""
+            if iso.get("at") and self.t0:
+                stamp = datetime.fromisoformat(iso["at"].replace("Z", "+00:00")).timestamp()
+                at = f" at {stamp - self.t0:.1f} s"
+            self.say(f"{rec.node} isolated{at} by {iso.get('by')}: {iso.get('reason', '')}")
             self.repairs.append((time.time() + self.args.repair, rec.node or "", action))
         new = layout[rec.rank or 0]
         rec.replaced_by = new if new != rec.node else None
@@ -278,7 +290,14 @@ class Demo:
             if not self.job.running:
                 rec.note = "the relaunched job exited; see logs/train.log"
                 break
+            self.do_repairs()
             time.sleep(0.1)
+        else:
+            if self.stopping:
+                rec.note = "the demo was stopped during this recovery"
+            else:
+                rec.note = ("no restore report from every rank within 180 s; see "
+                            "logs/train.log")
         self._fill_restore(rec, reps, last_before)
         if first is not None and len(reps) == WORLD:
             resumed = first["t"] - first.get("step_s", 0.0)
@@ -328,6 +347,7 @@ class Demo:
         reps: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + 120
         while len(reps) < WORLD and time.monotonic() < deadline and not self.stopping:
+            self.do_repairs()
             for rk in range(WORLD):
                 done = [x for x in self.restores(rk) if x.get("request_id") == request_id
                         and x.get("phase") in ("loaded", "failed")]
@@ -335,6 +355,9 @@ class Demo:
                     reps[rk] = done[-1]
             time.sleep(0.1)
         self._fill_restore(rec, reps, None)
+        if len(reps) < WORLD:
+            rec.note = ("the demo was stopped during this rollback" if self.stopping else
+                        f"not every rank reported restore request {request_id} in 120 s")
         if len(reps) == WORLD:
             loaded_t = max(datetime.fromisoformat(x["ts"]).timestamp() for x in reps.values())
             rec.downtime_s = round(loaded_t - fail_t, 2)
@@ -419,9 +442,13 @@ class Demo:
         eff = report.effective_training_time(entries, wall) if wall > 0 else None
         tiers = self.job_tiers()
         # δ of a synchronous persistent-only save: the serialization our memory tier's
-        # write measures plus the transfer our persistent upload measures
-        writes = [(tiers.get(t) or {}).get("commit_s") for t in ("memory", "persistent")]
-        persist_write = sum(writes) if all(w is not None for w in writes) else None
+        # write measures plus the transfer our persistent upload measures. The server gives
+        # each tier's median commit time over its recent commits; the run's δ is the median
+        # of those, sampled at every report (the newest steps are never all committed).
+        writes = [_commit_median(tiers.get(t) or {}) for t in ("memory", "persistent")]
+        if all(w is not None for w in writes):
+            self.write_samples.append(sum(w for w in writes if w is not None))
+        persist_write = report.median(self.write_samples)
         restores = [r.restore_s for r in self.records if r.restore_s is not None]
         restore_med = report.median(restores)
         read_s = self.measure_persistent_read() if status == "finished" else None
@@ -473,6 +500,7 @@ class Demo:
         tail = [e["loss"] for e in survivors[-10:]]
         return {
             "version": 1, "status": status, "seed": self.args.seed, "mtbf_s": self.args.mtbf,
+            "failures_planned": self.planned,
             "seconds": self.args.seconds, "started_at": iso(self.started_at),
             "updated_at": iso(now), "duration_s": round(wall, 2),
             "effective_training_time": None if eff is None else round(eff, 4),
@@ -515,6 +543,8 @@ class Demo:
         plan = faults.schedule(catalog, seconds=self.args.seconds, mtbf_s=self.args.mtbf,
                                seed=self.args.seed, world_size=WORLD, warmup_s=WARMUP_S,
                                tail_s=TAIL_S, forced=forced)
+        self.planned = faults.failure_count(self.args.seconds, self.args.mtbf) \
+            if self.args.seconds > 0 else None
         upcoming = next(plan, None)
         last_write = 0.0
         assert self.t0 is not None
@@ -537,6 +567,12 @@ class Demo:
         self.sup.stop()
         rep = self.write_report("finished")
         print_report(rep, self.report_path)
+        lost = [f for f in rep["failures"] if not f["recovered"]]
+        if lost and not self.stopping:
+            print(f"error: {len(lost)} failure(s) were not recovered from: "
+                  + "; ".join(f"{f['component']} at {f['at_s']:g} s: {f['note'] or '?'}"
+                              for f in lost), file=sys.stderr)
+            return 1
         return 0
 
 
@@ -563,6 +599,10 @@ def print_report(rep: dict[str, Any], path: Path) -> None:
     print(f"  loss                {rep['loss_start']} → {rep['loss_end']}  "
           f"(steps: {rep['steps']})")
     print(f"  tiers used          {', '.join(rep['tiers_used']) or 'none'}")
+    planned = rep.get("failures_planned")
+    print(f"  failures            {len(rep['failures'])} injected"
+          + ("" if planned is None else f" of {planned} planned")
+          + f", {sum(1 for f in rep['failures'] if f['recovered'])} recovered")
     print(f"  costs               {rep['costs']}")
     print(f"  {'at_s':>6} {'failure':<32} {'node':<12} {'tier':<11} {'step':>6} {'lost':>5} "
           f"{'down_s':>7} recovered")
@@ -573,6 +613,14 @@ def print_report(rep: dict[str, Any], path: Path) -> None:
               f"{f['downtime_s'] if f['downtime_s'] is not None else '-':>7} "
               f"{'yes' if f['recovered'] else 'NO'}")
     print(flush=True)
+
+
+def _commit_median(tier: dict[str, Any]) -> float | None:
+    """A tier's median commit time from ``GET /api/v1/jobs/{id}`` (its interval advice's
+    ``commit_s``; the newest step's own time when there is no advice yet)."""
+    advice = tier.get("advice") or {}
+    value = advice.get("commit_s") or tier.get("commit_s")
+    return float(value) if value else None
 
 
 def _seen(view: dict[str, Any], since: datetime) -> bool:
@@ -597,12 +645,12 @@ def _rmtree(p: Path) -> None:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seconds", type=float, default=env_number("DEMO_SECONDS", 0.0),
+    p.add_argument("--seconds", type=float, default=None,
                    help="run this long after training starts, then report and exit "
                    "(0: until Ctrl-C) [DEMO_SECONDS]")
-    p.add_argument("--mtbf", type=float, default=env_number("DEMO_MTBF", 60.0),
+    p.add_argument("--mtbf", type=float, default=None,
                    help="mean time between failures, seconds [DEMO_MTBF]")
-    p.add_argument("--seed", type=int, default=env_number("DEMO_SEED", 3, int),
+    p.add_argument("--seed", type=int, default=None,
                    help="seed of the failure draw [DEMO_SEED]")
     p.add_argument("--failure", action="append", default=[], metavar="COMPONENT",
                    help="inject this component's failure (a row of the Llama 3 table, e.g. "
@@ -628,6 +676,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--var-dir", type=Path, default=REPO / "var" / "demo")
     p.add_argument("--report", type=Path, default=REPO / "var" / "demo-report.json")
     args = p.parse_args(argv)
+    # the environment is read after --help had its chance
+    if args.seconds is None:
+        args.seconds = env_number("DEMO_SECONDS", 0.0)
+    if args.mtbf is None:
+        args.mtbf = env_number("DEMO_MTBF", 60.0)
+    if args.seed is None:
+        args.seed = env_number("DEMO_SEED", 3, int)
+    if not (math.isfinite(args.seconds) and math.isfinite(args.mtbf)):
+        p.error("DEMO_SECONDS and DEMO_MTBF must be finite numbers of seconds")
     if args.mtbf <= 0:
         p.error(f"DEMO_MTBF / --mtbf must be > 0 seconds, got {args.mtbf:g}")
     if args.seconds < 0:
@@ -641,6 +698,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"DEMO_SECONDS={args.seconds:g} leaves no room for {n} failure(s): the first "
                 f"{WARMUP_S:g} s are warm-up and the last {TAIL_S:g} s are kept for recovery; "
                 f"use DEMO_SECONDS ≥ {WARMUP_S + TAIL_S + 1:g} or a larger DEMO_MTBF")
+    if 0 < args.seconds < args.mtbf:
+        print(f"note: DEMO_SECONDS={args.seconds:g} is shorter than DEMO_MTBF={args.mtbf:g}: no "
+              "failure will be injected (⌊seconds / MTBF⌋ = 0)", file=sys.stderr)
     return args
 
 

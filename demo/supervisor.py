@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
-from demo.cluster import Cluster
+from demo.cluster import Cluster, detach
 
 REPO = Path(__file__).resolve().parent.parent
 USABLE_STATES = ("healthy", "degraded")
@@ -134,7 +134,8 @@ class Supervisor:
             [sys.executable, str(REPO / "examples" / "launch.py"), *where,
              "--ranks-file", str(ranks_file), "--", str(REPO / "examples" / "train_gpt.py"),
              *self.train_args],
-            stdout=log, stderr=subprocess.STDOUT, cwd=str(self.cluster.var))
+            stdout=log, stderr=subprocess.STDOUT, cwd=str(self.cluster.var),
+            preexec_fn=detach)
         return Job(nodes or [], proc, ranks_file, time.time(), log)
 
     def prepare(self) -> None:
@@ -165,14 +166,15 @@ class Supervisor:
             self.standby.stop()
             self.standby = None
 
-    def wait_for_verdict(self, since: datetime, *, stop: Any = None
+    def wait_for_verdict(self, since: datetime, *, stop: Any = None, tick: Any = None
                          ) -> tuple[list[str] | None, dict[str, dict[str, Any]]]:
         """Wait until the server has a verdict newer than ``since`` on every node of the
         last layout (a report after it, or an isolation), and usable nodes for every rank.
 
         A node that is unhealthy or unreachable but not isolated yet is waited for: the
         auto-isolation policy acts within a background tick. After ``verdict_timeout_s``
-        the placement uses whatever the server says then.
+        the placement uses whatever the server says then. ``stop()`` ends the wait early;
+        ``tick()`` runs on every poll (the demo's repairs go on meanwhile).
 
         Returns:
             (layout or None when too few nodes are usable, the node views last read).
@@ -192,6 +194,8 @@ class Supervisor:
             layout = place(self.layout, views, self.world_size) if views else None
             if (settled and layout) or time.monotonic() > deadline or (stop and stop()):
                 return layout, views
+            if tick is not None:
+                tick()
             time.sleep(0.2)
 
 

@@ -16,6 +16,9 @@ from demo import run
     ({"DEMO_SECONDS": "-5"}, [], "DEMO_SECONDS / --seconds must be ≥ 0"),
     ({"DEMO_SECONDS": "30", "DEMO_MTBF": "20"}, [], "leaves no room for 1 failure"),
     ({}, ["--failure", "Cosmic Rays"], "unknown component(s) 'Cosmic Rays'"),
+    ({"DEMO_MTBF": "nan"}, [], "DEMO_MTBF='nan' is not a number"),
+    ({"DEMO_SECONDS": "inf"}, [], "DEMO_SECONDS='inf' is not a number"),
+    ({}, ["--seconds", "inf"], "must be finite numbers"),
 ])
 def test_bad_input_is_refused_with_what_to_fix(monkeypatch, capsys, env, argv, message):
     for k in ("DEMO_SECONDS", "DEMO_MTBF", "DEMO_SEED"):
@@ -54,3 +57,18 @@ def test_a_busy_port_is_named_and_nothing_starts(tmp_path, capsys):
     assert code == 2
     assert f"[{port}]" in capsys.readouterr().err
     assert not (tmp_path / "v").exists()
+
+
+def test_help_works_whatever_the_environment(monkeypatch, capsys):
+    monkeypatch.setenv("DEMO_SECONDS", "abc")
+    with pytest.raises(SystemExit) as exc:
+        run.parse(["--help"])
+    assert exc.value.code == 0
+    assert "DEMO_SECONDS" in capsys.readouterr().out
+
+
+def test_a_run_shorter_than_the_mtbf_says_it_injects_nothing(monkeypatch, capsys):
+    monkeypatch.setenv("DEMO_SECONDS", "20")
+    monkeypatch.delenv("DEMO_MTBF", raising=False)
+    run.parse([])
+    assert "no failure will be injected" in capsys.readouterr().err
