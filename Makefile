@@ -40,6 +40,7 @@ test: setup
 bench: setup
 	$(PY) bench/ingest.py
 	$(PY) bench/checkpoint.py
+	$(PY) bench/demo.py
 
 clean:
 	rm -rf $(VENV) node_modules static/vendor var
