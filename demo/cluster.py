@@ -42,6 +42,20 @@ def detach() -> None:
         pass
 
 
+def wait_http(url: str, timeout: float, *, alive: Any) -> bool:
+    """Poll ``url`` until it answers 200 (True), or ``alive()`` turns False or ``timeout``
+    seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and alive():
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
 def port_free(port: int) -> bool:
     """Whether ``port`` on 127.0.0.1 can be bound now."""
     with socket.socket() as s:
@@ -138,18 +152,9 @@ class Node:
         Raises:
             RuntimeError: it exited or did not answer within ``timeout`` seconds.
         """
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.running:
-                raise RuntimeError(f"agent {self.name} exited; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/v1/ckpt/info", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"agent {self.name} did not answer in {timeout:g} s; "
-                           f"see {self.log_path}")
+        if not wait_http(f"{self.url}/v1/ckpt/info", timeout, alive=lambda: self.running):
+            raise RuntimeError(f"agent {self.name} exited or did not answer in {timeout:g} s; "
+                               f"see {self.log_path}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         """Signal the agent and wait for it (SIGKILL after ``timeout``)."""
@@ -252,15 +257,9 @@ class Cluster:
             [str(BIN / "tierwatch-server"), "serve", "--host", "127.0.0.1", "--port",
              str(self.port)], env=self.env, stdout=log, stderr=subprocess.STDOUT,
             preexec_fn=detach)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and self.server.poll() is None:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"the server did not start; see {self.logs / 'server.log'}")
+        server = self.server
+        if not wait_http(f"{self.url}/healthz", 60, alive=lambda: server.poll() is None):
+            raise RuntimeError(f"the server did not start; see {self.logs / 'server.log'}")
 
     def add_node(self, name: str, index: int) -> Node:
         """Create node ``name`` (an agent token, its folders, its argv) and start its agent."""

@@ -36,7 +36,7 @@ from demo import cluster as cluster_mod
 from demo import faults, report
 from demo.cluster import Cluster, port_free
 from demo.injector import strike
-from demo.supervisor import Job, Supervisor
+from demo.supervisor import Job, Supervisor, seen_after
 from tierwatch.server.web.demo_report import DemoReport, Failure
 
 REPO = Path(__file__).resolve().parent.parent
@@ -166,7 +166,7 @@ class Demo:
         views: dict[str, Any] = {}
         deadline = time.monotonic() + 60
         while layout is None or not all(
-                _seen(v, since) for v in views.values()):
+                seen_after(v, since) for v in views.values()):
             if time.monotonic() > deadline:
                 raise RuntimeError("the nodes did not report healthy within 60 s; see "
                                    f"{self.cluster.logs}")
@@ -621,11 +621,6 @@ def _commit_median(tier: dict[str, Any]) -> float | None:
     advice = tier.get("advice") or {}
     value = advice.get("commit_s") or tier.get("commit_s")
     return float(value) if value else None
-
-
-def _seen(view: dict[str, Any], since: datetime) -> bool:
-    last = view.get("last_seen")
-    return bool(last) and datetime.fromisoformat(last.replace("Z", "+00:00")) > since
 
 
 def _restorable(body: Any) -> dict[int, list[str]]:

@@ -53,7 +53,8 @@ def place(previous: list[str] | None, views: dict[str, dict[str, Any]],
     return [n for n in layout if n is not None]
 
 
-def _seen_after(view: dict[str, Any], since: datetime) -> bool:
+def seen_after(view: dict[str, Any], since: datetime) -> bool:
+    """Whether the node's last report (``last_seen``) is newer than ``since``."""
     last = view.get("last_seen")
     return bool(last) and datetime.fromisoformat(last.replace("Z", "+00:00")) > since
 
@@ -189,7 +190,7 @@ class Supervisor:
             prev = self.layout or []
             settled = all(
                 n in views and (views[n]["isolated"] or (
-                    _seen_after(views[n], since) and views[n]["state"] in USABLE_STATES))
+                    seen_after(views[n], since) and views[n]["state"] in USABLE_STATES))
                 for n in prev)
             layout = place(self.layout, views, self.world_size) if views else None
             if (settled and layout) or time.monotonic() > deadline or (stop and stop()):
