@@ -291,7 +291,6 @@ class ReportBatch(_Model):
         return self
 
 
-COMMAND_KINDS = ("isolate", "release", "restore")
 CommandId = Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
 

@@ -31,9 +31,10 @@ import math
 import random
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Literal, get_args
+from typing import ClassVar, Literal, get_args
 
 from tierwatch.agent.collectors.base import GpuCollector
 from tierwatch.agent.protocol import (
@@ -54,8 +55,9 @@ Fault = Literal[
 FAULTS: tuple[str, ...] = get_args(Fault)
 #: Faults that need a ``value`` (the XID code, the temperature in °C).
 FAULTS_WITH_VALUE = frozenset({"xid", "temp"})
-#: Faults that act on the whole node rather than one GPU.
-NODE_FAULTS = frozenset({"straggle"})
+
+#: What a fault's effect returns: a one-line description, and the XID to emit (or None).
+_Effect = tuple[str, XidEvent | None]
 
 SIM_MODEL = "NVIDIA H100 80GB HBM3 (simulated)"
 SIM_MEMORY_MIB = 81559.0
@@ -301,52 +303,84 @@ class SimulatedCollector(GpuCollector):
         if fault == "temp" and not -50 <= value <= 200:
             raise FaultError(f"temperature must be between -50 and 200 °C, got {value!r}")
 
-        xid: XidEvent | None = None
         with self._lock:
-            if fault == "clear":
-                targets = self._gpus if gpu is None else [self._gpus[gpu]]
-                for target in targets:
-                    target.clear()
-                if gpu is None:
-                    self._straggle = False
-                result = "cleared all faults" + ("" if gpu is None else f" on GPU {gpu}")
-            elif fault == "straggle":
-                self._straggle = True
-                result = "latency samples ×10 (straggler)"
-                if self.job is None:
-                    result += "; note: no sim job/rank set, so no latency samples are made"
-            else:
-                target = self._gpus[gpu or 0]
-                idx = target.index
-                if fault == "thermal":
-                    target.thermal = True
-                    target.pinned_temp_c = None
-                    result = f"thermal runaway on GPU {idx}"
-                elif fault == "temp":
-                    target.pinned_temp_c = float(value)
-                    target.thermal = False
-                    result = f"temperature of GPU {idx} set to {value:g} °C"
-                elif fault == "ecc-dbe":
-                    target.ecc_dbe_volatile += 1
-                    target.ecc_dbe_aggregate += 1
-                    xid = XidEvent(gpu=idx, xid=48, ts=utcnow(),
-                                   message="simulated double bit ECC error")
-                    result = f"uncorrectable ECC error (and XID 48) on GPU {idx}"
-                elif fault == "row-remap-failure":
-                    target.row_remap_failure = True
-                    target.row_remap_pending = True
-                    target.remapped_uncorrectable += 1
-                    result = f"row remapping failure on GPU {idx}"
-                elif fault == "xid":
-                    xid = XidEvent(gpu=idx, xid=int(value), ts=utcnow(),
-                                   message="simulated XID")
-                    result = f"XID {int(value)} on GPU {idx}"
-                elif fault == "throttle":
-                    target.throttle = True
-                    result = f"HW slowdown throttling on GPU {idx}"
-                else:  # freeze
-                    target.frozen = True
-                    result = f"telemetry of GPU {idx} frozen"
+            result, xid = self._EFFECTS[fault](self, gpu, value)
         if xid is not None:
             self.emit_xid(xid)
         return result
+
+    # Each fault's effect, called with the lock held: (collector, gpu, value) -> (the
+    # one-line description, the XID to emit once the lock is released or None). ``gpu`` is
+    # already range-checked and ``value`` checked against the fault's needs.
+    def _clear(self, gpu: int | None, _value: float | None) -> _Effect:
+        targets = self._gpus if gpu is None else [self._gpus[gpu]]
+        for target in targets:
+            target.clear()
+        if gpu is None:
+            self._straggle = False
+        return "cleared all faults" + ("" if gpu is None else f" on GPU {gpu}"), None
+
+    def _straggler(self, _gpu: int | None, _value: float | None) -> _Effect:
+        self._straggle = True
+        result = "latency samples ×10 (straggler)"
+        if self.job is None:
+            result += "; note: no sim job/rank set, so no latency samples are made"
+        return result, None
+
+    def _thermal(self, gpu: int | None, _value: float | None) -> _Effect:
+        target = self._gpus[gpu or 0]
+        target.thermal = True
+        target.pinned_temp_c = None
+        return f"thermal runaway on GPU {target.index}", None
+
+    def _temp(self, gpu: int | None, value: float | None) -> _Effect:
+        target = self._gpus[gpu or 0]
+        assert value is not None  # checked by inject()
+        target.pinned_temp_c = float(value)
+        target.thermal = False
+        return f"temperature of GPU {target.index} set to {value:g} °C", None
+
+    def _ecc_dbe(self, gpu: int | None, _value: float | None) -> _Effect:
+        target = self._gpus[gpu or 0]
+        target.ecc_dbe_volatile += 1
+        target.ecc_dbe_aggregate += 1
+        xid = XidEvent(gpu=target.index, xid=48, ts=utcnow(),
+                       message="simulated double bit ECC error")
+        return f"uncorrectable ECC error (and XID 48) on GPU {target.index}", xid
+
+    def _row_remap_failure(self, gpu: int | None, _value: float | None) -> _Effect:
+        target = self._gpus[gpu or 0]
+        target.row_remap_failure = True
+        target.row_remap_pending = True
+        target.remapped_uncorrectable += 1
+        return f"row remapping failure on GPU {target.index}", None
+
+    def _xid(self, gpu: int | None, value: float | None) -> _Effect:
+        target = self._gpus[gpu or 0]
+        assert value is not None  # checked by inject()
+        xid = XidEvent(gpu=target.index, xid=int(value), ts=utcnow(), message="simulated XID")
+        return f"XID {int(value)} on GPU {target.index}", xid
+
+    def _throttle(self, gpu: int | None, _value: float | None) -> _Effect:
+        target = self._gpus[gpu or 0]
+        target.throttle = True
+        return f"HW slowdown throttling on GPU {target.index}", None
+
+    def _freeze(self, gpu: int | None, _value: float | None) -> _Effect:
+        target = self._gpus[gpu or 0]
+        target.frozen = True
+        return f"telemetry of GPU {target.index} frozen", None
+
+    #: The dispatch table of :meth:`inject`: one effect per fault of :data:`FAULTS`.
+    _EFFECTS: ClassVar[dict[str, Callable[[SimulatedCollector, int | None, float | None],
+                                          _Effect]]] = {
+        "xid": _xid,
+        "thermal": _thermal,
+        "temp": _temp,
+        "ecc-dbe": _ecc_dbe,
+        "row-remap-failure": _row_remap_failure,
+        "throttle": _throttle,
+        "straggle": _straggler,
+        "freeze": _freeze,
+        "clear": _clear,
+    }

@@ -24,7 +24,6 @@ from tierwatch.server.config import Settings
 from tierwatch.server.fleet.models import Node
 
 CLUSTER_DRIVERS = frozenset({"slurm", "kubernetes"})
-REASON_MAX = 1000
 ALREADY = {True: "isolated", False: "in service"}
 
 

@@ -39,7 +39,6 @@ from tierwatch.server.fleet.models import BigId
 
 COMMAND_STATES = ("pending", "delivered", "running", "succeeded", "failed", "expired")
 TERMINAL_STATES = frozenset({"succeeded", "failed", "expired"})
-RANK_PHASES = ("pending", "staging", "loaded", "failed")
 
 
 class CommandRow(Base):

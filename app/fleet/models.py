@@ -52,18 +52,6 @@ METRIC_FIELDS: tuple[str, ...] = (
     "nvlink_replay_errors",
     "nvlink_recovery_errors",
 )
-FLOAT_METRICS = frozenset(
-    {
-        "temperature_c",
-        "slowdown_temp_c",
-        "shutdown_temp_c",
-        "power_w",
-        "power_limit_w",
-        "utilization_pct",
-        "memory_used_mib",
-        "memory_total_mib",
-    }
-)
 BOOL_METRICS = frozenset({"row_remap_pending", "row_remap_failure"})
 
 

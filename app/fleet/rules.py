@@ -402,6 +402,30 @@ def rule_row_remap(cur: GpuSample) -> list[Finding]:
 # --- XID ---------------------------------------------------------------------------------------
 
 
+def _xid_verdict(
+    gpu: int, code: int, count: int, count_in_window: int, th: HealthThresholds
+) -> tuple[str, Severity, str, str] | None:
+    """(rule, severity, message, action) of XID ``code`` on ``gpu``, or None (no finding).
+
+    ``count`` is the number of new occurrences, ``count_in_window`` those within the repeat
+    window; the classes are those listed in :func:`rule_xid`.
+    """
+    many = f" ({count} occurrences)" if count > 1 else ""
+    info = xid_catalog.lookup(code)
+    if info is None:
+        message = f"XID {code} (not in NVIDIA's catalog) on GPU {gpu}{many}"
+        return RULE_XID, "degraded", message, ACTION_UNKNOWN_XID
+    if info.fatal:
+        return RULE_XID, "unhealthy", f"XID {code} {info.mnemonic} on GPU {gpu}{many}", info.action
+    if count_in_window >= th.xid_repeat_count:
+        message = (
+            f"XID {code} {info.mnemonic} on GPU {gpu}: {count_in_window} "
+            f"occurrences within {_fmt(th.xid_repeat_window_s)} s"
+        )
+        return RULE_XID_REPEAT, "degraded", message, info.action
+    return None
+
+
 def rule_xid(
     new: list[XidRecord],
     recent: list[XidRecord],
@@ -459,46 +483,17 @@ def rule_xid(
             # the newest few only: a burst of thousands must not bloat every API answer
             "occurrences": [t.isoformat() for t in times[-MAX_EVIDENCE_OCCURRENCES:]],
         }
-        many = f" ({len(records)} occurrences)" if len(records) > 1 else ""
-        info = xid_catalog.lookup(code)
-        if info is None:
+        verdict = _xid_verdict(gpu, code, len(records), in_window[(gpu, code)], th)
+        if verdict is not None:
+            rule, severity, message, action = verdict
             findings.append(
                 Finding(
-                    rule=RULE_XID,
-                    severity="degraded",
+                    rule=rule,
+                    severity=severity,
                     gpu=gpu,
                     key=str(code),
-                    message=f"XID {code} (not in NVIDIA's catalog) on GPU {gpu}{many}",
-                    action=ACTION_UNKNOWN_XID,
-                    evidence=evidence,
-                    at=times[-1],
-                )
-            )
-        elif info.fatal:
-            findings.append(
-                Finding(
-                    rule=RULE_XID,
-                    severity="unhealthy",
-                    gpu=gpu,
-                    key=str(code),
-                    message=f"XID {code} {info.mnemonic} on GPU {gpu}{many}",
-                    action=info.action,
-                    evidence=evidence,
-                    at=times[-1],
-                )
-            )
-        elif in_window[(gpu, code)] >= th.xid_repeat_count:
-            findings.append(
-                Finding(
-                    rule=RULE_XID_REPEAT,
-                    severity="degraded",
-                    gpu=gpu,
-                    key=str(code),
-                    message=(
-                        f"XID {code} {info.mnemonic} on GPU {gpu}: {in_window[(gpu, code)]} "
-                        f"occurrences within {_fmt(th.xid_repeat_window_s)} s"
-                    ),
-                    action=info.action,
+                    message=message,
+                    action=action,
                     evidence=evidence,
                     at=times[-1],
                 )

@@ -158,3 +158,7 @@ def test_every_fault_is_accepted(sim):
     for fault in FAULTS:
         value = {"xid": 13, "temp": 80}.get(fault)
         assert sim.inject(fault, 0, value)
+
+
+def test_every_fault_has_one_effect():
+    assert set(SimulatedCollector._EFFECTS) == set(FAULTS)
