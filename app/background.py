@@ -80,11 +80,6 @@ class BackgroundWork:
         self._wake_drivers = asyncio.Event()
         self.ticks = 0
 
-    @property
-    def is_leader(self) -> bool:
-        """Whether this replica led at the last check."""
-        return self.lock.held
-
     def start(self) -> None:
         """Start the loops on the running event loop (none with ``background_tick_s=0``)."""
         if self._tick_s <= 0:

@@ -154,13 +154,6 @@ def timestamp_errors(
     return errors
 
 
-def ingest_report(
-    session: Session, *, batch: ReportBatch, settings: Settings, now: datetime
-) -> ReportAck:
-    """Store one agent batch (a group of one; see ``ingest_reports``)."""
-    return ingest_reports(session, batches=[batch], settings=settings, now=now)[0]
-
-
 def ingest_reports(
     session: Session, *, batches: list[ReportBatch], settings: Settings, now: datetime
 ) -> list[ReportAck]:

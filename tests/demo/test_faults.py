@@ -91,9 +91,36 @@ def test_every_kind_of_failure_is_made_real_by_its_effect(component, category, k
     assert e.describe()
 
 
+# Each row of app/data/llama3_interruptions.csv and the effect the demo gives it.
+ROW_EFFECTS = {
+    "Faulty GPU": ("gpu", "xid", 79, "XID 79 + rank killed"),
+    "GPU HBM3 Memory": ("gpu", "ecc-dbe", None, "uncorrectable ECC error (XID 48) + rank killed"),
+    "Software Bug": ("process", None, None, "rank killed"),
+    "Network Switch/Cable": ("network", None, None,
+                             "rank killed + the node's peer replicas dropped"),
+    "Host Maintenance": ("host", None, None, "agent killed + memory tier wiped + rank killed"),
+    "GPU SRAM Memory": ("gpu", "xid", 95, "XID 95 + rank killed"),
+    "GPU System Processor": ("gpu", "xid", 119, "XID 119 + rank killed"),
+    "NIC": ("host", None, None, "agent killed + memory tier wiped + rank killed"),
+    "NCCL Watchdog Timeouts": ("process", None, None, "rank killed"),
+    "Silent Data Corruption": ("sdc", None, None, "a weight corrupted in the running job"),
+    "GPU Thermal Interface + Sensor": ("gpu", "temp", 97, "GPU at 97 °C + rank killed"),
+    "SSD": ("host", None, None, "agent killed + memory tier wiped + rank killed"),
+    "Power Supply": ("host", None, None, "agent killed + memory tier wiped + rank killed"),
+    "Server Chassis": ("host", None, None, "agent killed + memory tier wiped + rank killed"),
+    "IO Expansion Board": ("host", None, None, "agent killed + memory tier wiped + rank killed"),
+    "Dependency": ("process", None, None, "rank killed"),
+    "CPU": ("host", None, None, "agent killed + memory tier wiped + rank killed"),
+    "System Memory": ("host", None, None, "agent killed + memory tier wiped + rank killed"),
+}
+
+
 def test_every_row_of_the_table_has_an_effect():
-    for row in catalog():
-        faults.effect_of(row).describe()
+    rows = catalog()
+    assert [r.component for r in rows] == list(ROW_EFFECTS)
+    for row in rows:
+        e = faults.effect_of(row)
+        assert (e.action, e.fault, e.value, e.describe()) == ROW_EFFECTS[row.component], row
 
 
 @pytest.mark.parametrize(("text", "message"), [

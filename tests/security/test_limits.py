@@ -78,29 +78,48 @@ def test_command_result_exit_code_fits_its_column(command_client, make_token, ex
         assert "body.command_results.0.exit_code" in r.text
 
 
-@pytest.mark.parametrize("request_id", [INT32_MAX, INT32_MAX + 1, 2**63, 2**64])
-def test_unknown_restore_request_id_is_a_404_or_422_never_a_500(app, client, make_token,
-                                                                 request_id):
-    """GET /api/v1/restores/{request_id} with an id beyond the column's range."""
+def test_unknown_restore_request_id_in_range_is_a_404(app, client, make_token):
+    viewer = TestClient(app, raise_server_exceptions=False)
+    r = viewer.get(f"/api/v1/restores/{INT32_MAX}", headers=auth(make_token("viewer")))
+    assert r.status_code == 404, (r.status_code, r.text[:200])
+    assert r.json()["detail"] == f"no restore request has id {INT32_MAX}"
+
+
+@pytest.mark.parametrize("request_id", [INT32_MAX + 1, 2**63, 2**64])
+def test_restore_request_id_beyond_the_column_is_a_422_never_a_500(app, client, make_token,
+                                                                   request_id):
+    """GET /api/v1/restores/{request_id} with an id beyond the column's range (INT32)."""
     viewer = TestClient(app, raise_server_exceptions=False)
     r = viewer.get(f"/api/v1/restores/{request_id}", headers=auth(make_token("viewer")))
-    assert r.status_code in (404, 422), (r.status_code, r.text[:200])
-    if r.status_code == 404:
-        assert str(request_id) in r.json()["detail"]
+    assert r.status_code == 422, (r.status_code, r.text[:200])
+    assert r.json()["errors"][0]["field"] == "path.request_id"
 
 
 @pytest.mark.parametrize(("path", "params"), [
     ("/api/v1/audit", {"before_id": 2**62}),
-    ("/api/v1/commands/" + "9" * 64, {}),
     ("/api/v1/events", {"limit": 10_000}),
-    ("/api/v1/nodes/n1/samples", {"gpu": 255, "limit": 100_000}),
     (f"/api/v1/jobs/{JOB}/restores", {"limit": 200}),
 ])
-def test_boundary_query_values_answer_without_a_server_error(app, seeded, tokens, path,
-                                                            params):
+def test_boundary_query_values_answer_an_empty_list(app, seeded, tokens, path, params):
     viewer = TestClient(app, raise_server_exceptions=False)
     r = viewer.get(path, params=params, headers=auth(tokens["viewer"]))
-    assert r.status_code < 500, (r.status_code, r.text[:200])
+    assert r.status_code == 200, (r.status_code, r.text[:200])
+    assert r.json() == []
+
+
+def test_boundary_samples_query_answers_no_samples(app, seeded, tokens):
+    viewer = TestClient(app, raise_server_exceptions=False)
+    r = viewer.get("/api/v1/nodes/n1/samples", params={"gpu": 255, "limit": 100_000},
+                   headers=auth(tokens["viewer"]))
+    assert r.status_code == 200, (r.status_code, r.text[:200])
+    assert (r.json()["node"], r.json()["samples"]) == ("n1", [])
+
+
+def test_longest_command_id_that_matches_nothing_is_a_404(app, seeded, tokens):
+    viewer = TestClient(app, raise_server_exceptions=False)
+    r = viewer.get("/api/v1/commands/" + "9" * 64, headers=auth(tokens["viewer"]))
+    assert r.status_code == 404, (r.status_code, r.text[:200])
+    assert r.json()["detail"] == f"no command has id {'9' * 64!r}"
 
 
 # --- NUL characters (PostgreSQL text cannot hold one) ------------------------------------------
@@ -122,21 +141,31 @@ def test_nul_in_a_body_is_a_422_naming_the_field(app, seeded, tokens, method, pa
     assert f"body.{field}" in r.text
 
 
+def test_nul_in_the_alert_kind_filter_matches_nothing(app, seeded, tokens):
+    """No alert kind holds a NUL, so the filter matches nothing (never sent to the database)."""
+    caller = TestClient(app, raise_server_exceptions=False)
+    r = caller.get("/api/v1/alerts", params={"kind": NUL}, headers=auth(tokens["viewer"]))
+    assert r.status_code == 200, (r.status_code, r.text[:200])
+    assert r.json()["alerts"] == []
+
+
 @pytest.mark.parametrize(("path", "params"), [
-    ("/api/v1/alerts", {"kind": NUL}),
     ("/api/v1/commands", {"node": NUL}),
     ("/api/v1/audit", {"outcome": NUL}),
     ("/api/v1/audit", {"actor": NUL, "action": NUL, "target": NUL}),
-    ("/api/v1/events", {"node": NUL}),
 ], ids=lambda v: v if isinstance(v, str) else ",".join(v))
-def test_nul_in_a_filter_matches_nothing_without_a_server_error(app, seeded, tokens, path,
-                                                                  params):
+def test_nul_in_a_filter_is_a_422_naming_each_field(app, seeded, tokens, path, params):
     caller = TestClient(app, raise_server_exceptions=False)
     r = caller.get(path, params=params, headers=auth(tokens["viewer"]))
-    assert r.status_code in (200, 404, 422), (r.status_code, r.text[:200])
-    if r.status_code == 200:
-        body = r.json()
-        assert (body["alerts"] if isinstance(body, dict) else body) == []
+    assert r.status_code == 422, (r.status_code, r.text[:200])
+    assert [e["field"] for e in r.json()["errors"]] == [f"query.{name}" for name in params]
+
+
+def test_nul_in_the_events_node_filter_is_an_unknown_node(app, seeded, tokens):
+    caller = TestClient(app, raise_server_exceptions=False)
+    r = caller.get("/api/v1/events", params={"node": NUL}, headers=auth(tokens["viewer"]))
+    assert r.status_code == 404, (r.status_code, r.text[:200])
+    assert r.json()["detail"] == "no node named '\\x00'"
 
 
 def test_nul_in_the_node_name_filter_is_dropped(app, seeded, tokens):
@@ -146,8 +175,13 @@ def test_nul_in_the_node_name_filter_is_dropped(app, seeded, tokens):
     assert [n["name"] for n in r.json()["nodes"]] == ["n2"]
 
 
-@pytest.mark.parametrize("path", ["/?name=%00", "/nodes/%00", "/jobs/%00", "/alerts?kind=%00"])
-def test_nul_in_a_dashboard_url_is_no_server_error(app, seeded, tokens, path):
+@pytest.mark.parametrize(("path", "status"), [
+    ("/?name=%00", 200),  # a filter: matches nothing
+    ("/alerts?kind=%00", 200),
+    ("/nodes/%00", 404),  # a name: no node or job has it
+    ("/jobs/%00", 404),
+])
+def test_nul_in_a_dashboard_url_is_no_server_error(app, seeded, tokens, path, status):
     caller = TestClient(app, raise_server_exceptions=False)
     r = caller.get(path, headers=auth(tokens["viewer"]))
-    assert r.status_code in (200, 404), (r.status_code, r.text[:200])
+    assert r.status_code == status, (r.status_code, r.text[:200])
