@@ -1,6 +1,6 @@
 """Storing the checkpoint part of agent reports: jobs, ledger, events, progress, restores.
 
-Called by ``ingest.service.ingest_reports`` inside the group's transaction, so a report's
+Called by ``fleet.ingest.ingest_reports`` inside the group's transaction, so a report's
 checkpoint events are stored with the rest of it or not at all (the group-commit writer
 retries a failed group report by report). SQLAlchemy Core throughout, a fixed number of
 statements per group; a group without checkpoint content costs nothing here.

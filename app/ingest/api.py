@@ -1,4 +1,4 @@
-"""The agent-facing API: reports in, acks (and later commands) out."""
+"""The agent-facing API: reports in; acks, with the node's pending commands, out."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from starlette.responses import Response
 from tierwatch.agent.protocol import ReportAck, ReportBatch, utcnow
 from tierwatch.server.checkpoints import ingest as checkpoint_ingest
 from tierwatch.server.config import Settings
-from tierwatch.server.ingest.service import timestamp_errors
+from tierwatch.server.fleet import ingest as fleet_ingest
 from tierwatch.server.ingest.writer import IngestUnavailable, IngestWriter
 from tierwatch.server.security import AgentDep, error_responses
 
@@ -53,7 +53,9 @@ async def report(principal: AgentDep, request: Request) -> ReportAck | Response:
             [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
         ) from exc
     settings: Settings = request.app.state.settings
-    errors = timestamp_errors(batch, now=utcnow(), max_ahead_s=settings.max_clock_skew_s)
+    errors = fleet_ingest.timestamp_errors(
+        batch, now=utcnow(), max_ahead_s=settings.max_clock_skew_s
+    )
     errors += checkpoint_ingest.report_errors(batch)
     if errors:
         raise RequestValidationError(errors)

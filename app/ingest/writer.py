@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from tierwatch.agent.protocol import ReportAck, ReportBatch, utcnow
 from tierwatch.server.config import Settings
-from tierwatch.server.ingest.service import ingest_reports
+from tierwatch.server.fleet.ingest import ingest_reports
 
 log = logging.getLogger("tierwatch.server.ingest")
 

@@ -1,10 +1,13 @@
-"""Ingest of agent reports: store each batch once, update latest values, re-evaluate health.
+"""The fleet's ingest of agent reports: store each batch once, update latest values,
+re-evaluate health, and hand each report's other content to its domain.
 
 Reports are stored in groups (``ingest_reports``): one transaction and a fixed handful of
 SQL statements for the whole group (SQLAlchemy Core, no ORM objects), so the cost per report
 is mostly the Python that evaluates it. This is the hot path: 2,048 nodes reporting every
-10 s are about 200 reports/s. ``IngestWriter`` (writer.py) forms the groups from concurrent
-requests (group commit). A report with nothing wrong writes only its receipt, its samples,
+10 s are about 200 reports/s. ``IngestWriter`` (``tierwatch.server.ingest.writer``) forms the
+groups from concurrent requests (group commit); the checkpoint ledger
+(``checkpoints.ingest``) and command results (``actions.ingest``) are stored in the same
+transaction. A report with nothing wrong writes only its receipt, its samples,
 its GPUs' latest values and its node row; XIDs, latency samples, agent events and reason
 changes add statements only for the reports that carry them.
 
@@ -53,15 +56,6 @@ XID_COUNTS = XidCount.__table__
 RECEIPTS = ReportReceipt.__table__
 GPU_SAMPLES = GpuSampleRow.__table__
 
-XID_RULES = ("xid", "xid_repeat")
-SAMPLE_RULES = {
-    "temperature",
-    "ecc_uncorrectable",
-    "row_remap",
-    "throttling",
-    "pcie_replay",
-    "nvlink",
-}
 REASON_FIELDS = ("severity", "message", "action", "evidence", "first_seen", "last_seen")
 
 # One executemany UPDATE for the latest values of all GPUs of a report. Bind names are
@@ -345,13 +339,13 @@ def _apply_batches(
                 for s in b.samples
             ]
             findings[node.id] += _evaluate_samples(b, node_gpus, th)
-            evaluated[node.id] |= SAMPLE_RULES
+            evaluated[node.id] |= rules.GPU_SAMPLE_RULES
         if b.gpus or b.samples:
             for index, entry in node_gpus.items():
                 findings[node.id] += rules.rule_stale_telemetry(
                     entry["sample"], index, b.sent_at, b.interval_s, th, b.sent_at
                 )
-            evaluated[node.id].add("stale_telemetry")
+            evaluated[node.id].add(rules.RULE_STALE_TELEMETRY)
         findings[node.id] += _ingest_xids(session, node.id, b, th)
         findings[node.id] += _ingest_latency(session, node.id, b, th)
         events_rows += [
@@ -517,7 +511,7 @@ def _ingest_xids(
         data: dict[str, Any] = (
             {"mnemonic": info.mnemonic, "action": info.action, "fatal": info.fatal}
             if info
-            else {"mnemonic": "UNKNOWN", "action": "UNEXPECTED_ERR_REPORT_ISSUE", "fatal": None}
+            else {"mnemonic": "UNKNOWN", "action": rules.ACTION_UNKNOWN_XID, "fatal": None}
         )
         if x.message:
             data["driver_message"] = x.message
@@ -544,7 +538,7 @@ def _ingest_xids(
     acks = dict(
         session.execute(
             select(Acknowledgement.gpu_index, func.max(Acknowledgement.acked_at))
-            .where(Acknowledgement.node_id == node_id, Acknowledgement.rule.in_(XID_RULES))
+            .where(Acknowledgement.node_id == node_id, Acknowledgement.rule.in_(rules.XID_RULES))
             .group_by(Acknowledgement.gpu_index)
         ).all()
     )
