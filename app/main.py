@@ -19,20 +19,24 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tierwatch import __version__
 from tierwatch.server.actions import api as actions_api
+from tierwatch.server.actions import views as actions_views
 from tierwatch.server.alerts import api as alerts_api
 from tierwatch.server.alerts import views as alerts_views
 from tierwatch.server.background import BackgroundWork
 from tierwatch.server.checkpoints import api as checkpoints_api
+from tierwatch.server.checkpoints import views as checkpoints_views
 from tierwatch.server.config import Settings, get_settings
 from tierwatch.server.db import make_engine, make_sessionmaker
+from tierwatch.server.demo import api as demo_api
+from tierwatch.server.demo import views as demo_views
 from tierwatch.server.fleet import api as fleet_api
+from tierwatch.server.fleet import views as fleet_views
 from tierwatch.server.ingest import api as ingest_api
 from tierwatch.server.ingest.writer import IngestWriter
 from tierwatch.server.metrics import make_registry
 from tierwatch.server.resources import resource_dir
 from tierwatch.server.security import LoginLimiter, TokenResolver, principal_from_request
-from tierwatch.server.web import actions_views, demo_views
-from tierwatch.server.web import views as web_views
+from tierwatch.server.web import signin
 
 log = logging.getLogger("tierwatch.server")
 
@@ -193,8 +197,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(checkpoints_api.router)
     app.include_router(actions_api.router)
     app.include_router(alerts_api.router)
-    app.include_router(demo_views.api_router)
-    app.include_router(web_views.router)
+    app.include_router(demo_api.router)
+    # Dashboard pages: the sign-in, then each domain's views (one URL each, order-free).
+    app.include_router(signin.router)
+    app.include_router(fleet_views.router)
+    app.include_router(checkpoints_views.router)
     app.include_router(alerts_views.router)
     app.include_router(actions_views.router)
     app.include_router(demo_views.router)

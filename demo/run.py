@@ -37,7 +37,7 @@ from demo import faults, report
 from demo.cluster import Cluster, port_free
 from demo.injector import strike
 from demo.supervisor import Job, Supervisor, seen_after
-from tierwatch.server.web.demo_report import DemoReport, Failure
+from tierwatch.server.demo.report import DemoReport, Failure
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = "demo-gpt"
@@ -92,7 +92,7 @@ def iso(ts: float) -> str:
 
 class FailureRecord(Failure):
     """One injected failure and how the job came back: the report's ``failures`` item (the
-    dashboard's schema, :class:`~tierwatch.server.web.demo_report.Failure`), plus the
+    dashboard's schema, :class:`~tierwatch.server.demo.report.Failure`), plus the
     measured costs of this recovery, which feed the report's ``costs`` and ``baseline``."""
 
     restore_s: float | None = Field(default=None, exclude=True)

@@ -285,3 +285,25 @@ def prune(session: Session, *, now: datetime, retention_s: float) -> dict[str, i
         RestoreRequest.state != "running", RestoreRequest.created_at < cut)).rowcount
     out["audit_log"] = session.execute(delete(AuditEntry).where(AuditEntry.ts < cut)).rowcount
     return out
+
+
+#: Driver runs shown on a node's page.
+NODE_COMMAND_LIMIT = 10
+
+
+def recent_node_commands(session: Session, node: Any) -> list[dict[str, Any]]:
+    """The node's newest driver runs (isolate/release commands), newest first.
+
+    Args:
+        node: the node (a ``fleet.models.Node`` or a row with ``id`` and ``name``).
+
+    Returns:
+        At most :data:`NODE_COMMAND_LIMIT` commands in :func:`command_out`'s shape.
+    """
+    rows = session.scalars(
+        select(CommandRow)
+        .where(CommandRow.node_id == node.id, CommandRow.kind.in_(("isolate", "release")))
+        .order_by(CommandRow.created_at.desc())
+        .limit(NODE_COMMAND_LIMIT)
+    )
+    return [command_out(r, node.name) for r in rows]

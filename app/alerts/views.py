@@ -2,7 +2,7 @@
 
 Route:
     GET /alerts    alerts page; ``kind``, ``status`` and ``delivery`` filter; the ``live``
-                   block alone for htmx polling (see ``tierwatch.server.web.views``)
+                   block alone for htmx polling (see ``tierwatch.server.web.deps.render_page``)
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from tierwatch.agent.protocol import utcnow
 from tierwatch.server.alerts import service
 from tierwatch.server.alerts.models import DELIVERY_STATES, KINDS, STATUSES
 from tierwatch.server.deps import SessionDep, SettingsDep
-from tierwatch.server.web.deps import ViewerPageDep, WebRoute
-from tierwatch.server.web.views import _render
+from tierwatch.server.web.deps import ViewerPageDep, WebRoute, render_page
 
 router = APIRouter(include_in_schema=False, route_class=WebRoute)
 
@@ -47,7 +46,7 @@ def alerts_page(
         query = {k: v for k, v in {**filters, **change}.items() if v}
         return "/alerts" + (f"?{urlencode(query)}" if query else "")
 
-    return _render(
+    return render_page(
         request,
         "pages/alerts.html",
         {

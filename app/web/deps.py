@@ -140,6 +140,32 @@ def flash(request: Request, message: str, kind: str = "ok") -> None:
     request.session["flash"] = request.session["flash"][-5:]
 
 
+#: The node and job pages' charts refresh at most this often (s).
+CHART_REFRESH_MIN_S = 5.0
+#: Headers of every page whose URL also serves its live part as an htmx fragment.
+PAGE_HEADERS = {"Vary": "HX-Request", "Cache-Control": "no-store"}
+
+
+def render_page(
+    request: Request,
+    name: str,
+    context: dict[str, Any],
+    *,
+    fragment: tuple[str, ...] = ("live",),
+) -> Response:
+    """The whole page ``name``, or only its ``fragment`` blocks for an htmx fragment request.
+
+    A page URL serves its live part as a fragment: an htmx request (``HX-Request`` without
+    ``HX-Boosted``/history restore) gets only those blocks, rendered with jinja2-fragments.
+    Both carry :data:`PAGE_HEADERS` (``Vary: HX-Request``, so no cache mixes them up).
+    """
+    if is_htmx(request):
+        return templates.TemplateResponse(
+            request, name, context, headers=PAGE_HEADERS, block_names=list(fragment)
+        )
+    return templates.TemplateResponse(request, name, context, headers=PAGE_HEADERS)
+
+
 def error_page(request: Request, status: int, title: str, message: str) -> Response:
     """An HTML error page (a bare fragment for htmx requests)."""
     return templates.TemplateResponse(

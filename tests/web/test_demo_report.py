@@ -15,8 +15,8 @@ import pytest
 from support import auth
 
 from tierwatch.server.config import Settings
-from tierwatch.server.web import demo_report
-from tierwatch.server.web.demo_report import DemoReport, ReportAbsent, ReportInvalid, read_report
+from tierwatch.server.demo import report as demo_report
+from tierwatch.server.demo.report import DemoReport, ReportAbsent, ReportInvalid, read_report
 
 HOSTILE = '<script>alert("x")</script><img src=x onerror=alert(1)>'
 POLL = re.compile(r'id="demo-live"[^>]*hx-trigger="every 5s')

@@ -28,6 +28,13 @@ MAX_REPORT_BYTES = 32 * 1024 * 1024
 MAX_LISTED_ERRORS = 8
 CHART_MAX_POINTS = 2000
 GOT_MAX_CHARS = 80
+#: Seconds a client should wait before asking again for a report it could not use.
+RETRY_AFTER_S = 5
+NOT_CONFIGURED = (
+    "This server shows no demo report: start `make demo` (it runs the server with "
+    "TIERWATCH_DEMO_REPORT=var/demo-report.json), or set TIERWATCH_DEMO_REPORT to the "
+    "report's path and restart the server."
+)
 MID_WRITE_HINT = (
     "The demo rewrites this file while it runs; if it was caught in the middle of a write, "
     "the next refresh shows it."

@@ -1,5 +1,5 @@
-"""Dashboard actions and their pages: isolate / release / acknowledge a node, restore a job,
-the audit log and the auto-isolation policy.
+"""The actions domain's dashboard pages and forms: isolate / release / acknowledge a node,
+restore a job, the audit log and the auto-isolation policy.
 
 Every state-changing route needs a signed-in operator (the policy: admin) and the session's
 CSRF token; it answers 303 back to the page it came from with a one-time message (post/
@@ -39,13 +39,11 @@ from tierwatch.server.web.deps import (
     ViewerPageDep,
     WebRoute,
     flash,
-    is_htmx,
+    render_page,
 )
-from tierwatch.server.web.templating import templates
 
 router = APIRouter(include_in_schema=False, route_class=WebRoute)
 
-VARY = {"Vary": "HX-Request", "Cache-Control": "no-store"}
 ReasonField = Annotated[str, Form(max_length=1000)]
 
 
@@ -186,10 +184,7 @@ def audit_page(
         "entries": entries, "filters": filters,
         "poll_url": "/audit" + (f"?{urlencode(filters)}" if filters else ""),
     }
-    if is_htmx(request):
-        return templates.TemplateResponse(request, "pages/audit.html", context, headers=VARY,
-                                          block_names=["live"])
-    return templates.TemplateResponse(request, "pages/audit.html", context, headers=VARY)
+    return render_page(request, "pages/audit.html", context)
 
 
 # --- policy --------------------------------------------------------------------------------
@@ -201,10 +196,7 @@ def policy_page(request: Request, viewer: ViewerPageDep, session: SessionDep,
     """The auto-isolation policy: settings (and their source), breaker, recent actions."""
     context = {"principal": viewer, "now": utcnow(), "refresh_s": settings.dashboard_refresh_s,
                "policy": policy.status(session, settings, now=utcnow())}
-    if is_htmx(request):
-        return templates.TemplateResponse(request, "pages/policy.html", context, headers=VARY,
-                                          block_names=["live"])
-    return templates.TemplateResponse(request, "pages/policy.html", context, headers=VARY)
+    return render_page(request, "pages/policy.html", context)
 
 
 @router.post("/policy")

@@ -1,0 +1,1 @@
+"""The demo report: ``make demo``'s report file, its schema, its page and its JSON API."""

@@ -1,0 +1,120 @@
+"""The fleet's dashboard pages: the cluster grid and the node page (htmx fragments too).
+
+Routes hold no logic: they check who is asking, call the fleet service and render a
+template; each page URL also serves its ``live`` part as an htmx fragment
+(:func:`~tierwatch.server.web.deps.render_page`).
+
+Routes:
+    GET  /                 cluster page; ``state`` and ``name`` filter; fragment for htmx
+    GET  /nodes/{name}     node page; fragment for htmx; 404 page for an unknown node
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+from urllib.parse import urlencode
+
+from fastapi import APIRouter, Query, Request, Response
+
+from tierwatch.agent.protocol import utcnow
+from tierwatch.server.actions import policy, queue
+from tierwatch.server.checkpoints import service as checkpoint_service
+from tierwatch.server.deps import SessionDep, SettingsDep
+from tierwatch.server.fleet import rules, service
+from tierwatch.server.web.deps import (
+    CHART_REFRESH_MIN_S,
+    ViewerPageDep,
+    WebRoute,
+    render_page,
+)
+
+router = APIRouter(include_in_schema=False, route_class=WebRoute)
+
+NAME_FILTER_MAX = 128
+
+
+# --- cluster page --------------------------------------------------------------------------
+
+
+@router.get("/")
+def cluster_page(
+    request: Request,
+    viewer: ViewerPageDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    state: Annotated[str | None, Query()] = None,
+    name: Annotated[str | None, Query()] = None,
+) -> Response:
+    """Counts per state, a grid of nodes coloured by state (filtered by state and name), and
+    the jobs with their worst checkpoint lag."""
+    state = state if state in service.STATES else None
+    name = (name or "").strip()[:NAME_FILTER_MAX] or None
+    now = utcnow()
+    counts, tiles = service.cluster_tiles(
+        session, now=now, th=settings.health, state=state, name_contains=name
+    )
+    filters = {k: v for k, v in (("state", state), ("name", name)) if v}
+    return render_page(
+        request,
+        "pages/cluster.html",
+        {
+            "principal": viewer,
+            "now": now,
+            "refresh_s": settings.dashboard_refresh_s,
+            "counts": counts,
+            "total": sum(counts.values()),
+            "tiles": tiles,
+            "state": state,
+            "name": name or "",
+            "states": service.STATES,
+            "poll_url": "/" + (f"?{urlencode(filters)}" if filters else ""),
+            "name_query": urlencode({"name": name}) if name else "",
+            "jobs": checkpoint_service.list_jobs(session),
+            "policy": policy.status(session, settings, now=now),
+        },
+    )
+
+
+# --- node page -----------------------------------------------------------------------------
+
+
+@router.get("/nodes/{name}")
+def node_page(
+    request: Request,
+    name: str,
+    viewer: ViewerPageDep,
+    session: SessionDep,
+    settings: SettingsDep,
+) -> Response:
+    """One node: state, reasons with actions, GPU table, charts, XID and state events.
+
+    Raises:
+        NotFoundError: no node has that name (answered with the 404 page).
+    """
+    now = utcnow()
+    view = service.get_node_view(session, name, now=now, th=settings.health)
+    node = view.node
+    return render_page(
+        request,
+        "pages/node.html",
+        {
+            "principal": viewer,
+            "now": now,
+            "refresh_s": settings.dashboard_refresh_s,
+            "chart_refresh_s": max(CHART_REFRESH_MIN_S, settings.dashboard_refresh_s),
+            "view": view,
+            "node": node,
+            "reasons": service.sort_reasons(view.reasons),
+            "describe_action": rules.describe_action,
+            "throttle_names": service.throttle_names,
+            "xids": service.xid_rows(session, node),
+            "state_events": service.recent_events(
+                session, node, "state", service.STATE_EVENT_LIMIT
+            ),
+            "agent_events": service.recent_events(
+                session, node, "agent", service.AGENT_EVENT_LIMIT
+            ),
+            "commands": queue.recent_node_commands(session, node),
+        },
+        fragment=("live", "events"),
+    )
