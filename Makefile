@@ -9,12 +9,14 @@ DEMO_MTBF ?= 60
 DEMO_SEED ?= 3
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup vendor lint bench clean
+.PHONY: demo test test-fast soak screenshot setup vendor lint format bench clean
 
-$(VENV)/.installed: pyproject.toml setup.py requirements.lock
+LOCKS := requirements/runtime.lock requirements/train.lock requirements/dev.lock
+
+$(VENV)/.installed: pyproject.toml setup.py $(LOCKS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -r requirements.lock
+	$(PIP) install --quiet $(addprefix -r ,$(LOCKS))
 	$(PIP) install --quiet --no-deps -e .
 	touch $@
 
@@ -33,9 +35,31 @@ vendor: static/vendor/.installed
 demo: setup
 	DEMO_SECONDS=$(DEMO_SECONDS) DEMO_MTBF=$(DEMO_MTBF) DEMO_SEED=$(DEMO_SEED) $(PY) scripts/demo.py
 
-test: setup
+# The whole suite on $(TEST_WORKERS) pytest-xdist workers (each worker has its own
+# SQLite file and PostgreSQL schema). `make test-fast` is the inner loop: no e2e, browser or
+# slow tests. `make soak` runs the long kill -9 trials, `make screenshot` the README's picture.
+TEST_WORKERS ?= 3
+
+test: setup lint
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+test-fast: setup
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) -m "not e2e and not browser and not slow and not soak and not screenshot" $(PYTEST_ARGS)
+
+soak: setup
+	$(VENV)/bin/pytest -m soak $(PYTEST_ARGS)
+
+screenshot: setup
+	$(VENV)/bin/pytest -m screenshot $(PYTEST_ARGS)
+
+lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy app agent
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 bench: setup
 	$(PY) bench/ingest.py

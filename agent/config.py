@@ -164,6 +164,9 @@ class AgentSettings(BaseSettings):
         spool_dir: Folder of the on-disk spool of unsent batches (default
             ``var/spool/<node>`` under the working directory).
         spool_max_batches: Most batches the spool holds; beyond, the oldest are dropped.
+        shutdown_flush_s: Seconds a stopping agent keeps trying to deliver its spool before
+            it exits; what is left is sent on the next start (keep it below the pod's or
+            unit's stop timeout).
         dcgm_exporter_url: The ``/metrics`` URL of a dcgm-exporter on this node.
         sim_gpus: Number of simulated GPUs.
         sim_seed: Seed of the simulator's random generator (None: random).
@@ -205,6 +208,7 @@ class AgentSettings(BaseSettings):
     listen: str = f"127.0.0.1:{DEFAULT_PORT}"
     spool_dir: Path | None = None
     spool_max_batches: int = Field(10000, ge=1)
+    shutdown_flush_s: float = Field(5.0, ge=0, le=600)
     dcgm_exporter_url: str = "http://127.0.0.1:9400/metrics"
     sim_gpus: int = Field(8, ge=1, le=64)
     sim_seed: int | None = None

@@ -174,6 +174,23 @@ def wait_for_go(path: str) -> None:
     os.environ["TIERWATCH_NODE"], os.environ["TIERWATCH_AGENT_URL"] = nodes[index]
 
 
+def wait_gate(path: Path, step: int) -> None:
+    """``--gate FILE``: block until FILE holds an integer greater than ``step``.
+
+    Whoever drives the run (a test, a demo) opens steps by writing the number of steps that
+    may run, atomically (write a temporary file, then rename it over FILE). A missing or
+    half-written file keeps the gate shut. Steps below the number, including those repeated
+    after a rollback, run at once.
+    """
+    while True:
+        try:
+            if int(path.read_text()) > step:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.005)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--job-id", default="gpt-small")
@@ -199,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--step-sleep", type=float, default=0.0,
                    help="extra seconds per step (to slow a demo down)")
+    p.add_argument("--gate", type=Path, default=None, metavar="FILE",
+                   help="run step N only once FILE holds a number > N (a test paces the run)")
     p.add_argument("--log-dir", type=Path, default=Path("var/train"))
     p.add_argument("--final", action="store_true", help="write final state digests")
     p.add_argument("--device", default="cpu")
@@ -299,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sdc_signal and rank == 0:
         signal.signal(signal.SIGUSR1, lambda *_: sdc_requested.append(1))
     while step < args.steps:
+        if args.gate is not None:
+            wait_gate(args.gate, step)
         t0 = time.monotonic()
         batch = next_batch()
         logits = ddp(batch[:, :-1])

@@ -7,24 +7,22 @@ test session migrates into its own schema, dropped at the end.
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import text
-from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
+from support import PG_URL, migrated_database
 
 from tierwatch.server.config import Settings
 from tierwatch.server.db import Base, make_engine, make_sessionmaker
 from tierwatch.server.main import create_app
-from tierwatch.server.migrate import upgrade
 from tierwatch.server.tokens import create_token
 
-PG_URL = os.environ.get("TIERWATCH_TEST_DATABASE_URL")
+# The process fixtures (server, start_agent, browser) for e2e, security and browser tests.
+pytest_plugins = ["process_fixtures"]
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 BACKENDS = [
@@ -42,38 +40,16 @@ BACKENDS = [
 ]
 
 
-def _pg_schema_url(base: str, schema: str) -> str:
-    return (
-        make_url(base)
-        .update_query_dict({"options": f"-csearch_path={schema}"})
-        .render_as_string(hide_password=False)
-    )
-
-
 @pytest.fixture(scope="session", params=BACKENDS)
 def database_url(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    """A freshly migrated database URL for the whole test session, per backend."""
-    if request.param == "sqlite":
-        path = tmp_path_factory.mktemp("db") / "tierwatch.db"
-        url = f"sqlite:///{path}"
-        upgrade(url)
+    """A freshly migrated database URL for the whole test session, per backend.
+
+    tests/e2e overrides it with one backend: those tests are about processes, not SQL.
+    """
+    with migrated_database(request.param, tmp_path_factory) as url:
         yield url
-        return
-    assert PG_URL
-    schema = f"tw_test_{uuid.uuid4().hex[:12]}"
-    admin = make_engine(PG_URL)
-    with admin.begin() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    url = _pg_schema_url(PG_URL, schema)
-    try:
-        upgrade(url)
-        yield url
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
 
 
 @pytest.fixture

@@ -1,12 +1,59 @@
-"""Helpers shared by tests: headers and realistic agent batches."""
+"""Helpers shared by tests: migrated databases, headers and realistic agent batches."""
 
 from __future__ import annotations
 
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
+import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
 
 from tierwatch.agent.protocol import GpuInfo, GpuSample, ReportBatch, XidEvent, utcnow
+from tierwatch.server.db import make_engine
+from tierwatch.server.migrate import upgrade
+
+PG_URL = os.environ.get("TIERWATCH_TEST_DATABASE_URL")
+
+
+def _pg_schema_url(base: str, schema: str) -> str:
+    return (
+        make_url(base)
+        .update_query_dict({"options": f"-csearch_path={schema}"})
+        .render_as_string(hide_password=False)
+    )
+
+
+@contextmanager
+def migrated_database(backend: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A freshly migrated database URL: a SQLite file, or a PostgreSQL schema of its own
+    (dropped afterwards). Each pytest-xdist worker is its own session, so each gets its own.
+    """
+    if backend == "sqlite":
+        path = tmp_path_factory.mktemp("db") / "tierwatch.db"
+        url = f"sqlite:///{path}"
+        upgrade(url)
+        yield url
+        return
+    assert PG_URL
+    schema = f"tw_test_{uuid.uuid4().hex[:12]}"
+    admin = make_engine(PG_URL)
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    url = _pg_schema_url(PG_URL, schema)
+    try:
+        upgrade(url)
+        yield url
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
 
 
 def auth(token: str) -> dict[str, str]:

@@ -296,27 +296,44 @@ def test_dockerfile_stages_copies_and_images():
         assert any(b.startswith("python:3.11-slim") for b in bases), target
 
 
-def test_dockerfile_installs_the_lock_and_torch_only_in_the_trainer():
+def _pins(name: str) -> dict[str, str]:
+    """``package -> version`` of ``requirements/<name>.lock`` (names lower-cased)."""
+    out = {}
+    for line in (REPO / "requirements" / f"{name}.lock").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            pkg, version = line.split("==")
+            out[re.sub(r"[-_.]+", "-", pkg).lower()] = version
+    return out
+
+
+def test_locks_are_split_runtime_train_dev():
+    runtime, train, dev = _pins("runtime"), _pins("train"), _pins("dev")
+    assert "torch" not in runtime and "torch" in train
+    for tool in ("pytest", "ruff", "playwright", "schemathesis", "mypy", "pytest-xdist"):
+        assert tool in dev and tool not in runtime, tool
+    assert not set(runtime) & set(train), "a package is pinned in both runtime and train"
+    assert not set(dev) & (set(runtime) | set(train)), "dev re-pins a runtime/train package"
+
+
+def test_dockerfile_installs_only_the_runtime_lock_and_torch_only_in_the_trainer():
     stages = parse_stages()
-    lock = (REPO / "requirements.lock").read_text()
-    torch_pin = re.search(r"^torch==(\S+)$", lock, re.MULTILINE)
-    assert torch_pin, "requirements.lock pins no torch"
+    torch_pin = _pins("train")["torch"]
 
     def runs(target: str) -> str:
         return "\n".join(r for n in closure(stages, target) for r in stages[n]["runs"])
 
     for target in IMAGE_TARGETS:
         text = runs(target)
-        assert "pip install -r" in text, target
-        assert "requirements.lock" in text, target
+        assert "pip install -r requirements/runtime.lock" in text, target
+        assert "dev.lock" not in text, f"{target} installs the dev tools"
         assert "pip install --no-deps ." in text, target
     for target in ("server", "agent"):
         text = runs(target)
         assert "download.pytorch.org" not in text, f"{target} installs torch"
-        assert re.search(r"grep -v [^\n]*torch==[^\n]*requirements\.lock", text), (
-            f"{target}: the lock is installed with its torch line")
+        assert "train.lock" not in text, f"{target} installs the train lock"
     trainer = runs("trainer")
-    assert f"torch=={torch_pin[1]}" in trainer, "trainer torch differs from the lock's pin"
+    assert "requirements/train.lock" in trainer
+    assert f"torch=={torch_pin}" in trainer, "trainer torch differs from the lock's pin"
     assert "--index-url https://download.pytorch.org/whl/cpu" in trainer
 
 

@@ -8,8 +8,10 @@ CI), where a missing browser is a failure.
 from __future__ import annotations
 
 import re
+import subprocess
 
 import pytest
+from procs import BIN
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
 
@@ -17,13 +19,18 @@ LIVE_TIMEOUT_MS = 30_000  # agents start, report, and the page polls them in
 NODES = ("node-a", "node-b")
 
 
+def inject(agent_url: str, *fault: str) -> None:
+    """``tierwatch-agent inject`` into a simulated agent, as an operator would."""
+    subprocess.run([str(BIN / "tierwatch-agent"), "inject", "--agent", agent_url, *fault],
+                   check=True, capture_output=True, timeout=30)
+
+
 
 def test_dashboard_shows_live_nodes_and_charts(browser, server, start_agent, tmp_path):
     from playwright.sync_api import expect
 
     viewer_token = server.token("viewer")
-    for node in NODES:
-        start_agent(node, interval=1.0)
+    agents = {node: start_agent(node, interval=1.0) for node in NODES}
 
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(15_000)
@@ -91,5 +98,20 @@ def test_dashboard_shows_live_nodes_and_charts(browser, server, start_agent, tmp
 
     node_shot = tmp_path / "node-b.png"
     page.screenshot(path=str(node_shot), full_page=True)
+
+    # Faults reach the overview live: an XID 79 makes node-a unhealthy, a GPU at 87 °C
+    # (within 5 °C of the 90 °C slowdown) makes node-b degraded, without a reload.
+    page.goto(f"{server.url}/")
+    page.evaluate("window.__no_reload = true")
+    inject(agents["node-a"].url, "xid", "79", "--gpu", "3")
+    inject(agents["node-b"].url, "temp", "87", "--gpu", "5")
+    expect(page.locator('.tile[data-node="node-a"]')).to_have_attribute(
+        "data-state", "unhealthy", timeout=LIVE_TIMEOUT_MS)
+    expect(page.locator('.tile[data-node="node-a"]')).to_contain_text("XID 79")
+    expect(page.locator('.tile[data-node="node-b"]')).to_have_attribute(
+        "data-state", "degraded", timeout=LIVE_TIMEOUT_MS)
+    expect(page.locator('[data-count="unhealthy"]')).to_have_text("1")
+    expect(page.locator('[data-count="degraded"]')).to_have_text("1")
+    assert page.evaluate("window.__no_reload") is True
     print(f"screenshots: {cluster_shot} {node_shot}")  # noqa: T201
     assert errors == [], f"JavaScript errors on the page: {errors}"

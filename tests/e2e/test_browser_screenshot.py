@@ -6,8 +6,10 @@ ingest API, so the page shows every part of the overview. The screenshot is 1280
 must be a PNG under 200 KB; with ``TIERWATCH_SCREENSHOT_OUT=path.png`` it is written there
 (that is how ``docs/dashboard.png`` is made)::
 
-    TIERWATCH_SCREENSHOT_OUT=docs/dashboard.png \
-        .venv/bin/pytest tests/e2e/test_browser_screenshot.py
+    TIERWATCH_SCREENSHOT_OUT=docs/dashboard.png make screenshot
+
+It runs under ``make screenshot``, not ``make test``: the live states it shows (an unhealthy
+and a degraded tile) are checked by test_browser.py, the jobs table by test_browser_jobs.py.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from support import auth, make_batch
 
 from tierwatch.agent.protocol import CheckpointEvent, JobProgress, utcnow
 
-pytestmark = [pytest.mark.e2e, pytest.mark.browser]
+pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.screenshot]
 
 NODES = ("gpu-node-01", "gpu-node-02", "gpu-node-03", "gpu-node-04")
 SPARE = "gpu-node-05"

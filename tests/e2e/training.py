@@ -8,13 +8,11 @@ fixture that made it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -22,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import warm
 from procs import BIN, REPO_ROOT, Proc, Server, base_env, free_port, make_server, wait_for
 
 PEER_TOKEN = "peer-" + "t" * 40
@@ -80,7 +79,7 @@ class InProcessNode:
     def start(self) -> InProcessNode:
         from tierwatch.agent.runtime import AgentRuntime
 
-        self.runtime = AgentRuntime(self.settings, flush_timeout_s=1.0)
+        self.runtime = AgentRuntime(self.settings)
         self.runtime.start()
         self.thread = threading.Thread(target=self.runtime.run, name=f"agent-{self.name}",
                                        daemon=True)
@@ -99,15 +98,38 @@ class InProcessNode:
         """Hand ``command`` to the agent as its command executor does for a restore."""
         self.runtime.ckpt.add_restore_request(command)
 
-    def spooled_restores(self) -> list[dict[str, Any]]:
-        """Restore reports in the batches this agent built and has not delivered."""
-        out: list[dict[str, Any]] = []
-        for p in sorted(self.spool_dir.glob("*.json")):
-            try:
-                out += json.loads(p.read_text()).get("restores", [])
-            except (OSError, ValueError):
-                continue
-        return out
+
+@dataclass
+class Gate:
+    """The file a gated trainer (``train_gpt.py --gate FILE``) waits on before each step: the
+    test, not a sleep, sets the pace of the run."""
+
+    path: Path
+
+    def open(self, steps: int) -> None:
+        """Let steps ``0 … steps-1`` run (atomically, as the trainer expects)."""
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(str(steps))
+        os.replace(tmp, self.path)
+
+    def step_until(self, first: int, last: int, done: Any, *, log_dir: Path,
+                   timeout: float = 60) -> int:
+        """Open steps one by one from ``first`` up to ``last``, each once rank 0 has logged
+        the one before, until ``done()`` holds; returns the number of steps then open.
+
+        Raises:
+            TimeoutError: a step was not logged within ``timeout``, or ``done`` never held.
+        """
+        for n in range(first, last + 1):
+            self.open(n)
+            if done():
+                return n
+            wait_for(lambda n=n: done() or any(x.get("step") == n - 1 for x in
+                                               read_log(log_dir)[-3:]),
+                     timeout=timeout, what=f"step {n - 1} logged")
+        if done():
+            return last
+        raise TimeoutError(f"steps up to {last} ran and the condition still does not hold")
 
 
 def restore_command(*, request_id: int, job_id: str, step: int, tier: str | None = None,
@@ -118,13 +140,6 @@ def restore_command(*, request_id: int, job_id: str, step: int, tier: str | None
     return Command(id=uuid.uuid4().hex[:24], kind="restore",
                    args={"request_id": request_id, "job_id": job_id, "step": step,
                          "tier": tier, "reason": reason, "actor": actor})
-
-
-def server_restore_ready() -> bool:
-    """Whether this tree has the server's restore API and the agent's command executor, so
-    a test can ask for a restore end to end (``POST /api/v1/jobs/{job}/restore``)."""
-    return all(importlib.util.find_spec(m) is not None
-               for m in ("tierwatch.agent.commands", "tierwatch.server.actions.restores"))
 
 
 @dataclass
@@ -156,8 +171,11 @@ class Cluster:
             "--persistent-url", self.persistent_url, "--ckpt-scan-interval", "0.5",
             *(extra_args or []),
         ]
-        proc = Proc(name, args, base_env(TIERWATCH_PEER_TOKEN=PEER_TOKEN, **(env or {})),
-                    d / "agent.log")
+        # Without a server a stopping agent would spend its whole shutdown flush on an
+        # address nobody listens on.
+        flush = {} if self.server else {"TIERWATCH_SHUTDOWN_FLUSH_S": "0.2"}
+        proc = Proc(name, args, base_env(TIERWATCH_PEER_TOKEN=PEER_TOKEN,
+                                         **{**flush, **(env or {})}), d / "agent.log")
         node = Node(name, port, d / "memory", proc, args)
         self.nodes[name] = node
         if start:
@@ -176,7 +194,8 @@ class Cluster:
             collector="simulated", interval=1, listen="127.0.0.1:0",
             spool_dir=d / "spool", sim_gpus=2, memory_dir=d / "memory",
             persistent_url=self.persistent_url, ckpt_scan_interval=0.5,
-            peer_token=PEER_TOKEN, log_level="INFO")
+            peer_token=PEER_TOKEN, log_level="INFO",
+            shutdown_flush_s=1.0 if self.server else 0.2)
         node = InProcessNode(name, d / "memory", d / "spool", settings)
         self.nodes[name] = node
         if start:
@@ -196,9 +215,9 @@ class Cluster:
                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                          TIERWATCH_AGENT_URL=self.nodes[name].url,
                          PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", **(env or {}))
-            p = Proc(f"rank{rank}", [sys.executable, str(script), *script_args], e,
-                     log_dir / f"rank{rank}.out")
-            procs.append(p.start())
+            procs.append(warm.pool().start(f"rank{rank}", script, script_args, e,
+                                           log_dir / f"rank{rank}.out"))
+        warm.pool().fill()  # the next launch's ranks import while this one runs
         self.ranks = procs
         return procs
 
@@ -291,6 +310,6 @@ def read_log(log_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
         if path.exists() else []
 
 
-__all__ = ["Cluster", "InProcessNode", "Node", "PEER_TOKEN", "committed_steps", "os",
+__all__ = ["Cluster", "Gate", "InProcessNode", "Node", "PEER_TOKEN", "committed_steps", "os",
            "read_log", "read_losses", "read_restores", "restore_command", "run_cli",
-           "server_restore_ready", "start_cluster"]
+           "start_cluster"]

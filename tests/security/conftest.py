@@ -1,26 +1,12 @@
 """Fixtures for the security tests: a token per role, a seeded cluster (node n1 and a job
-with committed steps), and the e2e fixtures (``server``, ``browser``) for the tests that need
-a real server process or a real browser.
+with committed steps). The process fixtures (``server``, ``browser``) come from
+tests/e2e/process_fixtures.py, registered for the whole suite.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 from security_support import ROLES, seed_cluster
-
-# The e2e fixtures (a real server process, the shared headless Chromium) live in
-# tests/e2e/conftest.py; load that module under its own name and re-export them here.
-_E2E_CONFTEST = Path(__file__).resolve().parents[1] / "e2e" / "conftest.py"
-_spec = importlib.util.spec_from_file_location("tierwatch_e2e_conftest", _E2E_CONFTEST)
-assert _spec is not None
-assert _spec.loader is not None
-_e2e = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_e2e)
-server = _e2e.server
-browser = _e2e.browser
 
 
 @pytest.fixture
