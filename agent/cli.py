@@ -215,7 +215,7 @@ def _detail(resp: object) -> str:
 
 
 def _add_ckpt() -> None:
-    from tierwatch.agent.checkpoint.ckpt_cli import app as ckpt_app
+    from tierwatch.agent.checkpoint.tierstore.cli import app as ckpt_app
 
     app.add_typer(ckpt_app, name="ckpt")
 

@@ -7,7 +7,8 @@ latency + agent events) until :meth:`~AgentRuntime.stop` (SIGTERM/SIGINT in the 
 not wait for the interval: each one is pushed at once in its own batch.
 
 Checkpoints: with ``checkpoints`` on (the default when the API is served), :meth:`start` also
-starts the tiered checkpoint store (:class:`~tierwatch.agent.checkpoint.api.CheckpointService`):
+starts the tiered checkpoint store
+(:class:`~tierwatch.agent.checkpoint.tierstore.api.CheckpointService`):
 it writes ``<memory-dir>/agent.json`` and runs the tier worker. Its checkpoint events, and the
 events, progress and restore reports that local ranks post, go into the next batch. A memory
 folder or persistent URL that cannot be used is logged and reported as an agent event
@@ -48,7 +49,7 @@ from tierwatch.agent.protocol import (
 from tierwatch.agent.reporter import MAX_EVENTS_PER_BATCH, Reporter
 
 if TYPE_CHECKING:
-    from tierwatch.agent.checkpoint.api import CheckpointService
+    from tierwatch.agent.checkpoint.tierstore.api import CheckpointService
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,8 @@ class AgentRuntime:
         collector: The collector to use; None picks one from ``settings.collector``.
         reporter: The reporter to use; None creates one from the settings.
         nvml: A ``pynvml``-compatible module for collector selection (None: nvidia-ml-py).
-        flush_timeout_s: How long shutdown tries to deliver the spool, seconds.
+        flush_timeout_s: How long shutdown tries to deliver the spool, seconds (None:
+            ``settings.shutdown_flush_s``).
 
     Raises:
         SettingsError: node, server or token is missing.
@@ -127,7 +129,7 @@ class AgentRuntime:
         collector: GpuCollector | None = None,
         reporter: Reporter | None = None,
         nvml: ModuleType | None = None,
-        flush_timeout_s: float = 5.0,
+        flush_timeout_s: float | None = None,
     ) -> None:
         settings.check_runnable()
         self.settings = settings
@@ -146,7 +148,8 @@ class AgentRuntime:
             # again within one interval, well before the 3-interval heartbeat window.
             backoff_max_s=min(30.0, max(1.0, settings.interval)),
         )
-        self.flush_timeout_s = flush_timeout_s
+        self.flush_timeout_s = (settings.shutdown_flush_s if flush_timeout_s is None
+                                else flush_timeout_s)
         self.commands = CommandExecutor(
             node=settings.node or "",
             state_dir=settings.resolved_state_dir(),
@@ -213,8 +216,8 @@ class AgentRuntime:
                  self.settings.interval, self.reporter.epoch)
 
     def _make_ckpt(self) -> None:
-        from tierwatch.agent.checkpoint.api import CheckpointService
-        from tierwatch.agent.checkpoint.persister import PersistentError
+        from tierwatch.agent.checkpoint.tierstore.api import CheckpointService
+        from tierwatch.agent.checkpoint.tierstore.persister import PersistentError
 
         try:
             self.ckpt = CheckpointService(self.settings, emit=self.add_checkpoint_event)

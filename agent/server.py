@@ -12,7 +12,7 @@ Endpoints:
   next report.
 
 - Checkpoint endpoints ``/v1/ckpt/*`` (control) and peer endpoints ``/v1/peer/*`` (peer
-  token): see :mod:`tierwatch.agent.checkpoint.api` and docs/checkpointing.md.
+  token): see :mod:`tierwatch.agent.checkpoint.tierstore.api` and docs/checkpointing.md.
 
 Control endpoints (``/v1/inject``, ``/v1/trainer/*``, ``/v1/ckpt/*``) answer 403 to clients
 whose address is not loopback unless the request carries ``Authorization: Bearer <the
@@ -132,7 +132,7 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
         runtime.add_latency(samples)
         return QueuedResponse(queued=len(samples))
 
-    from tierwatch.agent.checkpoint.api import ckpt_router
+    from tierwatch.agent.checkpoint.tierstore.api import ckpt_router
 
     # the store counts once it has started (agent.json written, peer URL known)
     app.include_router(ckpt_router(lambda: runtime.ckpt if runtime.ckpt is not None

@@ -33,7 +33,7 @@ def test_wheel_installs_only_under_tierwatch(tmp_path):
         "tierwatch/server/migrations/env.py",
         "tierwatch/server/migrations/versions/0001_initial_schema.py",
         "tierwatch/server/migrations/versions/0002_checkpoint_ledger.py",
-        "tierwatch/agent/checkpoint/trainer.py",
+        "tierwatch/agent/checkpoint/training/checkpointer.py",
     ):
         assert expected in names, expected
     assert not any(n.startswith(("app/", "agent/")) for n in names)
@@ -58,11 +58,15 @@ def test_no_generic_top_level_packages_are_importable(tmp_path):
         "tierwatch.server.main",
         "tierwatch.agent.protocol",
         "tierwatch.agent.runtime",
-        "tierwatch.agent.checkpoint.api",
-        "tierwatch.agent.checkpoint.worker",
-        "tierwatch.agent.checkpoint.stage",
-        "tierwatch.agent.checkpoint.agreement",
-        "tierwatch.agent.checkpoint.client",
+        "tierwatch.agent.checkpoint.tierstore.api",
+        "tierwatch.agent.checkpoint.tierstore.worker",
+        "tierwatch.agent.checkpoint.tierstore.restore_staging",
+        "tierwatch.agent.checkpoint.format.agreement",
+        "tierwatch.agent.checkpoint.training.client",
+        "tierwatch.agent.checkpoint.training.rollback",
+        "tierwatch.agent.checkpoint.tierstore.cli",
+        "tierwatch.agent.checkpoint.tierstore.requests",
+        "tierwatch.agent.checkpoint.format.rollback",
     ],
 )
 def test_server_and_agent_do_not_import_torch(module, tmp_path):
@@ -80,7 +84,8 @@ def test_training_api_is_a_lazy_re_export(tmp_path):
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
     )
-    assert out.stdout.split() == ["False", "True", "tierwatch.agent.checkpoint.trainer"]
+    assert out.stdout.split() == ["False", "True",
+                                  "tierwatch.agent.checkpoint.training.checkpointer"]
     bad = subprocess.run([sys.executable, "-c", "from tierwatch import Nope"], cwd=tmp_path,
                          capture_output=True, text=True, check=False)
     assert "cannot import name 'Nope'" in bad.stderr

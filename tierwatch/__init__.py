@@ -16,11 +16,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "TieredCheckpointer": "tierwatch.agent.checkpoint.trainer",
-    "CheckpointError": "tierwatch.agent.checkpoint.trainer",
-    "ModelMismatchError": "tierwatch.agent.checkpoint.restore",
-    "RNGState": "tierwatch.agent.checkpoint.state",
-    "ResumableDistributedSampler": "tierwatch.agent.checkpoint.state",
+    "TieredCheckpointer": "tierwatch.agent.checkpoint.training.checkpointer",
+    "CheckpointError": "tierwatch.agent.checkpoint.training.checkpointer",
+    "ModelMismatchError": "tierwatch.agent.checkpoint.training.restore",
+    "RNGState": "tierwatch.agent.checkpoint.training.state",
+    "ResumableDistributedSampler": "tierwatch.agent.checkpoint.training.state",
 }
 
 __all__ = ["__version__", *_LAZY]

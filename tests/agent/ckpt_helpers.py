@@ -3,8 +3,8 @@
 :func:`write_step` writes a step into a node's memory folder exactly as a training rank does
 (docs/checkpointing.md, "Save"): each rank's shard (random bytes; rank 0 also ``.metadata``) in
 ``.tmp-step-<N>-<r>/``, renamed into ``step-<N>/``, then ``manifest-<r>.json`` built with
-:func:`~tierwatch.agent.checkpoint.manifest.make_manifest` by reading the files back, and once
-every local manifest exists, ``commit-<r>.json`` with rank 0's decision. That file layout is
+:func:`~tierwatch.agent.checkpoint.format.manifest.make_manifest` by reading the files back, and
+once every local manifest exists, ``commit-<r>.json`` with rank 0's decision. That file layout is
 the exact interface between the trainer and the agent.
 
 :class:`CkptAgent` is a real ``tierwatch-agent run`` process on an ephemeral loopback port,
@@ -26,14 +26,14 @@ import httpx
 from agent_helpers import TOKEN, Receiver, wait_until
 from procs import BIN, base_env, free_port
 
-from tierwatch.agent.checkpoint.layout import (
+from tierwatch.agent.checkpoint.format.layout import (
     METADATA,
     MemoryLayout,
     commit_name,
     manifest_name,
     shard_name,
 )
-from tierwatch.agent.checkpoint.manifest import (
+from tierwatch.agent.checkpoint.format.manifest import (
     CommitMarker,
     atomic_write_json,
     make_manifest,

@@ -26,8 +26,8 @@ from ckpt_helpers import (
     write_step,
 )
 
-from tierwatch.agent.checkpoint.layout import METADATA, manifest_name, shard_name
-from tierwatch.agent.checkpoint.manifest import load_manifest, verify_file, xxh3_file
+from tierwatch.agent.checkpoint.format.layout import METADATA, manifest_name, shard_name
+from tierwatch.agent.checkpoint.format.manifest import load_manifest, verify_file, xxh3_file
 
 pytestmark = [pytest.mark.slow]
 

@@ -11,8 +11,8 @@ import pytest
 from ckpt_helpers import write_job, write_step
 from procs import BIN, base_env
 
-from tierwatch.agent.checkpoint.layout import METADATA, manifest_name, shard_name
-from tierwatch.agent.checkpoint.manifest import load_manifest, verify_file
+from tierwatch.agent.checkpoint.format.layout import METADATA, manifest_name, shard_name
+from tierwatch.agent.checkpoint.format.manifest import load_manifest, verify_file
 
 JOB = "job-cli"
 NODE = "node-a"
@@ -190,7 +190,7 @@ def test_export_to_an_unusable_destination_is_one_error_line(place, tmp_path, de
 def test_an_os_error_in_a_command_is_one_error_line(place, tmp_path, monkeypatch, cmd):
     from typer.testing import CliRunner
 
-    from tierwatch.agent.checkpoint import ckpt_cli
+    from tierwatch.agent.checkpoint.tierstore import cli as ckpt_cli
 
     def unreadable(*_a, **_k):
         raise PermissionError(13, "Permission denied", str(tmp_path / "mem" / "jobs"))

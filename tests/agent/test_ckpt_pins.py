@@ -18,9 +18,14 @@ import xxhash
 from agent_helpers import TOKEN, wait_until
 from ckpt_helpers import write_step
 
-from tierwatch.agent.checkpoint.api import CheckpointService
-from tierwatch.agent.checkpoint.layout import MemoryLayout, commit_name, manifest_name, shard_name
-from tierwatch.agent.checkpoint.store import StoreError
+from tierwatch.agent.checkpoint.format.layout import (
+    MemoryLayout,
+    commit_name,
+    manifest_name,
+    shard_name,
+)
+from tierwatch.agent.checkpoint.tierstore.api import CheckpointService
+from tierwatch.agent.checkpoint.tierstore.store import StoreError
 from tierwatch.agent.config import AgentSettings
 from tierwatch.agent.protocol import CheckpointEvent, Command, utcnow
 

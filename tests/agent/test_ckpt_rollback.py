@@ -12,8 +12,8 @@ from agent_helpers import TOKEN, wait_until
 from ckpt_helpers import ckpt_events, write_step
 from fastapi.testclient import TestClient
 
-from tierwatch.agent.checkpoint.layout import MemoryLayout
-from tierwatch.agent.checkpoint.rollback import parse_restore_command
+from tierwatch.agent.checkpoint.format.layout import MemoryLayout
+from tierwatch.agent.checkpoint.tierstore.requests import parse_restore_command
 from tierwatch.agent.collectors.simulated import SimulatedCollector
 from tierwatch.agent.config import AgentSettings
 from tierwatch.agent.protocol import Command

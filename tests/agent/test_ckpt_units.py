@@ -11,8 +11,8 @@ import xxhash
 from procs import BIN, base_env
 from pydantic import ValidationError
 
-from tierwatch.agent.checkpoint.replicator import peer_targets
-from tierwatch.agent.checkpoint.store import MemoryStore, StoreError
+from tierwatch.agent.checkpoint.tierstore.replicator import peer_targets
+from tierwatch.agent.checkpoint.tierstore.store import MemoryStore, StoreError
 from tierwatch.agent.config import AgentSettings, parse_bytes
 
 
@@ -141,8 +141,8 @@ class _Records(logging.Handler):
 
 
 def _worker(tmp_path, events):
-    from tierwatch.agent.checkpoint.persister import PersistentTier
-    from tierwatch.agent.checkpoint.worker import TierWorker
+    from tierwatch.agent.checkpoint.tierstore.persister import PersistentTier
+    from tierwatch.agent.checkpoint.tierstore.worker import TierWorker
 
     store = MemoryStore(tmp_path / "mem", node="node-a", budget_bytes=2**30)
     return TierWorker(store, PersistentTier(f"file://{tmp_path / 'pers'}"), emit=events.append,
@@ -152,7 +152,7 @@ def _worker(tmp_path, events):
 def test_commit_marker_removed_while_scanning_is_not_a_warning(tmp_path, monkeypatch):
     from ckpt_helpers import write_step
 
-    from tierwatch.agent.checkpoint import worker as worker_mod
+    from tierwatch.agent.checkpoint.tierstore import worker as worker_mod
 
     events: list = []
     w = _worker(tmp_path, events)
@@ -165,7 +165,7 @@ def test_commit_marker_removed_while_scanning_is_not_a_warning(tmp_path, monkeyp
 
     monkeypatch.setattr(worker_mod, "load_commit", racing)
     records = _Records()
-    logger = logging.getLogger("tierwatch.agent.checkpoint.worker")
+    logger = logging.getLogger("tierwatch.agent.checkpoint.tierstore.worker")
     logger.addHandler(records)
     old_level = logger.level
     logger.setLevel(logging.DEBUG)
@@ -188,7 +188,7 @@ def test_unparsable_commit_marker_is_still_a_warning(tmp_path):
     write_step(w.store.root, job_id="job-1", step=3, node="node-a", layout=["node-a"])
     (w.store.root / "jobs" / "job-1" / "step-3" / "commit-0.json").write_text("{not json")
     records = _Records()
-    logger = logging.getLogger("tierwatch.agent.checkpoint.worker")
+    logger = logging.getLogger("tierwatch.agent.checkpoint.tierstore.worker")
     logger.addHandler(records)
     try:
         assert w.local_commits() == {}

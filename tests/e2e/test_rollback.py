@@ -12,7 +12,6 @@ run in the test process: the real AgentRuntime with its local API on a port).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import httpx
@@ -20,14 +19,14 @@ import pytest
 from procs import wait_for
 from training import (
     Cluster,
+    Gate,
     committed_steps,
     read_log,
     restore_command,
-    server_restore_ready,
     start_cluster,
 )
 
-from tierwatch.agent.checkpoint.manifest import load_manifest
+from tierwatch.agent.checkpoint.format.manifest import load_manifest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -38,67 +37,45 @@ PLACEMENT = ["node-a", "node-b"]
 TOTAL = 30
 SDC_AT = 8
 TARGET = 5
-# TIERWATCH_TEST_ROLLBACK_DIRECT=1 hands the command to the agents directly even when the
-# server's restore API is there (to tell an agent/trainer problem from a server one)
-VIA_SERVER = server_restore_ready() and not os.environ.get("TIERWATCH_TEST_ROLLBACK_DIRECT")
 
 
 class Operator:
-    """Asks for restores and reads their progress: through the server, or (no restore API
-    in this tree yet) by delivering the agents' command directly."""
+    """Asks the server for restores, as an operator does, and reads their progress."""
 
     def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
-        self.next_id = 1
-        self.headers = {}
-        if VIA_SERVER:
-            assert cluster.server is not None
-            self.headers = {"Authorization": f"Bearer {cluster.server.token('operator')}"}
+        assert cluster.server is not None
+        self.server = cluster.server
+        self.headers = {"Authorization": f"Bearer {cluster.server.token('operator')}"}
 
     def restore(self, job: str, step: int) -> int:
-        if VIA_SERVER:
-            assert self.cluster.server is not None
-            url = f"{self.cluster.server.url}/api/v1/jobs/{job}/restore"
+        url = f"{self.server.url}/api/v1/jobs/{job}/restore"
+        answers: list[str] = []
 
-            answers: list[str] = []
+        def accepted() -> dict | None:  # the ledger learns of the step within a report
+            r = httpx.post(url, json={"step": step, "reason": "SDC after step 8"},
+                           headers=self.headers, timeout=10)
+            answers.append(f"{r.status_code} {r.text[:300]}")
+            return r.json() if r.status_code == 202 else None
 
-            def accepted() -> dict | None:  # the ledger learns of the step within a report
-                r = httpx.post(url, json={"step": step, "reason": "SDC after step 8"},
-                               headers=self.headers, timeout=10)
-                answers.append(f"{r.status_code} {r.text[:300]}")
-                return r.json() if r.status_code == 202 else None
-
-            try:
-                return int(wait_for(accepted, timeout=30, interval=0.5,
-                                    what=f"restore of {job} step {step} accepted")["id"])
-            except TimeoutError:
-                raise AssertionError(f"the server refused the restore of {job} step {step}: "
-                                     f"{answers[-1] if answers else 'no answer'}") from None
-        request_id, self.next_id = self.next_id, self.next_id + 1
-        for node in self.cluster.nodes.values():
-            node.deliver(restore_command(request_id=request_id, job_id=job, step=step,
-                                         reason="SDC after step 8", actor="operator"))
-        return request_id
+        try:
+            return int(wait_for(accepted, timeout=30, interval=0.5,
+                                what=f"restore of {job} step {step} accepted")["id"])
+        except TimeoutError:
+            raise AssertionError(f"the server refused the restore of {job} step {step}: "
+                                 f"{answers[-1] if answers else 'no answer'}") from None
 
     def phases(self, request_id: int) -> set[tuple[int, str]]:
         """(rank, phase) the ranks reported for the request, as far as seen."""
-        if VIA_SERVER:
-            assert self.cluster.server is not None
-            r = httpx.get(f"{self.cluster.server.url}/api/v1/restores/{request_id}",
-                          headers=self.headers, timeout=10).json()
-            return {(x["rank"], x["phase"]) for x in r["ranks"]}
-        return {(x["rank"], x["phase"]) for node in self.cluster.nodes.values()
-                for x in node.spooled_restores() if x.get("request_id") == request_id}
+        r = httpx.get(f"{self.server.url}/api/v1/restores/{request_id}",
+                      headers=self.headers, timeout=10).json()
+        return {(x["rank"], x["phase"]) for x in r["ranks"]}
 
 
 @pytest.fixture
 def cluster(tmp_path: Path):
-    c = start_cluster(tmp_path / "cluster", with_server=VIA_SERVER)
+    c = start_cluster(tmp_path / "cluster", with_server=True)
     for name in ("node-a", "node-b"):
-        if VIA_SERVER:
-            c.add_node(name)
-        else:
-            c.add_inprocess_node(name)
+        c.add_node(name)
     yield c
     c.stop()
 
@@ -165,8 +142,6 @@ def test_operator_rolls_a_running_job_back_and_the_ranks_agree(cluster: Cluster,
         assert sum(rep["files_by_tier"].values()) >= 1
     wait_for(lambda: {(0, "loaded"), (1, "loaded")} <= op.phases(first), timeout=30,
              what="loaded reported for both ranks")
-    if not VIA_SERVER:  # the spool holds every batch: staging came first
-        assert {(0, "staging"), (1, "staging")} <= op.phases(first)
     assert pending(cluster, job) == []  # retired on both agents
 
     # the diverged future is gone: every step above 5 that any tier holds is the new one
@@ -215,33 +190,39 @@ def test_a_requested_step_outlives_retention_until_every_rank_acts(direct_cluste
     (node-a's rank 0 decides retention for both ranks and knows node-b's pins through the
     save collective), so the rollback to S succeeds; afterwards retention removes S."""
     c = direct_cluster
-    job, log, total = "rb-pinned", tmp_path / "pinned", 20
+    job, log, total = "rb-pinned", tmp_path / "pinned", 30
+    gate = Gate(tmp_path / "gate")
+    target = 2
+    gate.open(target + 1)  # steps 0 … S run, then the ranks wait at the gate
     args = ["--job-id", job, "--steps", str(total), "--log-dir", str(log), *SMALL,
             # (the last of a repeated option wins) the default memory retention, and no
             # persistent copy of any step but 0
-            "--keep-memory", "2", "--persist-every", "1000", "--step-sleep", "0.8"]
+            "--keep-memory", "2", "--persist-every", "1000", "--gate", str(gate.path)]
     procs = c.launch(args, placement=PLACEMENT, log_dir=log)
     a, b = c.nodes["node-a"], c.nodes["node-b"]
 
     def newest(node, rank: int) -> int:
         return max(committed_steps(node, job, rank) or [-1])
 
-    target = wait_for(lambda: newest(b, 1) if newest(b, 1) >= 2 else None, timeout=60,
-                      interval=0.02, what="a step committed")
+    wait_for(lambda: newest(b, 1) == target, timeout=60, interval=0.02,
+             what=f"step {target} committed")
     b.deliver(restore_command(request_id=1, job_id=job, step=target, reason="pin test"))
-    wait_for(lambda: newest(b, 1) >= target + 6, timeout=60, interval=0.1,
-             what=f"step {target + 6} committed")
-    assert target + 6 < total - 1, "training went too fast for the test"
+    gate.open(target + 7)
+    wait_for(lambda: newest(b, 1) >= target + 6 and newest(a, 0) >= target + 6, timeout=60,
+             interval=0.1, what=f"step {target + 6} committed")
     # retention kept the pinned step on both nodes, also where the agent has no request
     assert target in committed_steps(a, job, 0)
     assert target in committed_steps(b, job, 1)
     assert len(committed_steps(a, job, 0)) <= 4  # the newest 2, S, the persisted step 0
     a.deliver(restore_command(request_id=1, job_id=job, step=target, reason="pin test"))
+    # one step at a time until the ranks (which read requests every 0.5 s) roll back
+    gate.step_until(target + 8, total, lambda: len(runs(read_log(log))) > 1, log_dir=log)
+    gate.open(total)
     assert c.wait_ranks(procs, 120) == [0, 0], procs[0].log_tail()
 
     for rank in (0, 1):
         before, after = runs(read_log(log, rank))
-        assert before[-1]["step"] >= target + 6
+        assert before[-1]["step"] >= target + 7
         assert after[0]["step"] == target + 1
         assert {x["restored_from"] for x in after} == {target}
         assert after[-1]["step"] == total - 1

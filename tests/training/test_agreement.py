@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tierwatch.agent.checkpoint import agreement
-from tierwatch.agent.checkpoint.manifest import FileEntry, Manifest
+from tierwatch.agent.checkpoint.format import agreement
+from tierwatch.agent.checkpoint.format.manifest import FileEntry, Manifest
 
 
 def manifest(step: int, rank: int, world: int = 2, *, node: str | None = None,

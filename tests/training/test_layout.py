@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierwatch.agent.checkpoint.layout import (
+from tierwatch.agent.checkpoint.format.layout import (
     LayoutError,
     check_file_name,
     check_job_id,

@@ -13,14 +13,10 @@ from torch import nn
 from training import restore_command, start_cluster
 
 from tierwatch import RNGState, TieredCheckpointer
-from tierwatch.agent.checkpoint import agreement
-from tierwatch.agent.checkpoint.manifest import FileEntry, Manifest, load_manifest
-from tierwatch.agent.checkpoint.rollback import (
-    RestoreRequest,
-    Timeline,
-    newest_unserved,
-    pick_request,
-)
+from tierwatch.agent.checkpoint.format import agreement
+from tierwatch.agent.checkpoint.format.manifest import FileEntry, Manifest, load_manifest
+from tierwatch.agent.checkpoint.format.rollback import RestoreRequest, Timeline
+from tierwatch.agent.checkpoint.training.rollback import newest_unserved, pick_request
 
 
 # -- pure: fences, timelines and which request the ranks agree on ---------------------------

@@ -1,4 +1,4 @@
-"""RNGState, ResumableDistributedSampler and the Stager (single process, real torch)."""
+"""RNGState, ResumableDistributedSampler and the SnapshotStager (single process, real torch)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from tierwatch.agent.checkpoint.staging import Stager
-from tierwatch.agent.checkpoint.state import ResumableDistributedSampler, RNGState
+from tierwatch.agent.checkpoint.training.snapshot import SnapshotStager
+from tierwatch.agent.checkpoint.training.state import ResumableDistributedSampler, RNGState
 
 
 def draws() -> tuple[float, float, list[float]]:
@@ -57,7 +57,7 @@ def test_stager_reuses_buffers_and_defers_lazy_copies() -> None:
     w = torch.randn(4, 4)
     b = torch.randn(4)
     state = {"model": {"w": w, "b": b}, "n": 3, "nested": [{"x": torch.ones(2)}]}
-    stager = Stager()
+    stager = SnapshotStager()
     staged, pending = stager.stage(state, lambda path, t: path[-1] == "w")
     assert stager.allocations == 3
     assert staged["n"] == 3

@@ -1,6 +1,7 @@
 """The agent's side of the memory tier: its folder, budget, peer replicas and progress files.
 
-:class:`MemoryStore` owns one node's memory folder (see :mod:`.layout`). It
+:class:`MemoryStore` owns one node's memory folder (see
+:mod:`~tierwatch.agent.checkpoint.format.layout`). It
 
 - writes ``agent.json`` (who hosts this folder, where peers reach it);
 - accounts the bytes the folder holds against the memory budget (hard links counted once,
@@ -31,7 +32,7 @@ from typing import Any, BinaryIO
 
 import xxhash
 
-from tierwatch.agent.checkpoint.layout import (
+from tierwatch.agent.checkpoint.format.layout import (
     MemoryLayout,
     check_file_name,
     check_job_id,
@@ -41,7 +42,7 @@ from tierwatch.agent.checkpoint.layout import (
     parse_manifest_name,
     parse_step_dirname,
 )
-from tierwatch.agent.checkpoint.manifest import (
+from tierwatch.agent.checkpoint.format.manifest import (
     CommitMarker,
     Manifest,
     ManifestError,
@@ -49,7 +50,7 @@ from tierwatch.agent.checkpoint.manifest import (
     load_manifest,
     read_commit,
 )
-from tierwatch.agent.checkpoint.rollback import describe_pins
+from tierwatch.agent.checkpoint.format.rollback import describe_pins
 from tierwatch.agent.protocol import utcnow
 
 log = logging.getLogger(__name__)
@@ -106,8 +107,8 @@ class MemoryStore:
         budget_bytes: Most bytes the folder may hold before replica uploads are refused (507).
         pins: job id → {step: request ids} of the job's pending restore requests (the
             agent's :meth:`RequestStore.pinned_steps
-            <tierwatch.agent.checkpoint.rollback.RequestStore.pinned_steps>`); None: no step
-            is pinned.
+            <tierwatch.agent.checkpoint.tierstore.requests.RequestStore.pinned_steps>`);
+            None: no step is pinned.
 
     Raises:
         OSError: the folder cannot be created.

@@ -1,6 +1,6 @@
 """Staging a state dict into reused CPU buffers (torch).
 
-:class:`Stager` walks a (nested) state dict and gives back a copy whose tensors live in CPU
+:class:`SnapshotStager` walks a (nested) state dict and gives back a copy whose tensors live in CPU
 buffers that are allocated once and reused by every later save with the same shapes. Each
 tensor is either copied at once (``stage``'s synchronous part) or left as a pending copy for a
 background thread (``lazy``): parameters and optimizer state only change in
@@ -57,7 +57,7 @@ class PendingCopies:
         self.pairs.clear()
 
 
-class Stager:
+class SnapshotStager:
     """Copies state dicts into CPU buffers that are reused across saves.
 
     Attributes:

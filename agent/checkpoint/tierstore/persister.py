@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 
 import xxhash
 
-from tierwatch.agent.checkpoint.layout import (
+from tierwatch.agent.checkpoint.format.layout import (
     METADATA,
     check_job_id,
     parse_manifest_name,
@@ -35,7 +35,7 @@ from tierwatch.agent.checkpoint.layout import (
     persistent_step_path,
     step_dirname,
 )
-from tierwatch.agent.checkpoint.manifest import (
+from tierwatch.agent.checkpoint.format.manifest import (
     CHUNK,
     FileEntry,
     Manifest,

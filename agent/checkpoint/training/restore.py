@@ -2,7 +2,7 @@
 
 1. Every rank asks its agent which manifests it can supply from memory and peer replicas;
    the ranks exchange the answers on the checkpoint group and each computes the same newest
-   restorable step (:mod:`~tierwatch.agent.checkpoint.agreement`). Only when no step is
+   restorable step (:mod:`~tierwatch.agent.checkpoint.format.agreement`). Only when no step is
    restorable from memory and peers do they ask again including the persistent tier, so a
    restore with nothing lost reads no persistent data.
 2. Each rank has its agent stage ``.metadata``, computes from DCP's load plan which files its
@@ -16,7 +16,7 @@
    seconds, steps lost), a failure too.
 
 Steps rolled away by an operator's restore request (dead manifests, see
-:mod:`~tierwatch.agent.checkpoint.agreement`) are never candidates. Serving a request,
+:mod:`~tierwatch.agent.checkpoint.format.agreement`) are never candidates. Serving a request,
 ``tier`` restricts every stage to that tier's copies (a step it does not hold completely is
 not restorable), and the reports carry ``request_id`` and ``phase``.
 """
@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tierwatch.agent.checkpoint import agreement
-from tierwatch.agent.checkpoint.client import AgentUnavailable
-from tierwatch.agent.checkpoint.layout import METADATA
+from tierwatch.agent.checkpoint.format import agreement
+from tierwatch.agent.checkpoint.format.layout import METADATA
+from tierwatch.agent.checkpoint.training.client import AgentUnavailable
 from tierwatch.agent.protocol import RestoreReport, utcnow
 
 if TYPE_CHECKING:
-    from tierwatch.agent.checkpoint.trainer import TieredCheckpointer
+    from tierwatch.agent.checkpoint.training.checkpointer import TieredCheckpointer
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def _gather_views(ckpt: TieredCheckpointer, persistent: bool, *, tier: str | Non
     """Every rank's agent's answer, merged: ``(views of tier, views of every tier)`` (the
     same when ``tier`` is None); dead steps are left out (the ranks' fences and those the
     manifests list)."""
-    from tierwatch.agent.checkpoint.trainer import CheckpointError
+    from tierwatch.agent.checkpoint.training.checkpointer import CheckpointError
 
     answers = ckpt._all_gather(_ask(ckpt, persistent))
     errors = [f"rank {r} ({ckpt.nodes_by_rank[r]}): {a}" for r, a in enumerate(answers)
@@ -197,7 +197,7 @@ def _restore(ckpt: TieredCheckpointer, state: dict[str, Any], run: _Run, *,
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
 
-    from tierwatch.agent.checkpoint.trainer import CheckpointError
+    from tierwatch.agent.checkpoint.training.checkpointer import CheckpointError
 
     t0 = run.t0
     excluded: set[int] = set()

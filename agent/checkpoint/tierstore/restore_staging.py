@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tierwatch.agent.checkpoint.layout import (
+from tierwatch.agent.checkpoint.format.layout import (
     MemoryLayout,
     check_file_name,
     check_job_id,
@@ -35,8 +35,8 @@ from tierwatch.agent.checkpoint.layout import (
     check_step,
     parse_step_dirname,
 )
-from tierwatch.agent.checkpoint.manifest import CHUNK, FileEntry, verify_file
-from tierwatch.agent.checkpoint.replicator import PeerClient, PeerError
+from tierwatch.agent.checkpoint.format.manifest import CHUNK, FileEntry, verify_file
+from tierwatch.agent.checkpoint.tierstore.replicator import PeerClient, PeerError
 from tierwatch.agent.protocol import CheckpointEvent, utcnow
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class StageError(Exception):
     """One source failed for one file (the message names both)."""
 
 
-class Stager:
+class RestoreStager:
     """Stages restore files into this node's memory folder.
 
     Args:

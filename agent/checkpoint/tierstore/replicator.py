@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import httpx
 
-from tierwatch.agent.checkpoint.manifest import CHUNK
+from tierwatch.agent.checkpoint.format.manifest import CHUNK
 
 XXH3_HEADER = "X-Tierwatch-Xxh3"
 

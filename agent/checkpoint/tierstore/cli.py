@@ -28,7 +28,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from tierwatch.agent.checkpoint.layout import (
+from tierwatch.agent.checkpoint.format.layout import (
     METADATA,
     LayoutError,
     MemoryLayout,
@@ -37,7 +37,7 @@ from tierwatch.agent.checkpoint.layout import (
     check_step,
     manifest_name,
 )
-from tierwatch.agent.checkpoint.manifest import CHUNK, Manifest, verify_file
+from tierwatch.agent.checkpoint.format.manifest import CHUNK, Manifest, verify_file
 
 app = typer.Typer(help="Inspect, verify, export and clean up checkpoints on this node.",
                   no_args_is_help=True, add_completion=False)
@@ -188,7 +188,7 @@ class Place:
         self._persistent: Any = None
 
     def persistent(self) -> Any:
-        from tierwatch.agent.checkpoint.persister import PersistentError, PersistentTier
+        from tierwatch.agent.checkpoint.tierstore.persister import PersistentError, PersistentTier
 
         if self._persistent is None:
             try:
@@ -199,9 +199,13 @@ class Place:
 
     def copies(self, job_id: str, step: int | None) -> list[StepCopy]:
         """Every copy of the job's steps (optionally one step) on this node and persistent."""
-        from tierwatch.agent.checkpoint.manifest import ManifestError, load_manifest, read_manifest
-        from tierwatch.agent.checkpoint.persister import PersistentError
-        from tierwatch.agent.checkpoint.store import steps_in
+        from tierwatch.agent.checkpoint.format.manifest import (
+            ManifestError,
+            load_manifest,
+            read_manifest,
+        )
+        from tierwatch.agent.checkpoint.tierstore.persister import PersistentError
+        from tierwatch.agent.checkpoint.tierstore.store import steps_in
 
         out: list[StepCopy] = []
 
@@ -254,8 +258,8 @@ class Place:
 
     def _mark_dead(self, job_id: str, copies: list[StepCopy]) -> None:
         """Mark the copies a rollback left behind (their step is above a newer fence)."""
-        from tierwatch.agent.checkpoint.agreement import is_dead
-        from tierwatch.agent.checkpoint.rollback import Timeline
+        from tierwatch.agent.checkpoint.format.agreement import is_dead
+        from tierwatch.agent.checkpoint.format.rollback import Timeline
 
         fences = set(Timeline.read(self.layout.timeline_file(job_id)).fences)
         fences |= {f for c in copies for m in c.manifests.values() for f in m.fences}
@@ -358,8 +362,8 @@ def ls(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
 def verify(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
            node: NodeOpt = None, persistent_url: UrlOpt = None) -> None:
     """Check the size and xxh3 checksum of every file the manifests list (exit 1 when bad)."""
-    from tierwatch.agent.checkpoint.manifest import FileEntry
-    from tierwatch.agent.checkpoint.manifest import xxh3_stream as hash_stream
+    from tierwatch.agent.checkpoint.format.manifest import FileEntry
+    from tierwatch.agent.checkpoint.format.manifest import xxh3_stream as hash_stream
 
     job_id, one = _job(job), _step(step)
     place = _place(memory_dir, node, persistent_url)

@@ -21,7 +21,7 @@ from typing import Annotated, BinaryIO
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tierwatch.agent.checkpoint.layout import METADATA, check_file_name
+from tierwatch.agent.checkpoint.format.layout import METADATA, check_file_name
 
 CHUNK = 4 * 1024 * 1024
 CHECKSUM_ALGO = "xxh3_64"

@@ -1,7 +1,7 @@
 """The agent's checkpoint service and its HTTP endpoints (docs/checkpointing.md).
 
 :class:`CheckpointService` wires the memory store, the persistent tier, the tier worker and
-the stager for one agent. :func:`ckpt_router` exposes them:
+the restore stager for one agent. :func:`ckpt_router` exposes them:
 
 Trainer-facing (control endpoints: loopback, or the agent token):
 
@@ -16,7 +16,7 @@ Trainer-facing (control endpoints: loopback, or the agent token):
 - ``POST /v1/ckpt/jobs/{job_id}/stage`` ``{step, files: [{name, size, xxh3, sources: [{tier,
   holder, url, src}]}]}`` → ``{ok, dir, files: [{name, tier, holder}], errors: [str]}``
 - ``GET /v1/ckpt/jobs/{job_id}/restore-requests`` → ``{requests: [RestoreRequest]}``: operator
-  restore requests for the job's ranks, oldest first (:mod:`.rollback`)
+  restore requests for the job's ranks, oldest first (:mod:`.requests`)
 - ``DELETE /v1/ckpt/jobs/{job_id}/restore-requests/{request_id}`` → ``{retired: [id]}``: the
   ranks served (or gave up) ``request_id``; it and older requests of the job are retired
 - ``POST /v1/ckpt/jobs/{job_id}/rollback`` ``{request_id, step, persistent}`` → ``{evicted:
@@ -49,18 +49,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from tierwatch.agent.checkpoint.layout import (
+from tierwatch.agent.checkpoint.format.layout import (
     LayoutError,
     MemoryLayout,
     check_job_id,
     check_step,
 )
-from tierwatch.agent.checkpoint.persister import PersistentError, PersistentTier
-from tierwatch.agent.checkpoint.replicator import XXH3_HEADER, PeerClient
-from tierwatch.agent.checkpoint.rollback import RequestStore, parse_restore_command
-from tierwatch.agent.checkpoint.stage import Stager, StageRequest
-from tierwatch.agent.checkpoint.store import MemoryStore, StoreError
-from tierwatch.agent.checkpoint.worker import TierWorker
+from tierwatch.agent.checkpoint.tierstore.persister import PersistentError, PersistentTier
+from tierwatch.agent.checkpoint.tierstore.replicator import XXH3_HEADER, PeerClient
+from tierwatch.agent.checkpoint.tierstore.requests import RequestStore, parse_restore_command
+from tierwatch.agent.checkpoint.tierstore.restore_staging import RestoreStager, StageRequest
+from tierwatch.agent.checkpoint.tierstore.store import MemoryStore, StoreError
+from tierwatch.agent.checkpoint.tierstore.worker import TierWorker
 from tierwatch.agent.config import AgentSettings
 from tierwatch.agent.protocol import (
     CheckpointEvent,
@@ -117,7 +117,8 @@ class CheckpointService:
                                  scan_interval_s=settings.ckpt_scan_interval,
                                  nice=settings.ckpt_nice)
         self._peer = PeerClient(self.peer_token) if self.peer_token else None
-        self.stager = Stager(self.store.layout, node=self.node, peer=self._peer, emit=emit)
+        self.restore_stager = RestoreStager(self.store.layout, node=self.node, peer=self._peer,
+                                            emit=emit)
         self.agent_info: dict[str, Any] = {}
 
     def start(self, listen_host: str, port: int) -> None:
@@ -413,7 +414,7 @@ def ckpt_router(get_service: ServiceGetter, *, control: list[Any],
     def stage(job_id: str, body: StageRequest, svc: Service) -> dict[str, Any]:
         """Assemble files in restore/<job>/step-<N>/, trying sources in order."""
         try:
-            return svc.stager.stage(job_id, body)
+            return svc.restore_stager.stage(job_id, body)
         except LayoutError as exc:
             raise bad_name(exc) from None
 

@@ -7,8 +7,9 @@ one rank's value on every rank. Both helpers here key their state by rank
 own key (loading at a different world size therefore needs these keys left out).
 
 Both follow ``torch.distributed.checkpoint.stateful.Stateful`` (``state_dict`` /
-``load_state_dict``), so :class:`~tierwatch.agent.checkpoint.trainer.TieredCheckpointer`
-and plain DCP handle them alike.
+``load_state_dict``), so
+:class:`~tierwatch.agent.checkpoint.training.checkpointer.TieredCheckpointer` and plain DCP
+handle them alike.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierwatch.agent.checkpoint.layout import (
+from tierwatch.agent.checkpoint.format.layout import (
     METADATA,
     commit_name,
     manifest_name,
@@ -44,7 +44,7 @@ from tierwatch.agent.checkpoint.layout import (
     parse_manifest_name,
     parse_step_dirname,
 )
-from tierwatch.agent.checkpoint.manifest import (
+from tierwatch.agent.checkpoint.format.manifest import (
     CommitMarker,
     FileEntry,
     Manifest,
@@ -53,14 +53,14 @@ from tierwatch.agent.checkpoint.manifest import (
     load_manifest,
     xxh3_file,
 )
-from tierwatch.agent.checkpoint.persister import (
+from tierwatch.agent.checkpoint.format.priority import DEFAULT_NICE, lower_this_thread
+from tierwatch.agent.checkpoint.tierstore.persister import (
     STAGED_METADATA,
     PersistentError,
     PersistentTier,
 )
-from tierwatch.agent.checkpoint.priority import DEFAULT_NICE, lower_this_thread
-from tierwatch.agent.checkpoint.replicator import PeerClient, PeerError, peer_targets
-from tierwatch.agent.checkpoint.store import PROGRESS_PREFIX, MemoryStore
+from tierwatch.agent.checkpoint.tierstore.replicator import PeerClient, PeerError, peer_targets
+from tierwatch.agent.checkpoint.tierstore.store import PROGRESS_PREFIX, MemoryStore
 from tierwatch.agent.protocol import CheckpointEvent, utcnow
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class TierWorker:
             manifests on the persistent tier, seconds.
         http_timeout_s: Per-request timeout towards peers, seconds.
         nice: Nice value of the worker threads, so they yield the cores to training
-            (:mod:`~tierwatch.agent.checkpoint.priority`; 0 keeps the agent's).
+            (:mod:`~tierwatch.agent.checkpoint.format.priority`; 0 keeps the agent's).
     """
 
     def __init__(self, store: MemoryStore, persistent: PersistentTier, *, emit: EventSink,

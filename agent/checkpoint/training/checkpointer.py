@@ -37,14 +37,14 @@ Design notes:
   ``persist_every``-th step) and retention for all tiers, which every rank records in its
   commit marker. The node agent replicates and uploads from there; training never waits for
   it and keeps committing to memory while the agent is down.
-- **Restore.** See :mod:`tierwatch.agent.checkpoint.restore`.
+- **Restore.** See :mod:`tierwatch.agent.checkpoint.training.restore`.
 - **Rollback.** An operator's restore request reaches every rank through its agent (a
   poller thread reads ``GET /v1/ckpt/jobs/{job}/restore-requests``). :meth:`maybe_rollback`,
   called by every rank at the same place of every step, all-reduces (MIN) the newest
   request id each rank knows on a second gloo group of the checkpointer's own (the first
   one may be busy with a background save), so all ranks roll back at the same step
   boundary once every rank knows the request. The diverged future (steps above the target)
-  is dropped from every tier and fenced off (:mod:`tierwatch.agent.checkpoint.rollback`).
+  is dropped from every tier and fenced off (:mod:`tierwatch.agent.checkpoint.training.rollback`).
 - **Pinned steps.** Until the ranks act, a pending request's step is *pinned*: every rank
   sends the steps its agent's requests name with its save outcome, and rank 0 adds them all
   to the retention of every tier in its decision (the commit marker's ``retain``), so memory,
@@ -74,8 +74,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tierwatch.agent.checkpoint.client import AgentClient, AgentUnavailable, EventSender
-from tierwatch.agent.checkpoint.layout import (
+from tierwatch.agent.checkpoint.format.layout import (
     METADATA,
     MemoryLayout,
     check_job_id,
@@ -83,22 +82,25 @@ from tierwatch.agent.checkpoint.layout import (
     manifest_name,
     parse_step_dirname,
 )
-from tierwatch.agent.checkpoint.manifest import (
+from tierwatch.agent.checkpoint.format.manifest import (
     CommitMarker,
     atomic_write_json,
     make_manifest,
 )
-from tierwatch.agent.checkpoint.priority import DEFAULT_NICE, lower_this_thread
-from tierwatch.agent.checkpoint.rollback import (
-    RequestPoller,
+from tierwatch.agent.checkpoint.format.priority import DEFAULT_NICE, lower_this_thread
+from tierwatch.agent.checkpoint.format.rollback import (
     RestoreRequest,
     Timeline,
     describe_pins,
-    newest_unserved,
-    pick_request,
     pins_of,
 )
-from tierwatch.agent.checkpoint.staging import PendingCopies, Stager
+from tierwatch.agent.checkpoint.training.client import AgentClient, AgentUnavailable, EventSender
+from tierwatch.agent.checkpoint.training.rollback import (
+    RequestPoller,
+    newest_unserved,
+    pick_request,
+)
+from tierwatch.agent.checkpoint.training.snapshot import PendingCopies, SnapshotStager
 from tierwatch.agent.protocol import (
     CheckpointEvent,
     JobProgress,
@@ -291,7 +293,7 @@ class TieredCheckpointer:
 
         self.progress_file = self.job_dir / f"progress-{self.rank}.json"
         self.events = EventSender(self.client, progress_file=self.progress_file)
-        self._stager = Stager()
+        self._stager = SnapshotStager()
         self._queue: queue.Queue[_SaveJob | None] = queue.Queue()
         self._inflight: _SaveJob | None = None
         self._hook_wait = 0.0
@@ -671,7 +673,7 @@ class TieredCheckpointer:
             CheckpointError: a manifest of this rank in the job's folder has another
                 signature or world size (names the step and what to do).
         """
-        from tierwatch.agent.checkpoint.manifest import ManifestError, load_manifest
+        from tierwatch.agent.checkpoint.format.manifest import ManifestError, load_manifest
 
         paths = self.job_dir.glob(f"step-*/{manifest_name(self.rank)}")
         for path in sorted(paths, key=lambda p: parse_step_dirname(p.parent.name) or -1,
@@ -807,7 +809,7 @@ class TieredCheckpointer:
             CheckpointError: ``step`` is not restorable (the message lists the steps that
                 are), the job id holds a different model, or an agent cannot be reached.
         """
-        from tierwatch.agent.checkpoint.restore import restore_state
+        from tierwatch.agent.checkpoint.training.restore import restore_state
 
         if self.closed:
             raise CheckpointError("restore() after close()")
@@ -893,7 +895,7 @@ class TieredCheckpointer:
                        pending: list[RestoreRequest], *, last_done: int | None) -> int | None:
         """Carry out request ``request_id``, which every rank knows (collective; ``pending``:
         the requests this rank's agent listed)."""
-        from tierwatch.agent.checkpoint.restore import ModelMismatchError, restore_state
+        from tierwatch.agent.checkpoint.training.restore import ModelMismatchError, restore_state
 
         mine = next((r for r in pending if r.request_id == request_id), None)
         copies = [mine] if not self.distributed else [None] * self.world_size

@@ -25,8 +25,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierwatch.agent.checkpoint.layout import METADATA
-from tierwatch.agent.checkpoint.manifest import Manifest, ManifestError, read_manifest
+from tierwatch.agent.checkpoint.format.layout import METADATA
+from tierwatch.agent.checkpoint.format.manifest import Manifest, ManifestError, read_manifest
 
 
 @dataclass(frozen=True)
