@@ -90,21 +90,6 @@ def gpu_row_to_sample(row: Any) -> GpuSample | None:
     )
 
 
-def reason_from_row(row: Any) -> rules.Reason:
-    """A stored reason (ORM object or Core row) as the rules engine sees it."""
-    return rules.Reason(
-        rule=row.rule,
-        severity=row.severity,
-        gpu=None if row.gpu_index < 0 else row.gpu_index,
-        key=row.key,
-        message=row.message,
-        action=row.action,
-        evidence=row.evidence or {},
-        first_seen=row.first_seen,
-        last_seen=row.last_seen,
-    )
-
-
 EARLIEST_TS = datetime(2000, 1, 1, tzinfo=UTC)
 
 
@@ -638,7 +623,7 @@ def _update_reasons(
         rows, found = stored.get(node.id, []), findings.get(node.id, [])
         merged: list[rules.Reason] = []
         if rows or found:
-            previous = [reason_from_row(r) for r in rows]
+            previous = [rules.Reason(**fleet_service.reason_fields(r)) for r in rows]
             merged = rules.merge_reasons(previous, found, b.sent_at, th, evaluated[node.id])
             by_identity = {
                 (r.rule, r.gpu_index if r.gpu_index >= 0 else None, r.key): r for r in rows

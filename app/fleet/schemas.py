@@ -8,9 +8,8 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from tierwatch.agent.protocol import Text
-from tierwatch.server.fleet.models import METRIC_FIELDS
 from tierwatch.server.fleet.rules import RULES
-from tierwatch.server.fleet.service import NodeView, isolation_of, throttle_names
+from tierwatch.server.fleet.service import NodeView, node_view_fields
 
 
 class ReasonOut(BaseModel):
@@ -156,50 +155,12 @@ class AckOut(BaseModel):
 
 
 def node_out(view: NodeView, *, detail: dict[str, Any] | None = None) -> NodeOut:
-    """Build the API shape of a node view (a NodeDetailOut when ``detail`` is given)."""
-    n = view.node
-    fields: dict[str, Any] = {
-        "name": n.name,
-        "state": view.state,
-        "health_state": n.state,
-        "reasons": [
-            ReasonOut(
-                rule=r.rule,
-                severity=r.severity,
-                gpu=None if r.gpu_index < 0 else r.gpu_index,
-                key=r.key,
-                message=r.message,
-                action=r.action,
-                evidence=r.evidence or {},
-                first_seen=r.first_seen,
-                last_seen=r.last_seen,
-            )
-            for r in view.reasons
-        ],
-        "isolated": n.isolated,
-        "isolation": isolation_of(n),
-        "released_at": n.released_at,
-        "simulated": n.simulated,
-        "collector": n.collector,
-        "agent_version": n.agent_version,
-        "interval_s": n.interval_s,
-        "first_seen": n.first_seen,
-        "last_seen": n.last_seen,
-        "state_since": n.state_since,
-        "gpus": [
-            GpuOut(
-                index=g.index,
-                uuid=g.uuid,
-                name=g.name,
-                ts=g.ts,
-                throttle_reason_names=throttle_names(g),
-                xid_count=view.xid_counts.get(g.index, 0),
-                **{f: getattr(g, f) for f in METRIC_FIELDS},
-            )
-            for g in view.gpus
-        ],
-    }
+    """Build the API shape of a node view (a NodeDetailOut when ``detail`` is given).
+
+    The fields come from :func:`fleet.service.node_view_fields`, as ``GET /api/v1/nodes``'s
+    rows do (``node_list_payload``) and the node page's.
+    """
+    fields = node_view_fields(view)
     if detail is not None:
         return NodeDetailOut(**fields, reports=ReportStats(**detail))
     return NodeOut(**fields)
-

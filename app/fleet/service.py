@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -52,6 +54,100 @@ def isolation_of(n: Any) -> dict[str, Any] | None:
     if not n.isolated:
         return None
     return {"at": n.isolated_at, "by": n.isolated_by, "reason": n.isolated_reason}
+
+
+# --- the fields of a node, a GPU and a reason: one builder each -----------------------------
+# The JSON API (``schemas.NodeOut``, and ``node_list_payload``'s rows), the dashboard pages
+# and the rules engine (``rules.Reason``) all take a node's, a GPU's and a reason's fields
+# from these functions, so they name and derive them alike.
+
+#: The ``gpus`` columns a GPU's fields are built from, in :func:`gpu_fields`'s order.
+GPU_COLUMNS: tuple[str, ...] = ("index", "uuid", "name", "ts", *METRIC_FIELDS)
+
+
+def reason_fields(row: Any) -> dict[str, Any]:
+    """The fields of a stored reason (a ``ReasonRow`` or a Core row of ``reasons``).
+
+    The names are ``ReasonOut``'s and :class:`rules.Reason`'s: ``gpu`` is None for a
+    node-level reason (stored with ``gpu_index`` -1 so the unique key works everywhere).
+    """
+    return {
+        "rule": row.rule,
+        "severity": row.severity,
+        "gpu": None if row.gpu_index < 0 else row.gpu_index,
+        "key": row.key,
+        "message": row.message,
+        "action": row.action,
+        "evidence": row.evidence or {},
+        "first_seen": row.first_seen,
+        "last_seen": row.last_seen,
+    }
+
+
+@functools.lru_cache(maxsize=1024)
+def _throttle_names(mask: int | None) -> tuple[str, ...]:
+    return tuple(throttle_reason_names(mask))
+
+
+def gpu_fields(values: Sequence[Any], *, xid_count: int) -> dict[str, Any]:
+    """The fields of a GPU with its latest values (``GpuOut``'s names).
+
+    Args:
+        values: the GPU's :data:`GPU_COLUMNS` values, in that order (a Core row's columns,
+            or read off a ``Gpu`` object).
+        xid_count: XID occurrences on the GPU, all codes together (``xid_counts``).
+
+    Returns:
+        The columns plus ``throttle_reason_names`` (the bits of ``throttle_reasons`` by
+        NVML name) and ``xid_count``.
+    """
+    d = dict(zip(GPU_COLUMNS, values, strict=True))  # C-speed: 16k GPUs on 2,048 nodes
+    d["throttle_reason_names"] = list(_throttle_names(d["throttle_reasons"]))
+    d["xid_count"] = xid_count
+    return d
+
+
+def node_fields(
+    n: Any, *, state: str, reasons: list[dict[str, Any]], gpus: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The fields of a node (``NodeOut``'s names) from its row and its effective state.
+
+    Args:
+        n: a ``Node`` or a Core row of ``nodes``.
+        state: the effective state (:func:`effective_state`: unreachable overrides health).
+        reasons: its reasons' :func:`reason_fields`; gpus: its GPUs' :func:`gpu_fields`.
+    """
+    return {
+        "name": n.name,
+        "state": state,
+        "health_state": n.state,
+        "reasons": reasons,
+        "isolated": n.isolated,
+        "isolation": isolation_of(n),
+        "released_at": n.released_at,
+        "simulated": n.simulated,
+        "collector": n.collector,
+        "agent_version": n.agent_version,
+        "interval_s": n.interval_s,
+        "first_seen": n.first_seen,
+        "last_seen": n.last_seen,
+        "state_since": n.state_since,
+        "gpus": gpus,
+    }
+
+
+def node_view_fields(view: NodeView) -> dict[str, Any]:
+    """:func:`node_fields` of a node view, with its reasons and GPUs."""
+    return node_fields(
+        view.node,
+        state=view.state,
+        reasons=[reason_fields(r) for r in view.reasons],
+        gpus=[
+            gpu_fields([getattr(g, c) for c in GPU_COLUMNS],
+                       xid_count=view.xid_counts.get(g.index, 0))
+            for g in view.gpus
+        ],
+    )
 
 
 
@@ -131,19 +227,7 @@ def node_list_payload(
     nodes = session.execute(q).all()
     reasons: dict[int, list[dict[str, Any]]] = {}
     for r in session.execute(select(reasons_t).order_by(reasons_t.c.first_seen)):
-        reasons.setdefault(r.node_id, []).append(
-            {
-                "rule": r.rule,
-                "severity": r.severity,
-                "gpu": None if r.gpu_index < 0 else r.gpu_index,
-                "key": r.key,
-                "message": r.message,
-                "action": r.action,
-                "evidence": r.evidence or {},
-                "first_seen": r.first_seen,
-                "last_seen": r.last_seen,
-            }
-        )
+        reasons.setdefault(r.node_id, []).append(reason_fields(r))
     xids: dict[tuple[int, int], int] = {}
     for node_id, gpu, n in session.execute(
         select(XidCount.node_id, XidCount.gpu_index, func.sum(XidCount.count)).group_by(
@@ -152,46 +236,22 @@ def node_list_payload(
     ):
         xids[(node_id, gpu)] = int(n)
     gpus: dict[int, list[dict[str, Any]]] = {}
-    names = ("index", "uuid", "name", "ts", *METRIC_FIELDS)
-    throttle_mask = names.index("throttle_reasons")
-    throttle_cache: dict[int | None, list[str]] = {}
-    gpu_cols = [gpus_t.c[n] for n in names]
+    gpu_cols = [gpus_t.c[n] for n in GPU_COLUMNS]
     query = select(gpus_t.c.node_id, *gpu_cols).order_by(gpus_t.c.node_id, gpus_t.c.index)
     for row in session.execute(query):
         values = row[1:]
-        d = dict(zip(names, values, strict=True))  # C-speed; 16k rows on a 2,048-node cluster
-        mask = values[throttle_mask]
-        if mask not in throttle_cache:
-            throttle_cache[mask] = throttle_reason_names(mask)
-        d["throttle_reason_names"] = throttle_cache[mask]
-        d["xid_count"] = xids.get((row[0], values[0]), 0)
-        gpus.setdefault(row[0], []).append(d)
+        gpus.setdefault(row[0], []).append(
+            gpu_fields(values, xid_count=xids.get((row[0], values[0]), 0))
+        )
     counts = dict.fromkeys(STATES, 0)
     out = []
     for n in nodes:
-        unreachable = rules.is_unreachable(n.last_seen, n.interval_s, now, th)
-        eff = "unreachable" if unreachable else n.state
+        eff, _ = effective_state(n, now, th)
         counts[eff] += 1
         if state and eff != state:
             continue
         out.append(
-            {
-                "name": n.name,
-                "state": eff,
-                "health_state": n.state,
-                "reasons": reasons.get(n.id, []),
-                "isolated": n.isolated,
-                "isolation": isolation_of(n),
-                "released_at": n.released_at,
-                "simulated": n.simulated,
-                "collector": n.collector,
-                "agent_version": n.agent_version,
-                "interval_s": n.interval_s,
-                "first_seen": n.first_seen,
-                "last_seen": n.last_seen,
-                "state_since": n.state_since,
-                "gpus": gpus.get(n.id, []),
-            }
+            node_fields(n, state=eff, reasons=reasons.get(n.id, []), gpus=gpus.get(n.id, []))
         )
     return {"counts": counts, "nodes": out}
 
@@ -403,17 +463,7 @@ def acknowledge(
         session.delete(r)
     session.flush()
     remaining = [
-        rules.Reason(
-            rule=r.rule,
-            severity=r.severity,
-            gpu=None if r.gpu_index < 0 else r.gpu_index,  # type: ignore[arg-type]
-            key=r.key,
-            message=r.message,
-            action=r.action,
-            evidence=r.evidence or {},
-            first_seen=r.first_seen,
-            last_seen=r.last_seen,
-        )
+        rules.Reason(**reason_fields(r))
         for r in session.scalars(select(ReasonRow).where(ReasonRow.node_id == node.id))
     ]
     session.add(
@@ -461,11 +511,6 @@ def prune(
     )
     session.commit()
     return deleted
-
-
-def throttle_names(gpu: Gpu) -> list[str]:
-    """Active clock-event reasons of a GPU's latest sample, by name."""
-    return throttle_reason_names(gpu.throttle_reasons)
 
 
 def state_change_event(
@@ -522,7 +567,8 @@ class Tile:
         state: Effective state (healthy | degraded | unhealthy | unreachable).
         simulated: The agent runs a simulated collector.
         isolated: The node is isolated (cordoned/drained).
-        reason: The worst active reason (highest severity, newest), or None.
+        reason: The worst active reason (highest severity, newest) as :func:`reason_fields`,
+            or None.
         reason_count: Number of active reasons.
         gpu_count: GPUs in the node's inventory.
         max_temp_c: Hottest GPU's latest temperature (°C), None when none was read.
@@ -533,22 +579,25 @@ class Tile:
     state: str
     simulated: bool
     isolated: bool
-    reason: ReasonRow | None
+    reason: dict[str, Any] | None
     reason_count: int
     gpu_count: int
     max_temp_c: float | None
     last_seen: datetime | None
 
 
-def worst_reason(reasons: list[ReasonRow]) -> ReasonRow | None:
-    """The reason to show first: highest severity, then the most recently seen."""
+def worst_reason(reasons: Sequence[Any]) -> Any | None:
+    """The reason to show first: highest severity, then the most recently seen.
+
+    ``reasons`` are anything with ``severity`` and ``last_seen`` (rows, ``ReasonOut``).
+    """
     if not reasons:
         return None
     return max(reasons, key=lambda r: (rules.STATE_ORDER.get(r.severity, 0), r.last_seen))
 
 
-def sort_reasons(reasons: list[ReasonRow]) -> list[ReasonRow]:
-    """Reasons worst first (severity, then most recently seen)."""
+def sort_reasons(reasons: Sequence[Any]) -> list[Any]:
+    """Reasons worst first (severity, then most recently seen); see :func:`worst_reason`."""
     return sorted(
         reasons, key=lambda r: (-rules.STATE_ORDER.get(r.severity, 0), -r.last_seen.timestamp())
     )
@@ -584,13 +633,14 @@ def cluster_tiles(
         if state and v.state != state:
             continue
         gpu_count, hottest = summaries.get(v.node.id, (0, None))
+        worst = worst_reason(v.reasons)
         tiles.append(
             Tile(
                 name=v.node.name,
                 state=v.state,
                 simulated=v.node.simulated,
                 isolated=v.node.isolated,
-                reason=worst_reason(v.reasons),
+                reason=None if worst is None else reason_fields(worst),
                 reason_count=len(v.reasons),
                 gpu_count=gpu_count,
                 max_temp_c=hottest,

@@ -20,7 +20,7 @@ from tierwatch.agent.protocol import utcnow
 from tierwatch.server.actions import policy, queue
 from tierwatch.server.checkpoints import service as checkpoint_service
 from tierwatch.server.deps import SessionDep, SettingsDep
-from tierwatch.server.fleet import rules, service
+from tierwatch.server.fleet import rules, schemas, service
 from tierwatch.server.web.deps import (
     CHART_REFRESH_MIN_S,
     ViewerPageDep,
@@ -93,7 +93,7 @@ def node_page(
     """
     now = utcnow()
     view = service.get_node_view(session, name, now=now, th=settings.health)
-    node = view.node
+    node = schemas.node_out(view)  # the fields GET /api/v1/nodes/{name} shows
     return render_page(
         request,
         "pages/node.html",
@@ -102,19 +102,17 @@ def node_page(
             "now": now,
             "refresh_s": settings.dashboard_refresh_s,
             "chart_refresh_s": max(CHART_REFRESH_MIN_S, settings.dashboard_refresh_s),
-            "view": view,
             "node": node,
-            "reasons": service.sort_reasons(view.reasons),
+            "reasons": service.sort_reasons(node.reasons),
             "describe_action": rules.describe_action,
-            "throttle_names": service.throttle_names,
-            "xids": service.xid_rows(session, node),
+            "xids": service.xid_rows(session, view.node),
             "state_events": service.recent_events(
-                session, node, "state", service.STATE_EVENT_LIMIT
+                session, view.node, "state", service.STATE_EVENT_LIMIT
             ),
             "agent_events": service.recent_events(
-                session, node, "agent", service.AGENT_EVENT_LIMIT
+                session, view.node, "agent", service.AGENT_EVENT_LIMIT
             ),
-            "commands": queue.recent_node_commands(session, node),
+            "commands": queue.recent_node_commands(session, view.node),
         },
         fragment=("live", "events"),
     )

@@ -108,3 +108,23 @@ def test_unknown_node_is_a_404_page(viewer):
 def test_unknown_node_needs_sign_in_first(client):
     r = client.get("/nodes/nope", follow_redirects=False)
     assert r.status_code == 303
+
+
+def test_node_page_shows_the_fields_the_api_shows(viewer, agent_token):
+    """The page and GET /api/v1/nodes/{name} take a node's fields from one builder."""
+    batch = make_batch("n3", 1, gpus=2, throttle_reasons=0x48, xids=[(1, 13), (1, 13)])
+    assert post_batch(viewer, agent_token("n3"), batch).status_code == 200
+    api = viewer.get("/api/v1/nodes/n3").json()
+    html = viewer.get("/nodes/n3").text
+    assert [g["xid_count"] for g in api["gpus"]] == [0, 2]
+    for g in api["gpus"]:
+        row = html[html.index(f'<tr data-gpu="{g["index"]}">') :]
+        row = row[: row.index("</tr>")]
+        assert f"<td>{', '.join(g['throttle_reason_names'])}</td>" in row
+        assert f">{g['xid_count']}</td>" in row
+    assert f'data-state="{api["state"]}"' in html
+    assert api["reasons"]  # XID 13 twice: a repeat reason on GPU 1
+    for reason in api["reasons"]:
+        gpu = "node" if reason["gpu"] is None else reason["gpu"]
+        assert f'<tr data-rule="{reason["rule"]}" data-severity="{reason["severity"]}">' in html
+        assert f"<td>{gpu}</td>" in html
