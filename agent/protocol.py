@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, model_validator
 
@@ -131,6 +131,24 @@ class GpuSample(_Model):
     nvlink_crc_errors: Count | None = None
     nvlink_replay_errors: Count | None = None
     nvlink_recovery_errors: Count | None = None
+
+
+def _value_type(annotation: Any) -> type:
+    """``float``, ``int`` or ``bool``: the value type of an optional metric field of
+    :class:`GpuSample` (``Annotated[float, Field(...)] | None`` → ``float``)."""
+    (inner,) = [a for a in get_args(annotation) if a is not type(None)]
+    return get_args(inner)[0] if get_origin(inner) is Annotated else inner
+
+
+#: Each metric field of :class:`GpuSample` (every field but ``index`` and ``ts``), in wire
+#: order, with its value type. The server's columns and API shapes are tested against it.
+GPU_METRIC_TYPES: dict[str, type] = {
+    name: _value_type(info.annotation)
+    for name, info in GpuSample.model_fields.items()
+    if name not in ("index", "ts")
+}
+#: The metric names of :class:`GpuSample`, in wire order.
+GPU_METRICS: tuple[str, ...] = tuple(GPU_METRIC_TYPES)
 
 
 class XidEvent(_Model):

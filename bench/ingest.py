@@ -75,7 +75,7 @@ import psycopg
 from rich.console import Console
 from rich.table import Table
 
-from tierwatch.agent.protocol import ReportBatch
+from tierwatch.agent.protocol import GPU_METRICS, ReportBatch
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -961,14 +961,7 @@ def measure_prune(db_url: str, pg_url: str, first_run_id: int) -> dict[str, Any]
     return {"deleted": deleted, "total": total, "seconds": seconds, "rows_per_s": total / seconds}
 
 
-GPU_SAMPLE_COLUMNS = (
-    "node_id", "gpu_index", "ts", "temperature_c", "slowdown_temp_c", "shutdown_temp_c",
-    "power_w", "power_limit_w", "utilization_pct", "memory_used_mib", "memory_total_mib",
-    "ecc_sbe_volatile", "ecc_dbe_volatile", "ecc_sbe_aggregate", "ecc_dbe_aggregate",
-    "remapped_rows_correctable", "remapped_rows_uncorrectable", "row_remap_pending",
-    "row_remap_failure", "pcie_replay_count", "throttle_reasons", "nvlink_crc_errors",
-    "nvlink_replay_errors", "nvlink_recovery_errors",
-)  # fmt: skip
+GPU_SAMPLE_COLUMNS = ("node_id", "gpu_index", "ts", *GPU_METRICS)  # gpu_samples' columns
 
 
 def measure_db_floor(pg_url: str) -> dict[str, Any]:

@@ -34,7 +34,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tierwatch.agent.collectors.base import CollectorError, GpuCollector, XidCallback
-from tierwatch.agent.protocol import GpuInfo, GpuSample, XidEvent, utcnow
+from tierwatch.agent.protocol import GPU_METRIC_TYPES, GpuInfo, GpuSample, XidEvent, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +75,8 @@ _SUM_FIELDS: dict[str, str] = {
     "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": "nvlink_crc_errors",
     "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL": "nvlink_crc_errors",
 }
-_INT_FIELDS = {
-    "ecc_sbe_volatile", "ecc_dbe_volatile", "ecc_sbe_aggregate", "ecc_dbe_aggregate",
-    "remapped_rows_correctable", "remapped_rows_uncorrectable", "pcie_replay_count",
-    "throttle_reasons", "nvlink_crc_errors", "nvlink_replay_errors", "nvlink_recovery_errors",
-}
-_BOOL_FIELDS = {"row_remap_pending", "row_remap_failure"}
+_INT_FIELDS = {name for name, kind in GPU_METRIC_TYPES.items() if kind is int}
+_BOOL_FIELDS = {name for name, kind in GPU_METRIC_TYPES.items() if kind is bool}
 _FB_FREE = "DCGM_FI_DEV_FB_FREE"
 _FB_RESERVED = "DCGM_FI_DEV_FB_RESERVED"
 _XID = "DCGM_FI_DEV_XID_ERRORS"

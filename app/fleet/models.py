@@ -23,40 +23,22 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
+from tierwatch.agent.protocol import GPU_METRIC_TYPES, GPU_METRICS
 from tierwatch.server.db import Base, UTCDateTime
 
 # BIGINT on PostgreSQL, INTEGER (a rowid alias, so it autoincrements) on SQLite.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
-# Metric columns shared by the latest-value table and the raw samples, in wire-model names.
-METRIC_FIELDS: tuple[str, ...] = (
-    "temperature_c",
-    "slowdown_temp_c",
-    "shutdown_temp_c",
-    "power_w",
-    "power_limit_w",
-    "utilization_pct",
-    "memory_used_mib",
-    "memory_total_mib",
-    "ecc_sbe_volatile",
-    "ecc_dbe_volatile",
-    "ecc_sbe_aggregate",
-    "ecc_dbe_aggregate",
-    "remapped_rows_correctable",
-    "remapped_rows_uncorrectable",
-    "row_remap_pending",
-    "row_remap_failure",
-    "pcie_replay_count",
-    "throttle_reasons",
-    "nvlink_crc_errors",
-    "nvlink_replay_errors",
-    "nvlink_recovery_errors",
-)
-BOOL_METRICS = frozenset({"row_remap_pending", "row_remap_failure"})
+# Metric columns shared by the latest-value table and the raw samples: the wire model's
+# metrics (``GpuSample``), by the same names; tests/fleet/test_metric_fields.py holds the
+# columns of ``_Metrics`` to them.
+METRIC_FIELDS: tuple[str, ...] = GPU_METRICS
+BOOL_METRICS = frozenset(name for name, kind in GPU_METRIC_TYPES.items() if kind is bool)
 
 
 class _Metrics:
-    """Mixin: one nullable column per metric (None = not supported on that GPU)."""
+    """Mixin: one nullable column per metric of :data:`METRIC_FIELDS` (None = not supported
+    on that GPU): ``Float`` for float metrics, ``BigInteger`` for counts, ``Boolean`` flags."""
 
     temperature_c: Mapped[float | None] = mapped_column(Float)
     slowdown_temp_c: Mapped[float | None] = mapped_column(Float)
