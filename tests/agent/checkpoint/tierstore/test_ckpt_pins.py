@@ -5,7 +5,7 @@ A real :class:`CheckpointService` (memory store, request store, tier worker, per
 on a ``file://`` URL); replicas arrive through the store's receiving path as a peer's PUT
 does, and one persistent pass runs the worker's real upload, ``.metadata`` commit and
 retention. The trainer's side (memory retention, rank 0's decision) is in
-tests/training/test_maybe_rollback.py and tests/e2e/test_rollback.py.
+tests/agent/checkpoint/training/test_maybe_rollback.py and tests/e2e/test_rollback.py.
 """
 
 from __future__ import annotations

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 import resource
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from agent_helpers import Receiver, wait_until
+from agent_helpers import wait_until
 from ckpt_helpers import (
     PEER_TOKEN,
     CkptAgent,
@@ -33,29 +32,6 @@ pytestmark = [pytest.mark.slow]
 
 JOB = "job-1"
 AUTH = {"Authorization": f"Bearer {PEER_TOKEN}"}
-
-
-@pytest.fixture
-def persistent_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "persistent"
-    d.mkdir()
-    return d
-
-
-@pytest.fixture
-def make_agent(tmp_path: Path, receiver: Receiver, persistent_dir: Path) -> Iterator:
-    """``make_agent("node-a", **kw) -> CkptAgent`` (not started); all stopped afterwards."""
-    made: list[CkptAgent] = []
-
-    def _make(node: str, **kw) -> CkptAgent:
-        kw.setdefault("persistent_url", f"file://{persistent_dir}")
-        agent = CkptAgent(node=node, workdir=tmp_path / "agents", receiver=receiver, **kw)
-        made.append(agent)
-        return agent
-
-    yield _make
-    for a in made:
-        a.stop()
 
 
 def urls(*agents: CkptAgent) -> dict[str, str]:
