@@ -4,10 +4,12 @@ Input: what every rank's agent said it can supply (``GET /v1/ckpt/jobs/{job}/ava
 gathered from all ranks. Every rank runs the same functions on the same gathered data, so all
 ranks reach the same answer without another round trip.
 
-A step is *restorable* when, across all sources, there is a manifest for every rank
-``0..world_size-1``, exactly one of them lists ``.metadata``, and the manifests agree on the
-world size and the state signature. Files are verified later, while they are staged; a step
-whose staging fails on any rank is excluded and the ranks choose again.
+A step is *restorable* when it is complete across all sources
+(:func:`~tierwatch.agent.checkpoint.format.completeness.step_problem`, the rule
+``tierwatch-agent ckpt`` applies too): a manifest for every rank ``0..world_size-1``, exactly
+one of them listing ``.metadata``, all agreeing on the world size, the state signature and
+the timeline. Files are verified later, while they are staged; a step whose staging fails on
+any rank is excluded and the ranks choose again.
 
 Rollbacks (:mod:`.rollback`): after request ``X`` rolled the job back to step ``S``, the steps
 above ``S`` saved before the rollback are a diverged future. Every manifest saved after it
@@ -25,6 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierwatch.agent.checkpoint.format.completeness import step_problem
 from tierwatch.agent.checkpoint.format.layout import METADATA
 from tierwatch.agent.checkpoint.format.manifest import Manifest, ManifestError, read_manifest
 
@@ -138,23 +141,10 @@ def _files(m: Manifest) -> list[tuple[str, int, str]]:
 
 
 def restorable(view: StepView, world_size: int) -> str | None:
-    """None when ``view`` is restorable at ``world_size``, else the reason it is not."""
-    if view.conflicts:
-        return "; ".join(view.conflicts)
-    missing = [r for r in range(world_size) if r not in view.manifests]
-    if missing:
-        return f"no manifest of rank(s) {missing[:8]} anywhere"
-    extra = [r for r in view.manifests if r >= world_size]
-    if extra or any(m.world_size != world_size for m in view.manifests.values()):
-        return f"saved at another world size (ranks {sorted(view.manifests)[:8]}…)"
-    if sum(m.has_metadata() for m in view.manifests.values()) != 1:
-        return "no single rank lists .metadata"
-    if len({m.signature for m in view.manifests.values()}) != 1:
-        return "ranks disagree on the state signature"
-    if len({m.timeline for m in view.manifests.values()}) != 1:
-        return ("the ranks' files come from different timelines (the step was saved again "
-                "after a rollback and not every rank's new copy is here)")
-    return None
+    """None when ``view`` is restorable at ``world_size``, else the reason it is not
+    (:func:`~tierwatch.agent.checkpoint.format.completeness.step_problem` over every source's
+    manifests)."""
+    return step_problem(view.manifests, world_size, conflicts=view.conflicts)
 
 
 def choose_step(views: Mapping[int, StepView], world_size: int, *, excluded: Iterable[int] = (),

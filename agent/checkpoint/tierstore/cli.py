@@ -28,6 +28,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from tierwatch.agent.checkpoint.format.completeness import disagreement, step_problem
 from tierwatch.agent.checkpoint.format.layout import (
     METADATA,
     LayoutError,
@@ -116,28 +117,11 @@ class StepCopy:
         return sum(m.total_bytes() for m in self.manifests.values())
 
     def complete(self) -> tuple[bool, str]:
-        """All world_size manifests, every listed file present (size not hashed) and, on
-        persistent, .metadata."""
-        world = self.world_size
-        if world is None:
-            return False, "no manifests" if not self.manifests else "manifests disagree on " \
-                "world_size"
-        if len({m.signature for m in self.manifests.values()}) > 1:
-            return False, "manifests disagree on signature"
-        if self.dead:
-            return False, self.dead
-        if len({m.timeline for m in self.manifests.values()}) > 1:
-            return False, "manifests of different timelines (saved again after a rollback)"
-        missing = [r for r in range(world) if r not in self.manifests]
-        if missing:
-            return False, f"ranks {_ranges(missing)} missing"
-        if sum(m.has_metadata() for m in self.manifests.values()) != 1:
-            return False, "no single manifest lists .metadata"
-        absent = [f.name for m in self.manifests.values() for f in m.files
-                  if f.name not in self.names]
-        if absent:
-            return False, f"files missing: {', '.join(sorted(absent)[:4])}"
-        return True, "complete"
+        """Whether this copy is a complete step (the rule restore applies:
+        :func:`~tierwatch.agent.checkpoint.format.completeness.step_problem`, with every
+        listed file present here; sizes and checksums are ``verify``'s), and why not."""
+        why = step_problem(self.manifests, dead=self.dead, present=self.names)
+        return (True, "complete") if why is None else (False, why)
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -276,30 +260,6 @@ class Place:
         return self.persistent().open_read(job_id, copy.step, name)
 
 
-def _mixed(copy: StepCopy) -> str | None:
-    """Why the copy's manifests belong to more than one checkpoint (they disagree on
-    world_size or signature), None when they agree."""
-    worlds = sorted({m.world_size for m in copy.manifests.values()})
-    sigs = sorted({m.signature for m in copy.manifests.values()})
-    if len(worlds) <= 1 and len(sigs) <= 1:
-        return None
-    what = []
-    if len(worlds) > 1:
-        what.append("world_size " + ", ".join(
-            f"{w} (rank(s) {_ranges([r for r, m in copy.manifests.items() if m.world_size == w])})"
-            for w in worlds))
-    if len(sigs) > 1:
-        what.append(f"{len(sigs)} different signatures")
-    return "manifests of more than one checkpoint disagree on " + "; ".join(what)
-
-
-def _persistent_complete(copy: StepCopy) -> tuple[bool, str]:
-    ok, why = copy.complete()
-    if ok and copy.tier == "persistent" and METADATA not in copy.names:
-        return False, ".metadata not written yet"
-    return ok, why
-
-
 def _place(memory_dir: Path | None, node: str | None, url: str | None) -> Place:
     try:
         return Place(memory_dir, node, url)
@@ -351,7 +311,7 @@ def ls(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
         table.add_column(col, justify="right" if col in ("step", "bytes") else "left")
     for c in sorted(copies, key=lambda c: (("memory", "peer", "persistent").index(c.tier),
                                            c.where, c.step)):
-        ok, why = _persistent_complete(c)
+        ok, why = c.complete()
         table.add_row(c.tier, c.where, str(c.step), _ranges(list(c.manifests)) or "-",
                       str(c.world_size or "-"), str(c.bytes), "yes" if ok else f"no ({why})")
     _console().print(table)
@@ -380,7 +340,7 @@ def verify(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
         for bad_manifest in c.bad_manifests:
             typer.echo(f"BAD  {label}: {bad_manifest}")
             bad += 1
-        mixed = _mixed(c)
+        mixed = disagreement(c.manifests)
         if mixed:
             typer.echo(f"BAD  {label}: {mixed}")
             bad += 1
@@ -437,10 +397,9 @@ def export(to: Annotated[Path | None, typer.Option(
         copies = place.copies(job_id, one)
     except Usage as exc:
         raise _die(str(exc)) from None
-    complete = [c for c in copies if c.tier in ("persistent", "memory")
-                and _persistent_complete(c)[0]]
+    complete = [c for c in copies if c.tier in ("persistent", "memory") and c.complete()[0]]
     if not complete:
-        seen = ", ".join(f"{c.tier} step {c.step}: {_persistent_complete(c)[1]}"
+        seen = ", ".join(f"{c.tier} step {c.step}: {c.complete()[1]}"
                          for c in copies[:6]) or "nothing found"
         raise _die(f"no complete {'step ' + str(one) + ' of ' if one is not None else 'step of '}"
                    f"job {job_id} in the persistent tier or this node's memory ({seen})")

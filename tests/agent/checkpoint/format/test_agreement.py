@@ -36,7 +36,7 @@ def test_newest_step_with_every_rank_wins() -> None:
 
 def test_nothing_restorable_and_wanted_step() -> None:
     views = agreement.merge_available([answer(("memory", "n0", manifest(3, 0)))])
-    assert agreement.choose_step(views, 2) == (None, {3: "no manifest of rank(s) [1] anywhere"})
+    assert agreement.choose_step(views, 2) == (None, {3: "no manifest of rank(s) [1]"})
     both = agreement.merge_available([answer(("memory", "n0", manifest(3, 0)),
                                              ("peer", "n0", manifest(3, 1)),
                                              ("memory", "n0", manifest(7, 0)),

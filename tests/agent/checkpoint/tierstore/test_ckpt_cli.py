@@ -53,7 +53,7 @@ def test_ls_lists_steps_per_tier(place):
     assert "yes" in row[("memory", "1")]
     assert "0-1" in row[("memory", "2")]
     assert "yes" in row[("persistent", "2")]
-    assert "ranks 1 missing" in row[("memory", "3")]
+    assert "no manifest of rank(s) [1]" in row[("memory", "3")]
     one = ckpt("ls", "--job", JOB, "--step", "2", *opts(place))
     assert "persistent" in one.stdout
     assert "│ 1 " not in one.stdout
