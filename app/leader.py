@@ -8,7 +8,7 @@ process exits or crashes, or the network drops it), so another replica takes ove
 next attempt. Source: PostgreSQL manual, "Advisory Locks" (explicit locking) — session-level
 locks are held until explicitly released or the session ends.
 
-On SQLite there is one server per database file (DESIGN.md "Scale-out"), so the process is
+On SQLite there is one server per database file (docs/design.md "Scale-out"), so the process is
 always the leader.
 """
 

@@ -13,7 +13,7 @@ auto-isolated within any ``breaker_window_s``; a further candidate trips the bre
 isolates nothing more and raises a cluster-level alert instead (many nodes failing together
 is more likely a shared cause — a switch, the file system, a bad driver push — than many sick
 nodes, and isolating them all would stop the cluster). The breaker resets itself once the
-window no longer holds ``allowed`` auto-isolations. Source: DESIGN.md "Actions".
+window no longer holds ``allowed`` auto-isolations. Source: docs/design.md "Actions".
 """
 
 from __future__ import annotations

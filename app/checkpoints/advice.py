@@ -10,9 +10,9 @@ Formulas:
 Which failures count for a tier: a failure is recovered from the fastest tier that survives
 it, so the interval of tier T only changes the work lost to failures that T survives and no
 faster tier does — memory: process failures; peer: node failures; persistent: rack failures
-and silent data corruption (rollback). ``M`` for a tier is the MTBF of that class. (DESIGN.md
-words this as "the failures the tier cannot survive"; for the memory tier those are exactly
-the failures its copies never serve, so the rule here is the one that minimises lost work.)
+and silent data corruption (rollback). ``M`` for a tier is the MTBF of that class: the rule
+that minimises lost work (docs/design.md "Decisions as built" says why it is not "the
+failures the tier cannot survive").
 
 Without observed failures, the rate comes from the Llama 3 table shipped in
 ``tierwatch/server/data/llama3_interruptions.csv``: 419 unexpected interruptions in 54 days

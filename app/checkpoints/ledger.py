@@ -1,6 +1,6 @@
 """Checkpoint ledger logic (pure functions, table-tested): completeness, lag, work at risk.
 
-Rules (docs/checkpointing.md, DESIGN.md "Checkpoint model"):
+Rules (docs/checkpointing.md, docs/design.md "Checkpoint model"):
 
 - A step is **committed** in a tier when every rank ``0 … world_size − 1`` has a
   ``committed`` event for that (step, tier), or one ``committed`` event with rank None

@@ -6,7 +6,7 @@ active, with first/last seen and a per-rule quiet period), and :func:`node_state
 reasons into the node's state. Nothing here does I/O (apart from the XID catalog, read once
 from the package) or reads the clock: ``now`` is always a parameter.
 
-Sources of the defaults: the "Health model" table of the tierwatch design (DESIGN.md),
+Sources of the defaults: the "Health model" table of docs/design.md,
 NVML's definitions of the fields (``nvmlDeviceGetTemperatureThreshold``,
 ``nvmlDeviceGetTotalEccErrors``, ``nvmlDeviceGetRemappedRows``,
 ``nvmlDeviceGetCurrentClocksEventReasons``, ``nvmlDeviceGetPcieReplayCounter``,
@@ -259,7 +259,7 @@ def _fmt(value: float) -> str:
 def rule_temperature(cur: GpuSample, th: HealthThresholds) -> list[Finding]:
     """GPU temperature against its slowdown threshold.
 
-    Source: DESIGN.md health table; the slowdown threshold is NVML's
+    Source: docs/design.md "Health model"; the slowdown threshold is NVML's
     ``NVML_TEMPERATURE_THRESHOLD_SLOWDOWN`` (``cur.slowdown_temp_c``), else
     ``th.default_slowdown_temp_c`` (90 °C).
 
@@ -312,7 +312,7 @@ def rule_temperature(cur: GpuSample, th: HealthThresholds) -> list[Finding]:
 def rule_ecc_uncorrectable(prev: GpuSample | None, cur: GpuSample) -> list[Finding]:
     """Any increase of the volatile uncorrectable (double-bit) ECC count.
 
-    Source: DESIGN.md health table; the count is NVML's ``nvmlDeviceGetTotalEccErrors``
+    Source: docs/design.md "Health model"; the count is NVML's ``nvmlDeviceGetTotalEccErrors``
     (``NVML_MEMORY_ERROR_TYPE_UNCORRECTED``, ``NVML_VOLATILE_ECC``), which resets with the
     driver or a GPU reset.
 
@@ -358,7 +358,7 @@ def rule_ecc_uncorrectable(prev: GpuSample | None, cur: GpuSample) -> list[Findi
 def rule_row_remap(cur: GpuSample) -> list[Finding]:
     """Row-remapping state of the GPU's memory.
 
-    Source: DESIGN.md health table; NVML's ``nvmlDeviceGetRemappedRows`` (``isPending``: a
+    Source: docs/design.md "Health model"; NVML's ``nvmlDeviceGetRemappedRows`` (``isPending``: a
     remap waits for the next GPU reset; ``failureOccurred``: a remap failed, no spare rows).
 
     Args:
@@ -434,7 +434,7 @@ def rule_xid(
 ) -> list[Finding]:
     """Classify newly arrived XID events with NVIDIA's XID catalog.
 
-    Source: DESIGN.md health table; classes and actions from NVIDIA's XID catalog
+    Source: docs/design.md "Health model"; classes and actions from NVIDIA's XID catalog
     (:mod:`tierwatch.server.fleet.xid_catalog`).
 
     One finding per (GPU, XID code) among ``new``, key ``str(code)``:
@@ -511,7 +511,8 @@ _HW_THROTTLE_MASK = (
 def rule_throttling(cur: GpuSample, th: HealthThresholds | None = None) -> list[Finding]:
     """Hardware clock slowdown (throttling) reasons.
 
-    Source: DESIGN.md health table; bits of NVML's ``nvmlDeviceGetCurrentClocksEventReasons``
+    Source: docs/design.md "Health model"; bits of NVML's
+    ``nvmlDeviceGetCurrentClocksEventReasons``
     (``nvmlClocksEventReasonHwSlowdown``, ``...HwThermalSlowdown``,
     ``...HwPowerBrakeSlowdown``). Software reasons (power cap, SW thermal, idle, application
     clocks) are normal operation and raise nothing.
@@ -602,7 +603,8 @@ def _per_minute(
 def rule_pcie_replay(prev: GpuSample | None, cur: GpuSample, th: HealthThresholds) -> list[Finding]:
     """PCIe replay rate (link-level retransmissions).
 
-    Source: DESIGN.md health table; counter from NVML's ``nvmlDeviceGetPcieReplayCounter``.
+    Source: docs/design.md "Health model"; counter from NVML's
+    ``nvmlDeviceGetPcieReplayCounter``.
     Rate = (cur − prev count) / (cur.ts − prev.ts), per minute.
 
     Args:
@@ -654,7 +656,7 @@ _NVLINK_COUNTERS = ("nvlink_crc_errors", "nvlink_replay_errors", "nvlink_recover
 def rule_nvlink(prev: GpuSample | None, cur: GpuSample, th: HealthThresholds) -> list[Finding]:
     """NVLink error rate: CRC + replay + recovery errors, summed over links.
 
-    Source: DESIGN.md health table; counters from NVML's ``nvmlDeviceGetNvLinkErrorCounter``
+    Source: docs/design.md "Health model"; counters from NVML's ``nvmlDeviceGetNvLinkErrorCounter``
     (``NVML_NVLINK_ERROR_DL_CRC_FLIT``/``_CRC_DATA``, ``_DL_REPLAY``, ``_DL_RECOVERY``).
 
     Counters known in both samples are summed; if any of them went down the counters were
@@ -731,7 +733,7 @@ def rule_stale_telemetry(
 ) -> list[Finding]:
     """A GPU whose metrics stopped updating while its node still reports.
 
-    Source: DESIGN.md health table ("agent alive but a GPU's metrics stopped updating").
+    Source: docs/design.md "Health model" (row ``stale_telemetry``).
     ``GpuSample.ts`` is when the collector read the values, so a collector returning a
     cached reading keeps an old ``ts``.
 
@@ -785,7 +787,7 @@ def is_unreachable(
 ) -> bool:
     """Whether a node missed enough reports to count as unreachable.
 
-    Source: DESIGN.md health table ("no report for 3 × interval").
+    Source: docs/design.md "Health model" (state ``unreachable``).
 
     Args:
         last_seen: When the node last reported (aware UTC), None when it never did.
@@ -814,8 +816,7 @@ def straggler_ranks(
 ) -> dict[int, dict[str, Any]]:
     """Ranks whose collective latency stays far above the rest of the job.
 
-    Source: DESIGN.md health table ("rank's latency > 3 × job median for 3 consecutive
-    samples").
+    Source: docs/design.md "Health model" (row ``straggler``).
 
     Samples are aligned from the end: position j is each rank's j-th last sample. A rank is
     a straggler when, for each of its last ``k = th.straggler_consecutive`` positions, its
@@ -1010,7 +1011,7 @@ def merge_reasons(
 def node_state(reasons: Iterable[Reason], *, unreachable: bool) -> str:
     """A node's state from its active reasons.
 
-    Source: DESIGN.md health model (``isolated`` is an overlay the caller adds).
+    Source: docs/design.md "Health model" (``isolated`` is an overlay the caller adds).
 
     Args:
         reasons: The node's active reasons.
