@@ -169,7 +169,7 @@ class Cluster:
             "--listen", f"127.0.0.1:{port}", "--spool-dir", str(d / "spool"),
             "--sim-gpus", "2", "--memory-dir", str(d / "memory"),
             "--persistent-url", self.persistent_url, "--ckpt-scan-interval", "0.5",
-            *(extra_args or []),
+            "--state-dir", str(d / "state"), *(extra_args or []),
         ]
         # Without a server a stopping agent would spend its whole shutdown flush on an
         # address nobody listens on.
@@ -193,7 +193,7 @@ class Cluster:
             token=self.server.token("agent", name) if self.server else "no-server-token",
             collector="simulated", interval=1, listen="127.0.0.1:0",
             spool_dir=d / "spool", sim_gpus=2, memory_dir=d / "memory",
-            persistent_url=self.persistent_url, ckpt_scan_interval=0.5,
+            persistent_url=self.persistent_url, ckpt_scan_interval=0.5, state_dir=d / "state",
             peer_token=PEER_TOKEN, log_level="INFO",
             shutdown_flush_s=1.0 if self.server else 0.2)
         node = InProcessNode(name, d / "memory", d / "spool", settings)
