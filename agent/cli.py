@@ -179,6 +179,8 @@ def inject(
 
     import httpx
 
+    from tierwatch.agent.httputil import error_detail
+
     if value is not None and not math.isfinite(value):
         _err(f"error: VALUE must be a finite number, not {value}")
         raise typer.Exit(EXIT_USAGE)
@@ -196,22 +198,8 @@ def inject(
     if resp.status_code == 200:
         _err(f"injected: {resp.json().get('message', fault)}")
         return
-    _err(f"refused (HTTP {resp.status_code}): {_detail(resp)}")
+    _err(f"refused (HTTP {resp.status_code}): {error_detail(resp)}")
     raise typer.Exit(EXIT_REFUSED)
-
-
-def _detail(resp: object) -> str:
-    try:
-        data = resp.json()  # type: ignore[attr-defined]
-    except ValueError:
-        return resp.text[:500]  # type: ignore[attr-defined]
-    detail = data.get("detail", data) if isinstance(data, dict) else data
-    if isinstance(detail, list):  # FastAPI validation errors
-        return "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', [])[1:]) or 'body'}: {e.get('msg')}"
-            for e in detail if isinstance(e, dict)
-        ) or str(detail)
-    return str(detail)
 
 
 def _add_ckpt() -> None:

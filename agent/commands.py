@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tierwatch.agent.checkpoint.format.manifest import atomic_write_json
+from tierwatch.agent.fsutil import atomic_write_json
 from tierwatch.agent.protocol import Command, CommandResult, utcnow
 
 log = logging.getLogger(__name__)

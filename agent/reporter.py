@@ -39,13 +39,14 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 from pydantic import ValidationError
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential_jitter
 
 from tierwatch import __version__
+from tierwatch.agent.fsutil import atomic_write_bytes
+from tierwatch.agent.httputil import error_detail
 from tierwatch.agent.protocol import (
     AgentEvent,
     CheckpointEvent,
@@ -67,6 +68,7 @@ log = logging.getLogger(__name__)
 INGEST_PATH = "/api/v1/ingest/report"
 MAX_EVENTS_PER_BATCH = 1024
 REJECTED_DIR = "rejected"
+DETAIL_LIMIT = 300  # characters of a refusal's detail kept in last_error
 
 CommandCallback = Callable[[list[Command]], None]
 
@@ -177,7 +179,7 @@ class Spool:
             self._next_ordinal += 1
             name = f"{ordinal:016d}.{epoch}.{seq:010d}.json"
             path = self.directory / name
-            _write_atomic(path, body)
+            atomic_write_bytes(path, body)
             self._items.append(SpoolItem(path=path, ordinal=ordinal, epoch=epoch, seq=seq))
             return dropped
 
@@ -222,15 +224,6 @@ class Spool:
             for old in kept[: max(0, len(kept) - self.max_batches)]:
                 old.unlink(missing_ok=True)
             return target
-
-
-def _write_atomic(path: Path, body: bytes) -> None:
-    tmp = path.with_name(f".tmp-{path.name}")
-    with open(tmp, "wb") as fh:
-        fh.write(body)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------
@@ -617,10 +610,12 @@ class Reporter:
                 f"cannot reach {self.server}: {type(exc).__name__}: {exc}") from exc
         status = resp.status_code
         if status == 429 or status >= 500:
-            raise TransientReportError(f"HTTP {status} from {self.server}: {_detail(resp)}",
-                                       retry_after_s=_retry_after(resp))
+            raise TransientReportError(
+                f"HTTP {status} from {self.server}: {error_detail(resp, limit=DETAIL_LIMIT)}",
+                retry_after_s=_retry_after(resp))
         if not 200 <= status < 300:
-            raise PermanentReportError(f"HTTP {status}: {_detail(resp)}", status)
+            raise PermanentReportError(
+                f"HTTP {status}: {error_detail(resp, limit=DETAIL_LIMIT)}", status)
         try:
             return ReportAck.model_validate_json(resp.content)
         except ValidationError as exc:
@@ -664,16 +659,6 @@ class Reporter:
                     self._on_commands(list(ack.commands))
                 except Exception:  # noqa: BLE001 - a bad callback must not stop delivery
                     log.exception("command callback failed")
-
-
-def _detail(resp: httpx.Response) -> str:
-    try:
-        data: Any = resp.json()
-    except ValueError:
-        return resp.text[:300] or resp.reason_phrase
-    if isinstance(data, dict) and "detail" in data:
-        return str(data["detail"])[:300]
-    return str(data)[:300]
 
 
 def _retry_after(resp: httpx.Response) -> float | None:

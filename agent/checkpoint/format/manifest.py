@@ -1,4 +1,4 @@
-"""Per-rank manifests, checksums and atomic file writes (no torch).
+"""Per-rank manifests, commit markers and checksums (no torch).
 
 A manifest (``manifest-<r>.json``) lists every file rank ``r`` wrote for one step, with its
 size (bytes) and xxh3-64 checksum; rank 0's manifest also lists ``.metadata``. A commit marker
@@ -12,9 +12,7 @@ every file they list has the listed size and checksum (:func:`missing_ranks`,
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, BinaryIO
 
@@ -154,49 +152,6 @@ def verify_file(path: Path | str, entry: FileEntry) -> str | None:
     if digest != entry.xxh3:
         return f"{entry.name}: checksum {digest} does not match the manifest's {entry.xxh3}"
     return None
-
-
-def fsync_dir(path: Path | str) -> None:
-    """fsync a directory so a rename in it is durable (no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
-    """Write ``data`` to ``path`` under a temporary name, fsync, then rename.
-
-    Raises:
-        OSError: the write, fsync or rename failed (the temporary file is removed).
-    """
-    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if fsync:
-        fsync_dir(path.parent)
-
-
-def atomic_write_json(path: Path, obj: BaseModel | Mapping[str, object], *,
-                      fsync: bool = True) -> None:
-    """:func:`atomic_write_bytes` of a pydantic model or a mapping as JSON."""
-    data = obj.model_dump_json(indent=1) if isinstance(obj, BaseModel) \
-        else json.dumps(obj, indent=1, default=str)
-    atomic_write_bytes(path, data.encode(), fsync=fsync)
 
 
 def read_manifest(data: bytes | str, *, where: str = "manifest") -> Manifest:

@@ -44,7 +44,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from tierwatch.agent.checkpoint.format.manifest import atomic_write_json
+from tierwatch.agent.fsutil import atomic_write_json
 from tierwatch.agent.protocol import utcnow
 
 log = logging.getLogger(__name__)

@@ -40,9 +40,9 @@ from tierwatch.agent.checkpoint.format.manifest import (
     FileEntry,
     Manifest,
     ManifestError,
-    fsync_dir,
     read_manifest,
 )
+from tierwatch.agent.fsutil import fsync_dir
 
 log = logging.getLogger(__name__)
 

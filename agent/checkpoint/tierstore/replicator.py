@@ -19,6 +19,7 @@ from urllib.parse import quote
 import httpx
 
 from tierwatch.agent.checkpoint.format.manifest import CHUNK
+from tierwatch.agent.httputil import error_detail
 
 XXH3_HEADER = "X-Tierwatch-Xxh3"
 
@@ -97,7 +98,7 @@ class PeerClient:
             raise PeerError(f"{name}: cannot push to {peer} at {url}: {exc!r}") from None
         if resp.status_code != 200:
             raise PeerError(f"{name}: {peer} refused the replica (HTTP {resp.status_code}): "
-                            f"{_detail(resp)}")
+                            f"{error_detail(resp)}")
 
     def fetch_to(self, *, url: str, holder: str, job_id: str, step: int, name: str,
                  tier: str, src: str | None, out: BinaryIO) -> int:
@@ -120,7 +121,7 @@ class PeerClient:
                 if resp.status_code != 200:
                     resp.read()
                     raise PeerError(f"{name}: {holder} answered HTTP {resp.status_code}: "
-                                    f"{_detail(resp)}")
+                                    f"{error_detail(resp)}")
                 for chunk in resp.iter_bytes(CHUNK):
                     out.write(chunk)
                     n += len(chunk)
@@ -128,12 +129,3 @@ class PeerClient:
             raise PeerError(f"{name}: cannot fetch from {holder} at {url}: {exc!r}") from None
         return n
 
-
-def _detail(resp: httpx.Response) -> str:
-    try:
-        data = resp.json()
-    except ValueError:
-        return resp.text[:500]
-    if isinstance(data, dict) and "detail" in data:
-        return str(data["detail"])[:1000]
-    return str(data)[:1000]

@@ -21,8 +21,8 @@ from tierwatch.agent.checkpoint.format.layout import (
     MemoryLayout,
     check_job_id,
 )
-from tierwatch.agent.checkpoint.format.manifest import atomic_write_json
 from tierwatch.agent.checkpoint.format.rollback import RestoreRequest, pins_of
+from tierwatch.agent.fsutil import atomic_write_json
 from tierwatch.agent.protocol import Command, utcnow
 
 log = logging.getLogger(__name__)

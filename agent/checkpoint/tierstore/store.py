@@ -46,11 +46,11 @@ from tierwatch.agent.checkpoint.format.manifest import (
     CommitMarker,
     Manifest,
     ManifestError,
-    atomic_write_json,
     load_manifest,
     read_commit,
 )
 from tierwatch.agent.checkpoint.format.rollback import describe_pins
+from tierwatch.agent.fsutil import atomic_write_json
 from tierwatch.agent.protocol import utcnow
 
 log = logging.getLogger(__name__)

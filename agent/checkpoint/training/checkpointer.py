@@ -82,11 +82,7 @@ from tierwatch.agent.checkpoint.format.layout import (
     manifest_name,
     parse_step_dirname,
 )
-from tierwatch.agent.checkpoint.format.manifest import (
-    CommitMarker,
-    atomic_write_json,
-    make_manifest,
-)
+from tierwatch.agent.checkpoint.format.manifest import CommitMarker, make_manifest
 from tierwatch.agent.checkpoint.format.priority import DEFAULT_NICE, lower_this_thread
 from tierwatch.agent.checkpoint.format.rollback import (
     RestoreRequest,
@@ -101,6 +97,7 @@ from tierwatch.agent.checkpoint.training.rollback import (
     pick_request,
 )
 from tierwatch.agent.checkpoint.training.snapshot import PendingCopies, SnapshotStager
+from tierwatch.agent.fsutil import atomic_write_json
 from tierwatch.agent.protocol import (
     CheckpointEvent,
     JobProgress,

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from tierwatch.agent.checkpoint.format.manifest import atomic_write_json
+from tierwatch.agent.fsutil import atomic_write_json
 from tierwatch.agent.protocol import CheckpointEvent, JobProgress, RestoreReport
 
 log = logging.getLogger(__name__)

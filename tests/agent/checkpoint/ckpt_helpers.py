@@ -33,11 +33,8 @@ from tierwatch.agent.checkpoint.format.layout import (
     manifest_name,
     shard_name,
 )
-from tierwatch.agent.checkpoint.format.manifest import (
-    CommitMarker,
-    atomic_write_json,
-    make_manifest,
-)
+from tierwatch.agent.checkpoint.format.manifest import CommitMarker, make_manifest
+from tierwatch.agent.fsutil import atomic_write_json
 from tierwatch.agent.protocol import CheckpointEvent
 
 PEER_TOKEN = "peer-secret-for-tests"
