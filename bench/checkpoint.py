@@ -54,6 +54,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from ckpt_worker import build, step  # noqa: E402
 
 from tierwatch import TieredCheckpointer  # noqa: E402
+from tierwatch.agent.checkpoint.format.layout import step_dirname  # noqa: E402
 
 BIN = Path(sys.executable).parent
 QUICK = os.environ.get("BENCH_QUICK") == "1"
@@ -179,7 +180,7 @@ def part1(root: Path, disk: Path) -> dict:
         t0 = time.perf_counter()
         step(model, optim, BATCH, WIDTH)
         t1 = time.perf_counter()
-        dcp.save(plain_sd(), checkpoint_id=str(disk / "dcp" / f"step-{i % 2}"), no_dist=True)
+        dcp.save(plain_sd(), checkpoint_id=str(disk / "dcp" / step_dirname(i % 2)), no_dist=True)
         t2 = time.perf_counter()
         blocks.append(t2 - t1)
         steps.append(t2 - t0)
@@ -195,7 +196,7 @@ def part1(root: Path, disk: Path) -> dict:
         t1 = time.perf_counter()
         if fut is not None:
             fut.result()
-        fut = dcp.async_save(plain_sd(), checkpoint_id=str(disk / "dcpa" / f"step-{i % 2}"),
+        fut = dcp.async_save(plain_sd(), checkpoint_id=str(disk / "dcpa" / step_dirname(i % 2)),
                              no_dist=True)
         t2 = time.perf_counter()
         blocks.append(t2 - t1)

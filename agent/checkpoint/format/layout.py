@@ -5,11 +5,13 @@ shared by the node's agent and its training ranks::
 
     <memory-dir>/agent.json                           the agent's identity (written by the agent)
     <memory-dir>/jobs/<job_id>/job.json               world_size, rank→node layout, signature
+    <memory-dir>/jobs/<job_id>/progress-<r>.json      rank r's newest completed step
     <memory-dir>/jobs/<job_id>/step-<N>/              one DCP step (this node's ranks' files)
         .metadata                                     only on the node of rank 0
         __<r>_0.distcp                                rank r's shard (local ranks only)
         manifest-<r>.json                             rank r's files with size and checksum
         commit-<r>.json                               written after every rank's manifest
+        .tier-<r>.json                                the agent's progress on rank r's files
     <memory-dir>/jobs/<job_id>/.tmp-step-<N>-<r>/     rank r's write in progress (torn if left)
     <memory-dir>/jobs/<job_id>/timeline.json          rollbacks served (written by the ranks)
     <memory-dir>/jobs/<job_id>/restore-requests/      operator restore requests (by the agent)
@@ -38,6 +40,7 @@ _STEP_RE = re.compile(r"^step-(\d{1,18})$")
 _SHARD_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 _MANIFEST_RE = re.compile(r"^manifest-(\d+)\.json$")
 _COMMIT_RE = re.compile(r"^commit-(\d+)\.json$")
+_TIER_PROGRESS_RE = re.compile(r"^\.tier-(\d+)\.json$")
 
 
 class LayoutError(ValueError):
@@ -94,6 +97,24 @@ def manifest_name(rank: int) -> str:
 def commit_name(rank: int) -> str:
     """``commit-<r>.json``."""
     return f"commit-{rank}.json"
+
+
+def progress_name(rank: int) -> str:
+    """``progress-<r>.json``: rank r's newest completed step, in the job folder (written by
+    the rank; restore reads it for "steps lost")."""
+    return f"progress-{rank}.json"
+
+
+def tier_progress_name(rank: int) -> str:
+    """``.tier-<r>.json``: the agent's progress on rank r's files of one step (peer targets
+    done, persistent upload done), in the step folder."""
+    return f".tier-{rank}.json"
+
+
+def parse_tier_progress_name(name: str) -> int | None:
+    """The rank of a ``.tier-<r>.json`` file name; None otherwise."""
+    m = _TIER_PROGRESS_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
 
 
 def parse_manifest_name(name: str) -> int | None:
@@ -163,6 +184,10 @@ class MemoryLayout:
     def timeline_file(self, job_id: str) -> Path:
         """``jobs/<job>/timeline.json``: the rollbacks the job's ranks served."""
         return self.job_dir(job_id) / TIMELINE_FILE
+
+    def progress_file(self, job_id: str, rank: int) -> Path:
+        """``jobs/<job>/progress-<r>.json``: rank r's newest completed step."""
+        return self.job_dir(job_id) / progress_name(rank)
 
     def requests_dir(self, job_id: str) -> Path:
         """``jobs/<job>/restore-requests/``: restore requests the agent keeps for the ranks."""

@@ -37,6 +37,7 @@ from tierwatch.agent.checkpoint.format.layout import (
     check_node_name,
     check_step,
     manifest_name,
+    step_dirname,
 )
 from tierwatch.agent.checkpoint.format.manifest import CHUNK, Manifest, verify_file
 
@@ -197,7 +198,7 @@ class Place:
             for s in steps_in(job_dir):
                 if step is not None and s != step:
                     continue
-                d = job_dir / f"step-{s}"
+                d = job_dir / step_dirname(s)
                 copy = StepCopy(tier, where, s, local_dir=d,
                                 names={p.name for p in d.iterdir() if p.is_file()})
                 for name in sorted(copy.names):

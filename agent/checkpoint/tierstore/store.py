@@ -41,6 +41,8 @@ from tierwatch.agent.checkpoint.format.layout import (
     parse_commit_name,
     parse_manifest_name,
     parse_step_dirname,
+    step_dirname,
+    tier_progress_name,
 )
 from tierwatch.agent.checkpoint.format.manifest import (
     CommitMarker,
@@ -57,8 +59,6 @@ log = logging.getLogger(__name__)
 
 PinSource = Callable[[str], Mapping[int, list[int]]]
 UPLOAD_TMP_PREFIX = ".tmp-upload-"
-PROGRESS_PREFIX = ".tier-"
-WRITE_CHUNK = 1024 * 1024
 
 
 class StoreError(Exception):
@@ -74,11 +74,6 @@ class StoreError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-
-
-def progress_name(rank: int) -> str:
-    """``.tier-<r>.json``: the agent's progress on rank r's files of one step."""
-    return f"{PROGRESS_PREFIX}{rank}.json"
 
 
 @dataclass(frozen=True)
@@ -222,10 +217,6 @@ class MemoryStore:
             log.warning("restore requests of %s unreadable (%s): no step pinned", job_id, exc)
             return {}
 
-    def free_bytes(self) -> int:
-        """``budget - used`` (never below 0)."""
-        return max(0, self.budget_bytes - self.used_bytes())
-
     def _over_budget(self, what: str, size: int, used: int, job_id: str) -> StoreError:
         pins = self.pinned_steps(job_id)
         pinned = (f"; {job_id} also keeps {describe_pins(pins)} while those restore requests "
@@ -256,7 +247,7 @@ class MemoryStore:
         if not xxh3 or len(xxh3) != 16 or any(c not in "0123456789abcdef" for c in xxh3):
             raise StoreError(422, "header X-Tierwatch-Xxh3 must be the file's xxh3-64 digest "
                              "as 16 lowercase hex digits")
-        what = f"replica {src_node}/{job_id}/step-{step}/{name}"
+        what = f"replica {src_node}/{job_id}/{step_dirname(step)}/{name}"
         key = uuid.uuid4().hex
         disk = self._disk_bytes()
         with self._lock:  # check and reserve at once, so concurrent uploads cannot overbook
@@ -300,7 +291,7 @@ class MemoryStore:
             ``(step, ranks whose manifest it held)`` for each removed step.
         """
         job_dir = self.layout.replica_job_dir(src_node, job_id)
-        steps = _steps_in(job_dir)
+        steps = steps_in(job_dir)
         pins = self.pinned_steps(job_id) if any(s < newest and s not in keep
                                                  for s in steps) else {}
         evicted = []
@@ -311,7 +302,7 @@ class MemoryStore:
                 log.debug("replica %s/%s/step-%d kept: pinned by restore request(s) %s",
                           src_node, job_id, step, pins[step])
                 continue
-            d = job_dir / f"step-{step}"
+            d = job_dir / step_dirname(step)
             ranks = sorted(r for p in d.iterdir()
                            if (r := parse_manifest_name(p.name)) is not None)
             shutil.rmtree(d, ignore_errors=True)
@@ -330,10 +321,10 @@ class MemoryStore:
         """
         job_dir = self.layout.replica_job_dir(src_node, job_id)
         evicted = []
-        for s in _steps_in(job_dir):
+        for s in steps_in(job_dir):
             if s <= step:
                 continue
-            d = job_dir / f"step-{s}"
+            d = job_dir / step_dirname(s)
             try:
                 ranks = sorted(r for p in d.iterdir()
                                if (r := parse_manifest_name(p.name)) is not None)
@@ -402,8 +393,8 @@ class MemoryStore:
         check_job_id(job_id)
         entries: list[dict[str, Any]] = []
         job_dir = self.layout.job_dir(job_id)
-        for step in _steps_in(job_dir):
-            for m in _manifests_in(job_dir / f"step-{step}", job_id, step):
+        for step in steps_in(job_dir):
+            for m in manifests_in(job_dir / step_dirname(step), job_id, step):
                 entries.append({"tier": "memory", "holder": self.node, "url": url,
                                 "src": m.node, "step": step, "rank": m.rank,
                                 "manifest": m.model_dump(mode="json")})
@@ -414,8 +405,8 @@ class MemoryStore:
                 job_dir = self.layout.replica_job_dir(src, job_id)
             except ValueError:
                 continue
-            for step in _steps_in(job_dir):
-                for m in _manifests_in(job_dir / f"step-{step}", job_id, step):
+            for step in steps_in(job_dir):
+                for m in manifests_in(job_dir / step_dirname(step), job_id, step):
                     entries.append({"tier": "peer", "holder": self.node, "url": url,
                                     "src": src, "step": step, "rank": m.rank,
                                     "manifest": m.model_dump(mode="json")})
@@ -425,7 +416,7 @@ class MemoryStore:
     def read_progress(self, step_dir: Path, rank: int) -> dict[str, Any]:
         """The tier worker's progress on rank ``rank`` of one step ({} when none/unreadable)."""
         try:
-            data = json.loads((step_dir / progress_name(rank)).read_text())
+            data = json.loads((step_dir / tier_progress_name(rank)).read_text())
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
@@ -443,7 +434,7 @@ class MemoryStore:
         with self._progress_lock:
             progress = self.read_progress(step_dir, rank)
             change(progress)
-            atomic_write_json(step_dir / progress_name(rank), progress, fsync=False)
+            atomic_write_json(step_dir / tier_progress_name(rank), progress, fsync=False)
             return progress
 
 
@@ -568,14 +559,16 @@ def _is_full(exc: OSError) -> bool:
     return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def _steps_in(job_dir: Path) -> list[int]:
+def steps_in(job_dir: Path) -> list[int]:
+    """Step numbers with a ``step-<N>`` folder in ``job_dir``, ascending."""
     if not job_dir.is_dir():
         return []
     return sorted(s for p in job_dir.iterdir() if (s := parse_step_dirname(p.name)) is not None
                   and p.is_dir())
 
 
-def _manifests_in(step_dir: Path, job_id: str, step: int) -> list[Manifest]:
+def manifests_in(step_dir: Path, job_id: str, step: int) -> list[Manifest]:
+    """Manifests in ``step_dir`` that parse and match (job, step, rank in the name)."""
     out = []
     try:
         names = sorted(p.name for p in step_dir.iterdir())
@@ -592,13 +585,3 @@ def _manifests_in(step_dir: Path, job_id: str, step: int) -> list[Manifest]:
         if m.job_id == job_id and m.step == step and m.rank == rank:
             out.append(m)
     return out
-
-
-def steps_in(job_dir: Path) -> list[int]:
-    """Step numbers with a ``step-<N>`` folder in ``job_dir``, ascending."""
-    return _steps_in(job_dir)
-
-
-def manifests_in(step_dir: Path, job_id: str, step: int) -> list[Manifest]:
-    """Manifests in ``step_dir`` that parse and match (job, step, rank in the name)."""
-    return _manifests_in(step_dir, job_id, step)

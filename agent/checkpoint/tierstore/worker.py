@@ -43,6 +43,7 @@ from tierwatch.agent.checkpoint.format.layout import (
     parse_commit_name,
     parse_manifest_name,
     parse_step_dirname,
+    parse_tier_progress_name,
 )
 from tierwatch.agent.checkpoint.format.manifest import (
     CommitMarker,
@@ -60,7 +61,7 @@ from tierwatch.agent.checkpoint.tierstore.persister import (
     PersistentTier,
 )
 from tierwatch.agent.checkpoint.tierstore.replicator import PeerClient, PeerError, peer_targets
-from tierwatch.agent.checkpoint.tierstore.store import PROGRESS_PREFIX, MemoryStore
+from tierwatch.agent.checkpoint.tierstore.store import MemoryStore
 from tierwatch.agent.protocol import CheckpointEvent, utcnow
 
 log = logging.getLogger(__name__)
@@ -243,12 +244,9 @@ class TierWorker:
     def _clean_progress(self, step_dir: Path, names: list[str]) -> None:
         removed = False
         for name in names:
-            if not (name.startswith(PROGRESS_PREFIX) and name.endswith(".json")):
+            rank = parse_tier_progress_name(name)
+            if rank is None:
                 continue
-            rank_text = name[len(PROGRESS_PREFIX):-len(".json")]
-            if not rank_text.isdigit():
-                continue
-            rank = int(rank_text)
             if commit_name(rank) not in names and manifest_name(rank) not in names:
                 (step_dir / name).unlink(missing_ok=True)
                 removed = True

@@ -81,6 +81,7 @@ from tierwatch.agent.checkpoint.format.layout import (
     commit_name,
     manifest_name,
     parse_step_dirname,
+    tier_progress_name,
 )
 from tierwatch.agent.checkpoint.format.manifest import CommitMarker, make_manifest
 from tierwatch.agent.checkpoint.format.priority import DEFAULT_NICE, lower_this_thread
@@ -288,7 +289,7 @@ class TieredCheckpointer:
         self._timeline = Timeline.merge(self._all_gather(
             Timeline.read(self.layout.timeline_file(self.job_id))))
 
-        self.progress_file = self.job_dir / f"progress-{self.rank}.json"
+        self.progress_file = self.layout.progress_file(self.job_id, self.rank)
         self.events = EventSender(self.client, progress_file=self.progress_file)
         self._stager = SnapshotStager()
         self._queue: queue.Queue[_SaveJob | None] = queue.Queue()
@@ -352,7 +353,7 @@ class TieredCheckpointer:
 
     def _own_names(self, step_dir: Path) -> list[str]:
         names = [p.name for p in step_dir.glob(f"__{self.rank}_*.distcp")]
-        names += [manifest_name(self.rank), commit_name(self.rank), f".tier-{self.rank}.json"]
+        names += [manifest_name(self.rank), commit_name(self.rank), tier_progress_name(self.rank)]
         if self.rank == 0:
             names.append(METADATA)
         return [n for n in names if (step_dir / n).exists()]
@@ -774,7 +775,7 @@ class TieredCheckpointer:
             if not marker.get("persist"):
                 continue
             try:
-                progress = json.loads((d / f".tier-{self.rank}.json").read_text())
+                progress = json.loads((d / tier_progress_name(self.rank)).read_text())
             except (OSError, ValueError):
                 progress = {}
             done = (progress.get("persistent") or {}).get("uploaded")

@@ -25,7 +25,13 @@ from ckpt_helpers import (
     write_step,
 )
 
-from tierwatch.agent.checkpoint.format.layout import METADATA, manifest_name, shard_name
+from tierwatch.agent.checkpoint.format.layout import (
+    METADATA,
+    MemoryLayout,
+    manifest_name,
+    shard_name,
+    step_dirname,
+)
 from tierwatch.agent.checkpoint.format.manifest import load_manifest, verify_file, xxh3_file
 
 pytestmark = [pytest.mark.slow]
@@ -591,8 +597,8 @@ def _persistent_step_of_world(tmp_path: Path, persistent_dir: Path, step: int,
     """Put a complete ``world``-rank step into the persistent tier; return its files."""
     scratch = tmp_path / f"scratch-{world}"
     write_step(scratch, job_id=JOB, step=step, node="old", layout=["old"] * world, seed=7)
-    src = scratch / "jobs" / JOB / f"step-{step}"
-    dst = persistent_dir / JOB / f"step-{step}"
+    src = MemoryLayout(scratch).step_dir(JOB, step)
+    dst = persistent_dir / JOB / step_dirname(step)
     dst.mkdir(parents=True)
     for p in src.iterdir():
         if p.name.startswith(("__", "manifest-", ".metadata")):

@@ -19,10 +19,12 @@ from agent_helpers import TOKEN, wait_until
 from ckpt_helpers import write_step
 
 from tierwatch.agent.checkpoint.format.layout import (
+    METADATA,
     MemoryLayout,
     commit_name,
     manifest_name,
     shard_name,
+    step_dirname,
 )
 from tierwatch.agent.checkpoint.tierstore.api import CheckpointService
 from tierwatch.agent.checkpoint.tierstore.store import StoreError
@@ -117,7 +119,7 @@ def test_persistent_retention_keeps_pinned_steps_until_retired_or_expired(tmp_pa
                    persist=True, retain={"memory": [step], "peer": [step],
                                          "persistent": [step]}, seed=step, shard_bytes=4096)
         svc.worker.persistent_pass()  # upload, .metadata commit, retention
-        assert (pdir / f"step-{step}" / ".metadata").is_file()
+        assert (pdir / step_dirname(step) / METADATA).is_file()
         return sorted(int(p.name[5:]) for p in pdir.iterdir())
 
     ask(svc, 5, 2)

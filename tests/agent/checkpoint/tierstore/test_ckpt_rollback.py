@@ -12,7 +12,7 @@ from agent_helpers import TOKEN, wait_until
 from ckpt_helpers import ckpt_events, write_step
 from fastapi.testclient import TestClient
 
-from tierwatch.agent.checkpoint.format.layout import MemoryLayout
+from tierwatch.agent.checkpoint.format.layout import MemoryLayout, step_dirname
 from tierwatch.agent.checkpoint.tierstore.requests import parse_restore_command
 from tierwatch.agent.collectors.simulated import SimulatedCollector
 from tierwatch.agent.config import AgentSettings
@@ -132,7 +132,7 @@ def test_rollback_drops_newer_replicas_and_persistent_steps(receiver, tmp_path) 
             shutil.copytree(MemoryLayout(other).step_dir(JOB, step),
                             ml.replica_step_dir("node-b", JOB, step))
             shutil.copytree(MemoryLayout(other).step_dir(JOB, step),
-                            persistent / JOB / f"step-{step}")
+                            persistent / JOB / step_dirname(step))
         assert runtime.ckpt is not None
         with TestClient(create_app(runtime), client=("127.0.0.1", 5000)) as client:
             r = client.post(f"/v1/ckpt/jobs/{JOB}/rollback",

@@ -12,6 +12,7 @@ from torch import nn
 from training import start_cluster
 
 from tierwatch import CheckpointError, ResumableDistributedSampler, RNGState, TieredCheckpointer
+from tierwatch.agent.checkpoint.format.layout import step_dirname
 
 pytestmark = pytest.mark.e2e
 
@@ -108,7 +109,7 @@ def test_at_most_one_save_in_flight(node) -> None:
         train_step(state)
         ckpt.save(step, state)
         if step:  # when save(N) returns, step N-1 is committed in the memory tier
-            assert (steps_dir / f"step-{step - 1}" / "commit-0.json").exists()
+            assert (steps_dir / step_dirname(step - 1) / "commit-0.json").exists()
     # retention keeps the newest two memory steps, and the persist step (0) until the
     # agent has uploaded it
     persisted = node.memory_dir.parent.parent.parent / "persistent" / "unit-inflight"
