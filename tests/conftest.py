@@ -14,13 +14,15 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 from support import PG_URL, migrated_database
+from web_support import sign_in
 
 from tierwatch.server.config import Settings
 from tierwatch.server.db import Base, make_engine, make_sessionmaker
 from tierwatch.server.main import create_app
 from tierwatch.server.tokens import create_token
 
-# The process fixtures (server, start_agent, browser) for e2e, security and browser tests.
+# The process fixtures (server, start_agent, browser) for e2e, security and browser tests;
+# shared helper modules live in tests/helpers/ (on pytest's pythonpath).
 pytest_plugins = ["process_fixtures"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -100,3 +102,17 @@ def make_token(app):  # type: ignore[no-untyped-def]
         return plaintext
 
     return _make
+
+
+@pytest.fixture
+def viewer(client: TestClient, make_token) -> TestClient:  # type: ignore[no-untyped-def]
+    """The test client, signed in to the dashboard with a viewer token."""
+    r = sign_in(client, make_token("viewer"))
+    assert r.status_code == 303, r.text
+    return client
+
+
+@pytest.fixture
+def agent_token(make_token):  # type: ignore[no-untyped-def]
+    """``agent_token("n1") -> plaintext`` of an agent token bound to that node."""
+    return lambda node: make_token("agent", node)

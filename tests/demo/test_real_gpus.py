@@ -3,15 +3,10 @@ and GPU faults, which cannot be injected into a real GPU, are made real as lost 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from agent_helpers import FakeGpu, make_fake_pynvml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent"))
-
-from agent_helpers import FakeGpu, make_fake_pynvml  # noqa: E402
-
-from demo import faults  # noqa: E402
-from demo.cluster import nvml_gpus  # noqa: E402
+from demo import faults
+from demo.cluster import nvml_gpus
 
 
 def test_nvml_with_gpus_is_detected():

@@ -308,9 +308,11 @@ def _pins(name: str) -> dict[str, str]:
 
 def test_locks_are_split_runtime_train_dev():
     runtime, train, dev = _pins("runtime"), _pins("train"), _pins("dev")
-    assert "torch" not in runtime and "torch" in train
+    assert "torch" not in runtime
+    assert "torch" in train
     for tool in ("pytest", "ruff", "playwright", "schemathesis", "mypy", "pytest-xdist"):
-        assert tool in dev and tool not in runtime, tool
+        assert tool in dev, tool
+        assert tool not in runtime, tool
     assert not set(runtime) & set(train), "a package is pinned in both runtime and train"
     assert not set(dev) & (set(runtime) | set(train)), "dev re-pins a runtime/train package"
 

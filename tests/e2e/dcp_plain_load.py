@@ -23,8 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from train_gpt import GPT, digest  # noqa: E402
+from examples.train_gpt import GPT, digest  # the repo root is on the ranks' PYTHONPATH
 
 
 def main() -> int:
