@@ -106,14 +106,22 @@ def test_operator_rolls_a_running_job_back_and_the_ranks_agree(cluster: Cluster,
     base = cluster.launch(train_args("rb-base", base_log), placement=PLACEMENT,
                           log_dir=base_log)
     job = "rb-sdc"
-    procs = cluster.launch(train_args(job, log, "--sdc-at", str(SDC_AT), "--step-sleep",
-                                      "0.3", "--final"), placement=PLACEMENT, log_dir=log)
+    gate = Gate(tmp_path / "gate")
+    gate.open(11)  # steps 0 … 10 run, then the ranks wait at the gate
+    procs = cluster.launch(train_args(job, log, "--sdc-at", str(SDC_AT), "--final",
+                                      "--gate", str(gate.path)),
+                           placement=PLACEMENT, log_dir=log)
     assert cluster.wait_ranks(base, 240) == [0, 0]
     clean = {r: {x["step"]: x["loss"] for x in read_log(base_log, r)} for r in (0, 1)}
 
     wait_for(lambda: max(committed_steps(cluster.nodes["node-b"], job, 1) or [-1]) >= 10,
              timeout=120, what="step 10 committed")
     first = op.restore(job, TARGET)
+    wait_for(lambda: pending(cluster, job) == [first, first], timeout=30,
+             what="the restore request on both agents")
+    # one step at a time until the ranks (which read requests every 0.5 s) roll back
+    gate.step_until(12, TOTAL, lambda: len(runs(read_log(log))) > 1, log_dir=log)
+    gate.open(TOTAL)
     assert cluster.wait_ranks(procs, 240) == [0, 0], procs[0].log_tail()
 
     # every rank rolled back at the same step boundary, to the requested step

@@ -215,9 +215,8 @@ class Cluster:
                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                          TIERWATCH_AGENT_URL=self.nodes[name].url,
                          PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", **(env or {}))
-            procs.append(warm.pool().start(f"rank{rank}", script, script_args, e,
-                                           log_dir / f"rank{rank}.out"))
-        warm.pool().fill()  # the next launch's ranks import while this one runs
+            procs.append(warm.start_rank(f"rank{rank}", script, script_args, e,
+                                         log_dir / f"rank{rank}.out"))
         self.ranks = procs
         return procs
 

@@ -1,81 +1,103 @@
-"""Warm rank processes: start-up paid ahead of time, off the test's critical path.
+"""Rank processes forked from a pre-imported parent, so no rank pays torch's start-up.
 
-A cold rank spends about 2 s of CPU importing torch before it trains; the checkpoint tests
-start a few hundred ranks. ``WarmPool`` keeps a few ``warm_rank.py`` processes that have
-done those imports (niced, so they soak up idle CPU) and hands one out per rank: the test
-gets a real child process (``Proc``) running the script as ``__main__``, which it can
-SIGKILL, poll and wait for as before. A launch whose start-up environment differs from the
-pool's (``PYTHONPATH``, ``OMP_NUM_THREADS``) starts cold instead, so nothing a rank reads
-at interpreter start-up can differ from a cold start.
+A cold rank spends about 2 s of CPU importing torch before it trains, and the checkpoint
+tests start well over a hundred ranks. :func:`start_rank` forks each rank from
+multiprocessing's fork server, which has imported torch and tierwatch's training library
+once (``warm_rank``, preloaded). The child is still a process of its own that runs the
+script as ``__main__`` (:func:`warm_rank.run_script`): the test can SIGKILL it, poll it and
+wait for its exit code through :class:`ForkedRank`, which has the ``subprocess.Popen``
+methods ``Proc`` uses.
+
+The fork server is started once per test process (one per xdist worker) with the
+environment a cold rank would see at interpreter start-up (``STARTUP_ENV``); a launch whose
+environment differs there starts cold instead.
 """
 
 from __future__ import annotations
 
-import atexit
-import json
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import threading
+from multiprocessing import forkserver
 from pathlib import Path
+from typing import Any
 
 from procs import REPO_ROOT, Proc, base_env
 
-WARM_RANK = Path(__file__).with_name("warm_rank.py")
-# Read by the interpreter or by torch at import, so they must match for a warm start.
+# Read by the interpreter or by torch at import, so they must match for a forked start.
 STARTUP_ENV = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-IMPORT_NICE = 5
+
+_lock = threading.Lock()
+_ctx: Any = None
 
 
-class WarmPool:
-    """Up to ``size`` idle warm ranks, refilled after each take."""
-
-    def __init__(self, size: int = 4) -> None:
-        self.size = size
-        self._idle: list[subprocess.Popen[bytes]] = []
-        self._lock = threading.Lock()
-
-    def _spawn(self) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            [sys.executable, str(WARM_RANK)], env=base_env(**STARTUP_ENV),
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=lambda: os.nice(IMPORT_NICE))
-
-    def fill(self) -> None:
-        with self._lock:
-            self._idle = [p for p in self._idle if p.poll() is None]
-            while len(self._idle) < self.size:
-                self._idle.append(self._spawn())
-
-    def start(self, name: str, script: Path, args: list[str], env: dict[str, str],
-              log_path: Path) -> Proc:
-        """Run ``python script args`` with ``env`` as a rank; warm when the env allows."""
-        if any(env.get(k) != v for k, v in STARTUP_ENV.items()):
-            return Proc(name, [sys.executable, str(script), *args], env, log_path).start()
-        with self._lock:
-            self._idle = [p for p in self._idle if p.poll() is None]
-            popen = self._idle.pop(0) if self._idle else self._spawn()
-        assert popen.stdin is not None
-        spec = {"script": str(script), "args": args, "env": env, "log": str(log_path)}
-        popen.stdin.write((json.dumps(spec) + "\n").encode())
-        popen.stdin.close()
-        return Proc(name, [sys.executable, str(script), *args], env, log_path, popen=popen)
-
-    def close(self) -> None:
-        with self._lock:
-            for p in self._idle:
-                p.kill()
-                p.wait(10)
-            self._idle = []
+def _context() -> Any:
+    """The forkserver context, its server started with the ranks' start-up environment."""
+    global _ctx
+    with _lock:
+        if _ctx is None:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(["warm_rank"])
+            saved = dict(os.environ)
+            try:  # the server inherits the environment it is started with
+                os.environ.clear()
+                os.environ.update(base_env(**STARTUP_ENV))
+                forkserver.ensure_running()
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+            _ctx = ctx
+        return _ctx
 
 
-_POOL: WarmPool | None = None
+class ForkedRank:
+    """A forked rank, seen through the ``subprocess.Popen`` methods ``Proc`` calls."""
+
+    def __init__(self, process: Any) -> None:
+        self._process = process
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
-def pool() -> WarmPool:
-    """This test process's pool (one per xdist worker), emptied at exit."""
-    global _POOL
-    if _POOL is None:
-        _POOL = WarmPool()
-        atexit.register(_POOL.close)
-    return _POOL
+def start_rank(name: str, script: Path, args: list[str], env: dict[str, str],
+               log_path: Path) -> Proc:
+    """Run ``python script args`` with ``env`` as a rank process; forked when ``env`` agrees
+    with the fork server's start-up environment, else started cold."""
+    argv = [sys.executable, str(script), *args]
+    if any(env.get(k) != v for k, v in STARTUP_ENV.items()):
+        return Proc(name, argv, env, log_path).start()
+    import warm_rank
+
+    # daemon: a rank a test left running is ended when the test process exits
+    process = _context().Process(target=warm_rank.run_script, name=name, daemon=True,
+                                 args=(str(script), args, env, str(log_path)))
+    process.start()
+    return Proc(name, argv, env, log_path, popen=ForkedRank(process))  # type: ignore[arg-type]

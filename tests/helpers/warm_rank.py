@@ -1,21 +1,18 @@
-"""A warm rank: a Python process that has imported torch and tierwatch's training library,
-then waits on stdin for what to run (see warm.py).
+"""What a forked rank runs (see warm.py): imported once by the fork server, so each rank
+starts with torch and tierwatch's training library already loaded.
 
-The spec is one JSON line: ``{"script": PATH, "args": [...], "env": {...}, "log": PATH}``.
-The process then appends its stdout and stderr to ``log``, takes ``env`` as its whole
-environment, and runs ``script`` as ``__main__`` with ``args``, exactly as
-``python SCRIPT ARGS`` would after start-up. It stays the same process: the test that
-launched it can SIGKILL it, and its exit code is the script's.
+:func:`run_script` turns the forked child into ``python SCRIPT ARGS``: it appends stdout and
+stderr to the rank's log, takes the rank's environment as its whole environment, and runs the
+script as ``__main__``. The script's ``sys.exit(code)`` is the process's exit code.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import sys
 
-# What every rank of the e2e tests imports first; a cold start spends ~2 s of CPU here.
+# What every rank of the checkpoint tests imports first; a cold start spends ~2 s of CPU here.
 import numpy  # noqa: F401
 import torch  # noqa: F401
 import torch.distributed  # noqa: F401
@@ -23,30 +20,25 @@ import torch.distributed.checkpoint  # noqa: F401
 
 import tierwatch
 
-tierwatch.TieredCheckpointer  # noqa: B018 - imports the training library (lazy attribute)
+tierwatch.TieredCheckpointer  # noqa: B018 - imports the training library (a lazy attribute)
 
 
-def main() -> None:
-    line = sys.stdin.readline()
-    if not line:  # the pool closed us without work: exit quietly
-        raise SystemExit(0)
-    spec = json.loads(line)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    log = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+def run_script(script: str, args: list[str], env: dict[str, str], log_path: str) -> None:
+    """Run ``script`` with ``args`` as ``__main__`` in this process.
+
+    Raises:
+        SystemExit: as the script does (its exit code).
+    """
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
     os.dup2(log, 1)
     os.dup2(log, 2)
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, 0)  # imports ran niced; the rank runs as usual
-    except OSError:
-        pass
+    os.close(log)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.clear()
-    os.environ.update(spec["env"])
-    script = spec["script"]
-    sys.argv = [script, *spec["args"]]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    os.environ.update(env)
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python SCRIPT` does
     runpy.run_path(script, run_name="__main__")
-
-
-if __name__ == "__main__":
-    main()
