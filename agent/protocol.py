@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Final, Literal, get_args, get_origin
 
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, model_validator
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION: Final = 1
 
 NODE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _NODE_NAME_RE = re.compile(NODE_NAME_PATTERN)
@@ -298,9 +298,10 @@ class ReportBatch(_Model):
             raise ValueError("gpus: each GPU index may appear once in the inventory")
         if self.gpus:
             known = set(indices)
-            for field, items in (("samples", self.samples), ("xids", self.xids)):
-                for i, item in enumerate(items):
-                    gpu = item.index if isinstance(item, GpuSample) else item.gpu
+            named = (("samples", [s.index for s in self.samples]),
+                     ("xids", [x.gpu for x in self.xids]))
+            for field, gpus in named:
+                for i, gpu in enumerate(gpus):
                     if gpu not in known:
                         raise ValueError(
                             f"{field}[{i}] names GPU {gpu}, which is not in this batch's "

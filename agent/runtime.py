@@ -438,7 +438,7 @@ class AgentRuntime:
 
 
 def _take(queue: deque[Any], limit: int) -> list[Any]:
-    out = []
+    out: list[Any] = []
     while queue and len(out) < limit:
         out.append(queue.popleft())
     return out

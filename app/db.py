@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import DateTime, Engine, MetaData, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import CursorResult, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
@@ -120,6 +120,16 @@ def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def execute_dml(session: Session, stmt: Any) -> int:
+    """Run an UPDATE or DELETE and return how many rows it matched (the driver's rowcount).
+
+    ``Session.execute`` is typed to return a plain ``Result``; DML gives a ``CursorResult``,
+    which carries the count.
+    """
+    result = cast(CursorResult[Any], session.execute(stmt))
+    return int(result.rowcount or 0)
 
 
 def insert_ignore(session: Session, table: Any, values: dict[str, Any]) -> bool:

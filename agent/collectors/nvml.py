@@ -424,10 +424,9 @@ class NvmlCollector(GpuCollector):
             "nvlink_replay_errors": (nv.NVML_NVLINK_ERROR_DL_REPLAY,),
             "nvlink_recovery_errors": (nv.NVML_NVLINK_ERROR_DL_RECOVERY,),
         }
-        links = self._nvlink_links.get(index)
-        probing = links is None
-        if probing:
-            links = list(range(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)))
+        known = self._nvlink_links.get(index)
+        probing = known is None
+        links = list(range(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18))) if known is None else known
         totals: dict[str, int | None] = dict.fromkeys(counters)
         supported: list[int] = []
         for link in links:

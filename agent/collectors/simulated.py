@@ -298,9 +298,10 @@ class SimulatedCollector(GpuCollector):
         if fault not in FAULTS_WITH_VALUE and value is not None:
             raise FaultError(f"fault {fault!r} takes no value (got {value!r}); use --gpu "
                              "to pick the GPU")
-        if fault == "xid" and (value != int(value) or not 0 <= value <= 100000):
+        if fault == "xid" and value is not None and (value != int(value)
+                                                     or not 0 <= value <= 100000):
             raise FaultError(f"XID code must be an integer 0-100000, got {value!r}")
-        if fault == "temp" and not -50 <= value <= 200:
+        if fault == "temp" and value is not None and not -50 <= value <= 200:
             raise FaultError(f"temperature must be between -50 and 200 °C, got {value!r}")
 
         with self._lock:

@@ -367,7 +367,8 @@ class KubernetesDriver:
 
         path = f"/api/v1/nodes/{node}"
         try:
-            got = self._core.read_node(
+            # _preload_content=False: the raw urllib3 response (the stubs say V1Node)
+            got: Any = self._core.read_node(
                 node, _preload_content=False, _request_timeout=self._remaining(deadline)
             )
         except ApiException as exc:

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from tierwatch.server.actions import audit, notify, queue
 from tierwatch.server.actions.models import CommandRow
 from tierwatch.server.config import Settings
+from tierwatch.server.db import execute_dml
 from tierwatch.server.fleet.models import Node
 
 CLUSTER_DRIVERS = frozenset({"slurm", "kubernetes"})
@@ -88,13 +89,13 @@ def set_isolated(
         values |= {"isolated_at": now, "isolated_by": actor, "isolated_reason": reason}
     else:
         values |= {"released_at": now}
-    result = session.execute(
+    changed = execute_dml(
+        session,
         update(Node)
         .where(Node.id == node.id, Node.isolated.is_(not isolated))
         .values(**values)
-        .execution_options(synchronize_session=False)
-    )
-    changed = result.rowcount == 1
+        .execution_options(synchronize_session=False),
+    ) == 1
     session.refresh(node)
     kind = "isolate" if isolated else "release"
     command = None

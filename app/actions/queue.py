@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 from tierwatch.agent.protocol import Command, CommandResult
 from tierwatch.server.actions.models import TERMINAL_STATES, CommandRow
 from tierwatch.server.actions.settings import QueueSettings
+from tierwatch.server.db import execute_dml
 
 OUTPUT_MAX = 4000
 _ORDER = {s: i for i, s in enumerate(("pending", "delivered", "running"))}
@@ -279,11 +280,11 @@ def prune(session: Session, *, now: datetime, retention_s: float) -> dict[str, i
 
     cut = now - timedelta(seconds=retention_s)
     out = {}
-    out["commands"] = session.execute(delete(CommandRow).where(
-        CommandRow.state.in_(sorted(TERMINAL_STATES)), CommandRow.created_at < cut)).rowcount
-    out["restore_requests"] = session.execute(delete(RestoreRequest).where(
-        RestoreRequest.state != "running", RestoreRequest.created_at < cut)).rowcount
-    out["audit_log"] = session.execute(delete(AuditEntry).where(AuditEntry.ts < cut)).rowcount
+    out["commands"] = execute_dml(session, delete(CommandRow).where(
+        CommandRow.state.in_(sorted(TERMINAL_STATES)), CommandRow.created_at < cut))
+    out["restore_requests"] = execute_dml(session, delete(RestoreRequest).where(
+        RestoreRequest.state != "running", RestoreRequest.created_at < cut))
+    out["audit_log"] = execute_dml(session, delete(AuditEntry).where(AuditEntry.ts < cut))
     return out
 
 

@@ -31,6 +31,7 @@ from tierwatch.server.alerts.models import (
     Alert,
     AlertDelivery,
 )
+from tierwatch.server.db import execute_dml
 
 MAX_KEY_LENGTH = 255
 MAX_KIND_LENGTH = 32
@@ -278,12 +279,12 @@ def prune_alerts(session: Session, *, now: datetime, retention_s: float) -> int:
     """
     cutoff = now - timedelta(seconds=retention_s)
     pending = exists().where(AlertDelivery.alert_id == Alert.id, AlertDelivery.state == "pending")
-    result = session.execute(
+    return execute_dml(
+        session,
         delete(Alert).where(Alert.last_fired_at < cutoff, ~pending).execution_options(
             synchronize_session=False
-        )
+        ),
     )
-    return int(result.rowcount or 0)
 
 
 def redact_url(url: str) -> str:

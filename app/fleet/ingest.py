@@ -391,7 +391,8 @@ def _sync_inventories(
     node_ids = [nodes[b.node].id for b in batches]
     gpus: dict[int, dict[int, dict[str, Any]]] = {nid: {} for nid in node_ids}
     for r in session.execute(select(GPUS).where(GPUS.c.node_id.in_(node_ids))):
-        gpus[r.node_id][r.index] = {
+        # (a column named "index": Row's attribute, which the Sequence stubs take for .index())
+        gpus[r.node_id][r._mapping["index"]] = {
             "id": r.id,
             "uuid": r.uuid,
             "name": r.name,
@@ -416,14 +417,14 @@ def _sync_inventories(
     if new_rows:
         session.execute(insert(GPUS), new_rows)
         created = {r["node_id"] for r in new_rows}
-        for r in session.execute(
+        for node_id, index, gpu_id, uuid, name in session.execute(
             select(GPUS.c.node_id, GPUS.c.index, GPUS.c.id, GPUS.c.uuid, GPUS.c.name).where(
                 GPUS.c.node_id.in_(created)
             )
         ):
-            gpus[r.node_id].setdefault(
-                r.index,
-                {"id": r.id, "uuid": r.uuid, "name": r.name, "sample": None, "dirty": False},
+            gpus[node_id].setdefault(
+                index,
+                {"id": gpu_id, "uuid": uuid, "name": name, "sample": None, "dirty": False},
             )
     return gpus
 
@@ -520,7 +521,7 @@ def _ingest_xids(
 
     latest = max(r.ts for r in new)
     window_start = latest - timedelta(seconds=th.xid_repeat_window_s)
-    acks = dict(
+    acks: dict[int | None, datetime] = dict(
         session.execute(
             select(Acknowledgement.gpu_index, func.max(Acknowledgement.acked_at))
             .where(Acknowledgement.node_id == node_id, Acknowledgement.rule.in_(rules.XID_RULES))

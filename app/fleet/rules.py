@@ -347,7 +347,7 @@ def rule_ecc_uncorrectable(prev: GpuSample | None, cur: GpuSample) -> list[Findi
             action=ACTION_RESET_GPU,
             evidence={
                 "ecc_dbe_volatile": cur.ecc_dbe_volatile,
-                "previous": prev.ecc_dbe_volatile,
+                "previous": prev.ecc_dbe_volatile if prev is not None else None,
                 "increase": increase,
             },
             at=cur.ts,
