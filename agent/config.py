@@ -18,7 +18,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from tierwatch.agent.protocol import NODE_NAME_PATTERN
 
 CollectorName = Literal["auto", "nvml", "dcgm-exporter", "simulated"]
-COLLECTOR_NAMES: tuple[str, ...] = ("auto", "nvml", "dcgm-exporter", "simulated")
 DEFAULT_PORT = 9470
 
 _NODE_RE = re.compile(NODE_NAME_PATTERN)

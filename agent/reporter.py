@@ -10,7 +10,8 @@ seq and go first.
 
 Delivery: ``POST {server}/api/v1/ingest/report`` with ``Authorization: Bearer <token>`` and
 the batch JSON; the answer is a :class:`~tierwatch.agent.protocol.ReportAck` (any ``commands``
-in it go to the ``on_commands`` callback, logged for now).
+in it go to the ``on_commands`` callback; the agent runtime hands them to its command
+executor).
 
 - Transient failures (connection errors, timeouts, HTTP 5xx, HTTP 429) are retried with
   exponential backoff and jitter (tenacity), honouring ``Retry-After``; the backoff sleep is
