@@ -36,7 +36,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,6 +54,7 @@ from ckpt_worker import build, step  # noqa: E402
 
 from tierwatch import TieredCheckpointer  # noqa: E402
 from tierwatch.agent.checkpoint.format.layout import step_dirname  # noqa: E402
+from tierwatch.agent.netutil import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
 QUICK = os.environ.get("BENCH_QUICK") == "1"
@@ -64,10 +64,6 @@ BATCH = 8
 PEER_TOKEN = "bench-peer-" + "x" * 32
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait(pred, timeout: float, what: str):  # noqa: ANN001, ANN201

@@ -55,7 +55,6 @@ import resource
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -75,6 +74,7 @@ import psycopg
 from rich.console import Console
 from rich.table import Table
 
+from tierwatch.agent.netutil import free_port
 from tierwatch.agent.protocol import GPU_METRICS, ReportBatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1019,10 +1019,6 @@ def measure_db_floor(pg_url: str) -> dict[str, Any]:
 # --- server process ----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProc:

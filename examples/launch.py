@@ -26,10 +26,11 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+
+from tierwatch.agent.netutil import free_port
 
 
 def _die_with_parent() -> None:
@@ -44,11 +45,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_node(spec: str, p: argparse.ArgumentParser) -> tuple[str, str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ from typing import Any
 import pytest
 from kubernetes.client import ApiClient, Configuration
 
+from tierwatch.agent.netutil import free_port
 from tierwatch.server.actions.drivers import (
     CONFLICT_ATTEMPTS,
     MERGE_PATCH,
@@ -319,10 +319,7 @@ def test_unknown_node(served: Served, driver: KubernetesDriver) -> None:
 
 
 def test_api_down() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{free_port()}"
     driver = make_driver(url, timeout_s=5)
     try:
         result = driver.isolate("gpu-07", "sick")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ from tierwatch.agent.cli import EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE, app
 from tierwatch.agent.collectors.nvml import NvmlCollector
 from tierwatch.agent.collectors.simulated import SimulatedCollector
 from tierwatch.agent.config import AgentSettings
+from tierwatch.agent.netutil import free_port
 from tierwatch.agent.runtime import AgentRuntime
 
 runner = CliRunner()
@@ -71,9 +71,7 @@ def test_inject_refused_on_real_collector(receiver, tmp_path):
 
 
 def test_inject_unreachable():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     result = runner.invoke(app, ["inject", "--agent", f"http://127.0.0.1:{port}", "clear"])
     assert result.exit_code == EXIT_UNREACHABLE
     assert "cannot reach the agent" in result.output

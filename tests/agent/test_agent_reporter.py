@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from pathlib import Path
 
 import pytest
 from agent_helpers import TOKEN, Receiver, wait_until
 
+from tierwatch.agent.netutil import free_port
 from tierwatch.agent.protocol import Command, XidEvent, utcnow
 from tierwatch.agent.reporter import Reporter, Spool
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _reporter(url: str, spool: Path, token: str = TOKEN, **kw) -> Reporter:
@@ -64,7 +58,7 @@ def test_seq_and_epoch(receiver, tmp_path, closing):
 
 def test_spool_files_sort_in_order_and_are_complete(tmp_path, closing):
     (tmp_path / ".tmp-0000000000000001.x.0000000001.json").write_text("{partial")
-    rep = _reporter(f"http://127.0.0.1:{_free_port()}", tmp_path)  # sender not started
+    rep = _reporter(f"http://127.0.0.1:{free_port()}", tmp_path)  # sender not started
     closing(rep)
     assert not list(tmp_path.glob(".tmp-*"))  # leftovers of a crash are removed
     for _ in range(12):
@@ -76,7 +70,7 @@ def test_spool_files_sort_in_order_and_are_complete(tmp_path, closing):
 
 
 def test_full_spool_drops_oldest_and_counts(tmp_path, closing):
-    port = _free_port()
+    port = free_port()
     rep = _reporter(f"http://127.0.0.1:{port}", tmp_path, spool_max_batches=3)
     closing(rep)
     for _ in range(5):
@@ -99,7 +93,7 @@ def test_full_spool_drops_oldest_and_counts(tmp_path, closing):
 
 
 def test_outage_replays_in_order_then_new_batches(tmp_path, closing):
-    port = _free_port()
+    port = free_port()
     rep = _reporter(f"http://127.0.0.1:{port}", tmp_path)
     closing(rep)
     rep.start()

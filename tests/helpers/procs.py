@@ -19,15 +19,12 @@ from typing import Any
 
 import httpx
 
+from tierwatch.agent.netutil import free_port
+
 BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_block(count: int, attempts: int = 50) -> int:
