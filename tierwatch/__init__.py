@@ -17,8 +17,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "TieredCheckpointer": "tierwatch.agent.checkpoint.training.checkpointer",
-    "CheckpointError": "tierwatch.agent.checkpoint.training.checkpointer",
-    "ModelMismatchError": "tierwatch.agent.checkpoint.training.restore",
+    "CheckpointError": "tierwatch.agent.checkpoint.training.errors",
+    "ModelMismatchError": "tierwatch.agent.checkpoint.training.errors",
     "RNGState": "tierwatch.agent.checkpoint.training.state",
     "ResumableDistributedSampler": "tierwatch.agent.checkpoint.training.state",
 }

@@ -5,10 +5,11 @@ agent-side tier store (docs/checkpointing.md has the design).
   file layout, manifests and commit markers, restore requests and timelines, the pure
   completeness and agreement rules.
 - :mod:`~tierwatch.agent.checkpoint.training`: the training process's library
-  (:class:`~tierwatch.agent.checkpoint.training.checkpointer.TieredCheckpointer`, snapshot
-  staging, restore, RNG and sampler state, the agent client, rollback serving). Its
-  checkpointer, snapshot, restore and state modules import torch; only the training
-  process imports them (``from tierwatch import TieredCheckpointer``).
+  (:class:`~tierwatch.agent.checkpoint.training.checkpointer.TieredCheckpointer` and its
+  collaborators: collectives, state adapter, snapshot staging, commit decision, restore,
+  rollback serving, RNG and sampler state, the agent client). The modules that handle
+  tensors import torch; only the training process imports them (``from tierwatch import
+  TieredCheckpointer``).
 - :mod:`~tierwatch.agent.checkpoint.tierstore`: the agent process's tier store (memory
   store, tier worker, replication, persistent tier, restore staging, restore requests, the
   ``/v1/ckpt`` and ``/v1/peer`` API, ``tierwatch-agent ckpt``), torch-free.

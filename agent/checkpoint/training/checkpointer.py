@@ -14,37 +14,39 @@ Usage::
         step = step + 1 if rolled is None else rolled + 1
     ckpt.close()
 
-Design notes:
+Design notes (each seam has a module of its own in this package):
 
-- **Identity and groups.** rank/world_size come from torch.distributed when it is
-  initialised, else a single process. The checkpointer creates its own gloo group: the save
-  collectives run in a background thread, and on the training group they would interleave
-  with the training loop's own collectives and deadlock; gloo also serves NCCL jobs.
-- **What is saved.** The user's top-level keys are kept. An ``nn.Module`` is saved through
-  ``get_model_state_dict`` (FQNs without DDP's ``module.`` prefix, so ``{"model":
-  model.state_dict()}`` loads the step with plain DCP); an optimizer through
-  ``get_optimizer_state_dict`` with the module whose parameters it updates (so a fresh
+- **Identity and groups** (:mod:`.collectives`). rank/world_size come from torch.distributed
+  when it is initialised, else a single process. The checkpointer creates its own gloo
+  groups: the save collectives run in a background thread, and on the training group they
+  would interleave with the training loop's own collectives and deadlock; gloo also serves
+  NCCL jobs.
+- **What is saved** (:mod:`.state_adapter`). The user's top-level keys are kept. An
+  ``nn.Module`` is saved through ``get_model_state_dict`` (FQNs without DDP's ``module.``
+  prefix, so ``{"model": model.state_dict()}`` loads the step with plain DCP); an optimizer
+  through ``get_optimizer_state_dict`` with the module whose parameters it updates (so a fresh
   optimizer restores fully); objects with ``state_dict``/``load_state_dict`` (schedulers,
   :class:`RNGState`, :class:`ResumableDistributedSampler`) through those; anything else as is.
-- **Staging.** ``save()`` waits until the previous step is committed in the memory tier (at
-  most one save in flight), copies buffers, RNG, sampler, scheduler and scalars into reused
-  CPU buffers, and returns. Parameters and optimizer state are copied by the background thread
-  while the next forward/backward runs; a step pre-hook on every optimizer in ``state`` waits
-  for that copy, so a snapshot is never torn. Without an optimizer, staging is synchronous.
-- **Commit.** The background thread writes the step with ``dcp.save`` into the node's memory
-  folder under a temporary name, renames, checksums and writes the rank's manifest; the ranks
-  then exchange their outcome and rank 0 decides commit, persistence (every
-  ``persist_every``-th step) and retention for all tiers, which every rank records in its
-  commit marker. The node agent replicates and uploads from there; training never waits for
-  it and keeps committing to memory while the agent is down.
+- **Staging** (:mod:`.snapshot`). ``save()`` waits until the previous step is committed in
+  the memory tier (at most one save in flight), copies buffers, RNG, sampler, scheduler and
+  scalars into reused CPU buffers, and returns. Parameters and optimizer state are copied by
+  the background thread while the next forward/backward runs; a step pre-hook on every
+  optimizer in ``state`` waits for that copy, so a snapshot is never torn. Without an
+  optimizer, staging is synchronous.
+- **Commit** (:mod:`.commit_decision`, :mod:`.rank_files`). The background thread writes the
+  step with ``dcp.save`` into the node's memory folder under a temporary name, renames,
+  checksums and writes the rank's manifest; the ranks then exchange their outcome and rank 0
+  decides commit, persistence (every ``persist_every``-th step) and retention for all tiers,
+  which every rank records in its commit marker. The node agent replicates and uploads from
+  there; training never waits for it and keeps committing to memory while the agent is down.
 - **Restore.** See :mod:`tierwatch.agent.checkpoint.training.restore`.
-- **Rollback.** An operator's restore request reaches every rank through its agent (a
-  poller thread reads ``GET /v1/ckpt/jobs/{job}/restore-requests``). :meth:`maybe_rollback`,
-  called by every rank at the same place of every step, all-reduces (MIN) the newest
-  request id each rank knows on a second gloo group of the checkpointer's own (the first
-  one may be busy with a background save), so all ranks roll back at the same step
-  boundary once every rank knows the request. The diverged future (steps above the target)
-  is dropped from every tier and fenced off (:mod:`tierwatch.agent.checkpoint.training.rollback`).
+- **Rollback** (:mod:`.rollback`). An operator's restore request reaches every rank through
+  its agent (a poller thread reads ``GET /v1/ckpt/jobs/{job}/restore-requests``).
+  :meth:`maybe_rollback`, called by every rank at the same place of every step, all-reduces
+  (MIN) the newest request id each rank knows on a second gloo group of the checkpointer's
+  own (the first one may be busy with a background save), so all ranks roll back at the same
+  step boundary once every rank knows the request. The diverged future (steps above the
+  target) is dropped from every tier and fenced off.
 - **Pinned steps.** Until the ranks act, a pending request's step is *pinned*: every rank
   sends the steps its agent's requests name with its save outcome, and rank 0 adds them all
   to the retention of every tier in its decision (the commit marker's ``retain``), so memory,
@@ -56,7 +58,6 @@ Design notes:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -66,13 +67,10 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from tierwatch.agent.checkpoint.format.layout import (
     METADATA,
@@ -80,24 +78,22 @@ from tierwatch.agent.checkpoint.format.layout import (
     check_job_id,
     commit_name,
     manifest_name,
-    parse_step_dirname,
-    tier_progress_name,
 )
 from tierwatch.agent.checkpoint.format.manifest import CommitMarker, make_manifest
 from tierwatch.agent.checkpoint.format.priority import DEFAULT_NICE, lower_this_thread
-from tierwatch.agent.checkpoint.format.rollback import (
-    RestoreRequest,
-    Timeline,
-    describe_pins,
-    pins_of,
-)
+from tierwatch.agent.checkpoint.format.rollback import Timeline, describe_pins
 from tierwatch.agent.checkpoint.training.client import AgentClient, AgentUnavailable, EventSender
-from tierwatch.agent.checkpoint.training.rollback import (
-    RequestPoller,
-    newest_unserved,
-    pick_request,
+from tierwatch.agent.checkpoint.training.collectives import CheckpointCollectives
+from tierwatch.agent.checkpoint.training.commit_decision import (
+    History,
+    decide_commit,
+    memory_evictions,
 )
+from tierwatch.agent.checkpoint.training.errors import CheckpointError
+from tierwatch.agent.checkpoint.training.rank_files import RankFiles
+from tierwatch.agent.checkpoint.training.rollback import RequestPoller, RollbackServer
 from tierwatch.agent.checkpoint.training.snapshot import PendingCopies, SnapshotStager
+from tierwatch.agent.checkpoint.training.state_adapter import StateAdapter, data_ptr
 from tierwatch.agent.fsutil import atomic_write_json
 from tierwatch.agent.protocol import (
     CheckpointEvent,
@@ -107,13 +103,11 @@ from tierwatch.agent.protocol import (
     utcnow,
 )
 
+__all__ = ["CheckpointError", "TieredCheckpointer", "describe_error"]
+
 log = logging.getLogger(__name__)
 
 DEFAULT_AGENT_URL = "http://127.0.0.1:9470"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint operation that cannot proceed (the message says what to fix)."""
 
 
 @dataclass
@@ -155,14 +149,8 @@ def describe_error(exc: BaseException) -> str:
         text = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) \
             else str(cause)
         return f"write failed on rank(s) {sorted(failures)}: {text.splitlines()[0]}"
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
-def _ptr(t: torch.Tensor) -> int:
-    """Data pointer of a tensor, or of a DTensor's local shard."""
-    local = getattr(t, "_local_tensor", None)
-    return (local if local is not None else t).data_ptr()
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def _dir_bytes(path: Path) -> int:
@@ -243,19 +231,12 @@ class TieredCheckpointer:
         self.latency_every = latency_every
         self.write_threads = max(1, int(write_threads))
         self.background_nice = background_nice
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world_size = dist.get_world_size() if self.distributed else 1
-        self._train_group = process_group
-        self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-                       if self.distributed else None)
-        # maybe_rollback's agreement runs on the training thread while the background
-        # writer may be in a collective on _group: it needs a group of its own
-        self._ctrl_group = (dist.new_group(backend="gloo",
-                                           timeout=timedelta(seconds=timeout_s))
-                            if self.distributed else None)
+        self.collectives = CheckpointCollectives(timeout_s=timeout_s,
+                                                 train_group=process_group)
+        self.distributed = self.collectives.distributed
+        self.rank = self.collectives.rank
+        self.world_size = self.collectives.world_size
         self.rollback_every = rollback_every
-        self._rollback_calls = 0
 
         self.agent_url = (agent_url or os.environ.get("TIERWATCH_AGENT_URL")
                           or DEFAULT_AGENT_URL).rstrip("/")
@@ -281,12 +262,13 @@ class TieredCheckpointer:
         self.job_dir = self.layout.job_dir(self.job_id)
         self.job_dir.mkdir(parents=True, exist_ok=True)
 
-        nodes = self._all_gather((self.node, self.peer_url))
+        nodes = self.collectives.all_gather((self.node, self.peer_url))
         self.nodes_by_rank: list[str] = [n for n, _ in nodes]
         self.peer_urls: dict[str, str] = dict(nodes)
-        self._clean_torn_writes()
+        self.files = RankFiles(self.layout, self.job_id, self.rank)
+        self.files.clean_torn_writes()
         # the rollbacks served, as every rank's node recorded them
-        self._timeline = Timeline.merge(self._all_gather(
+        timeline = Timeline.merge(self.collectives.all_gather(
             Timeline.read(self.layout.timeline_file(self.job_id))))
 
         self.progress_file = self.layout.progress_file(self.job_id, self.rank)
@@ -302,15 +284,14 @@ class TieredCheckpointer:
         self._saves = 0
         self._signature: str | None = None
         # Rank 0's view of what each tier holds (seeded by restore).
-        self._committed: list[int] = []
-        self._persisted: list[int] = []
+        self._history = History()
         self.closed = False
         self._worker = threading.Thread(target=self._work, name="tierwatch-ckpt-writer",
                                         daemon=True)
         self._worker.start()
         self._poller = RequestPoller(self.client, self.job_id, period_s=request_poll_s)
+        self._rollback = RollbackServer(self, self._poller, timeline, every=rollback_every)
         self.last_restore: RestoreReport | None = None
-        self._restore_run: Any = None
         if self.rank == 0:
             self.events.progress(JobProgress(job_id=self.job_id, rank=0,
                                              world_size=self.world_size, step=0, ts=utcnow(),
@@ -318,20 +299,32 @@ class TieredCheckpointer:
         # job.json is written at the first save, once the job's existing steps are known to
         # be this model's at this world size (a refused restart leaves the old job's alone)
 
-    # -- collectives -----------------------------------------------------------------------
-    def _all_gather(self, obj: Any) -> list[Any]:
-        if not self.distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._group)
-        return out
+    # -- what restore and rollback read and record ---------------------------------------------
+    @property
+    def fences(self) -> list[tuple[int, int]]:
+        """``(request_id, step)`` of every rollback in the job's history, oldest first."""
+        return list(self._rollback.timeline.fences)
 
-    def _broadcast_from_0(self, obj: Any) -> Any:
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._group)
-        return box[0]
+    def restored(self, step: int, *, history: History | None = None) -> None:
+        """Record that ``step`` is now loaded (called by restore): the next save must be
+        after it; ``history`` (rank 0): the steps the tiers hold."""
+        self._last_step = step
+        if history is not None:
+            self._history = history
+
+    def record_restore(self, report: RestoreReport) -> None:
+        """Keep ``report`` as :attr:`last_restore` and queue it for the agent."""
+        self.last_restore = report
+        self.events.restore(report)
+
+    def drop_steps_after(self, step: int, *, why: str) -> None:
+        """Remove this rank's memory files of every step above ``step`` (an ``evicted``
+        event each, ``why`` as message) and forget them in rank 0's history."""
+        for newer in self.layout.steps(self.job_id):
+            if newer > step and self.files.remove(newer):
+                self._event(newer, "memory", "evicted", message=why)
+        if self.rank == 0:
+            self._history = self._history.up_to(step)
 
     # -- files -----------------------------------------------------------------------------
     def _write_job_file(self) -> None:
@@ -344,90 +337,9 @@ class TieredCheckpointer:
         except OSError as exc:
             log.warning("cannot write %s: %s", self.layout.job_file(self.job_id), exc)
 
-    def _clean_torn_writes(self) -> None:
-        """Remove this rank's leftover temporary step folders (a crash mid-write)."""
-        suffix = f"-{self.rank}"
-        for p in self.job_dir.glob(".tmp-step-*"):
-            if p.name.endswith(suffix):
-                shutil.rmtree(p, ignore_errors=True)
-
-    def _own_names(self, step_dir: Path) -> list[str]:
-        names = [p.name for p in step_dir.glob(f"__{self.rank}_*.distcp")]
-        names += [manifest_name(self.rank), commit_name(self.rank), tier_progress_name(self.rank)]
-        if self.rank == 0:
-            names.append(METADATA)
-        return [n for n in names if (step_dir / n).exists()]
-
-    def _remove_own(self, step: int) -> bool:
-        """Delete this rank's files of ``step`` (manifest first); True if any existed."""
-        d = self.layout.step_dir(self.job_id, step)
-        if not d.is_dir():
-            return False
-        names = self._own_names(d)
-        for n in sorted(names, key=lambda n: 0 if n.startswith(("manifest", "commit")) else 1):
-            with contextlib.suppress(FileNotFoundError):
-                (d / n).unlink()
-        with contextlib.suppress(OSError):
-            d.rmdir()  # only when no other local rank's files remain
-        return bool(names)
-
-    # -- state dicts -------------------------------------------------------------------------
-    def _modules(self, state: dict[str, Any]) -> dict[str, nn.Module]:
-        return {k: v for k, v in state.items() if isinstance(v, nn.Module)}
-
-    def _optimizers(self, state: dict[str, Any]) -> dict[str, torch.optim.Optimizer]:
-        return {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
-
-    def _owner(self, optim: torch.optim.Optimizer, key: str,
-               modules: dict[str, nn.Module]) -> nn.Module:
-        ptrs = {_ptr(p) for g in optim.param_groups for p in g["params"]}
-        for module in modules.values():
-            if ptrs & {_ptr(p) for p in module.parameters()}:
-                return module
-        raise CheckpointError(
-            f"state[{key!r}] is an optimizer whose parameters belong to no nn.Module in state; "
-            "put the model it trains in the same state dict")
-
-    def _live_state(self, state: dict[str, Any]) -> tuple[dict[str, Any], set[int], set[str]]:
-        """The state dict to save, the data pointers of parameters, and optimizer keys."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        if not isinstance(state, dict) or not state:
-            raise CheckpointError("state must be a non-empty dict of name → model, optimizer, "
-                                  "scheduler, Stateful or value")
-        modules = self._modules(state)
-        live: dict[str, Any] = {}
-        param_ptrs: set[int] = set()
-        optim_keys: set[str] = set()
-        for key, value in state.items():
-            if not isinstance(key, str) or not key or "." in key:
-                raise CheckpointError(f"state key {key!r}: use a non-empty string without '.'")
-            if isinstance(value, nn.Module):
-                live[key] = get_model_state_dict(value)
-                param_ptrs |= {_ptr(p) for p in value.parameters()}
-            elif isinstance(value, torch.optim.Optimizer):
-                live[key] = get_optimizer_state_dict(self._owner(value, key, modules), value)
-                optim_keys.add(key)
-            elif hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
-                live[key] = value.state_dict()
-            else:
-                live[key] = value
-        return live, param_ptrs, optim_keys
-
-    def _signature_of(self, live: dict[str, Any], state: dict[str, Any]) -> str:
-        """Digest of every module's FQNs, shapes and dtypes (a different model differs)."""
-        h = hashlib.sha256()
-        for key in sorted(self._modules(state)):
-            for fqn, t in sorted(live[key].items()):
-                if isinstance(t, torch.Tensor):
-                    h.update(f"{key}.{fqn}:{tuple(t.shape)}:{t.dtype}\n".encode())
-        return h.hexdigest()[:32]
-
-    def _hook_optimizers(self, state: dict[str, Any]) -> None:
-        for optim in self._optimizers(state).values():
+    # -- optimizer hooks ---------------------------------------------------------------------
+    def _hook_optimizers(self, adapter: StateAdapter) -> None:
+        for optim in adapter.optimizers.values():
             if id(optim) not in self._hooked:
                 self._hooks.append(optim.register_step_pre_hook(self._before_optimizer_step))
                 self._hooked.add(id(optim))
@@ -475,24 +387,25 @@ class TieredCheckpointer:
                                   f"{self._last_step}: steps must increase")
         self._finish_inflight()
 
-        live, param_ptrs, optim_keys = self._live_state(state)
+        adapter = StateAdapter(state)
+        live = adapter.live()
         if self._signature is None:
-            signature = self._signature_of(live, state)
+            signature = adapter.signature(live.state_dict)
             self._refuse_foreign_steps(signature)
             self._signature = signature
             self._write_job_file()
-        lazy_allowed = bool(optim_keys)
-        self._hook_optimizers(state)
+        lazy_allowed = bool(live.optim_keys)
+        self._hook_optimizers(adapter)
 
         def lazy(path: tuple[Any, ...], t: torch.Tensor) -> bool:
             if not lazy_allowed:
                 return False
-            return path[0] in optim_keys or _ptr(t) in param_ptrs
+            return path[0] in live.optim_keys or data_ptr(t) in live.param_ptrs
 
-        staged, pending = self._stager.stage(live, lazy)
+        staged, pending = self._stager.stage(live.state_dict, lazy)
         job = _SaveJob(step=step, staged=staged, pending=pending,
                        staged_bytes=self._stager.staged_bytes, started=t0,
-                       persist=bool(persist), fences=list(self._timeline.fences))
+                       persist=bool(persist), fences=self.fences)
         if not pending.pairs:
             job.copy_done.set()
         self._hook_wait = 0.0
@@ -514,18 +427,8 @@ class TieredCheckpointer:
 
     def _probe_latency(self) -> None:
         """Time a 1-element all_reduce on the training group and report it (ms)."""
-        group = self._train_group
-        backend = dist.get_backend(group)
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if backend == "nccl" and torch.cuda.is_available() else torch.device("cpu")
-        x = torch.zeros(1, device=device)
-        t0 = time.perf_counter()
-        dist.all_reduce(x, group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        ms = (time.perf_counter() - t0) * 1000.0
         sample = LatencySample(job_id=self.job_id, rank=self.rank, world_size=self.world_size,
-                               ts=utcnow(), latency_ms=ms)
+                               ts=utcnow(), latency_ms=self.collectives.latency_ms())
         threading.Thread(target=self._post_latency, args=(sample,), daemon=True).start()
 
     def _post_latency(self, sample: LatencySample) -> None:
@@ -595,7 +498,7 @@ class TieredCheckpointer:
         #    leave the others waiting in its collectives).
         pins = self.pinned_steps()
         reason = self._budget_problem(job.staged_bytes, pins)
-        verdicts = self._all_gather(reason)
+        verdicts = self.collectives.all_gather(reason)
         problems = [f"rank {r}: {v}" for r, v in enumerate(verdicts) if v]
         if problems:
             job.error = "; ".join(problems)[:2000]
@@ -612,9 +515,9 @@ class TieredCheckpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             dcp_save(job.staged, storage_writer=FileSystemWriter(tmp, sync_files=False,
                                                        thread_count=self.write_threads),
-                     process_group=self._group, no_dist=not self.distributed)
+                     process_group=self.collectives.group, no_dist=not self.distributed)
             step_dir.mkdir(parents=True, exist_ok=True)
-            self._remove_stale(step_dir)
+            self.files.remove_stale(step_dir)
             names = sorted(p.name for p in tmp.iterdir()
                            if p.name == METADATA or p.name.endswith(".distcp"))
             for name in names:
@@ -636,32 +539,51 @@ class TieredCheckpointer:
 
         # 3. Every rank's outcome and the steps its agent's restore requests pin; rank 0
         #    decides commit, persistence and retention (pinned steps stay in every tier).
-        gathered = self._all_gather((error, sorted(pins)))
+        gathered = self.collectives.all_gather((error, sorted(pins)))
         outcomes = [e for e, _ in gathered]
         pinned = sorted({s for _, steps in gathered for s in steps})
         decision = None
         if self.rank == 0:
-            decision = self._decide(job.step, outcomes, force_persist=job.persist,
-                                    pinned=pinned)
-        decision = self._broadcast_from_0(decision)
-        if not decision["committed"]:
-            self._remove_own(job.step)
-            job.error = decision["why"]
+            decision, self._history = decide_commit(
+                job.step, outcomes, self._history, persist_every=self.persist_every,
+                keep=self.keep, force_persist=job.persist, pinned=pinned)
+        decision = self.collectives.broadcast_from_0(decision)
+        if not decision.committed:
+            self.files.remove(job.step)
+            job.error = decision.why
             self._event(job.step, "memory", "failed", bytes=nbytes, seconds=job.write_s,
-                        message=f"step {job.step} not committed: {decision['why']}")
+                        message=f"step {job.step} not committed: {decision.why}")
             return
         marker = CommitMarker(job_id=self.job_id, step=job.step, rank=self.rank,
-                              world_size=self.world_size, persist=decision["persist"],
-                              retain=decision["retain"], layout=self.nodes_by_rank,
+                              world_size=self.world_size, persist=decision.persist,
+                              retain=decision.retain, layout=self.nodes_by_rank,
                               peer_urls=self.peer_urls, created_at=utcnow().isoformat())
         atomic_write_json(step_dir / commit_name(self.rank), marker, fsync=False)
         job.committed = True
         self._event(job.step, "memory", "committed", bytes=nbytes, seconds=job.write_s)
-        self._retain_memory(decision["retain"]["memory"], job.step)
+        self._retain_memory(decision.retain["memory"], job.step)
         try:
             self.client.notify(self.job_id, job.step)
         except AgentUnavailable as exc:
             log.debug("notify failed (the agent scans on its own): %s", exc)
+
+    def _retain_memory(self, keep: list[int], newest: int) -> None:
+        """Remove this rank's files of memory steps rank 0 did not retain.
+
+        ``keep`` holds the steps pinned by pending restore requests (rank 0's decision); the
+        steps this rank's agent pins now are kept too (a request that arrived since).
+
+        The newest step marked for the persistent tier stays until this node's agent has
+        uploaded it (``.tier-<r>.json`` says so): the agent reads the upload from memory,
+        and with saves every step retention would otherwise evict it mid-upload. An older
+        persist step is superseded (the agent uploads the newest one) and goes.
+        """
+        pinned = self.pinned_steps()
+        steps = self.layout.steps(self.job_id)
+        for step in memory_evictions(steps, retained=keep, newest=newest, pinned=pinned,
+                                     uploading=self.files.pending_upload(steps)):
+            if self.files.remove(step):
+                self._event(step, "memory", "evicted")
 
     def _refuse_foreign_steps(self, signature: str) -> None:
         """Refuse to save over steps of another model or world size in this node's memory
@@ -671,15 +593,7 @@ class TieredCheckpointer:
             CheckpointError: a manifest of this rank in the job's folder has another
                 signature or world size (names the step and what to do).
         """
-        from tierwatch.agent.checkpoint.format.manifest import ManifestError, load_manifest
-
-        paths = self.job_dir.glob(f"step-*/{manifest_name(self.rank)}")
-        for path in sorted(paths, key=lambda p: parse_step_dirname(p.parent.name) or -1,
-                           reverse=True):  # the newest step first, for the message
-            try:
-                m = load_manifest(path)
-            except ManifestError:
-                continue
+        for m in self.files.manifests():  # the newest step first, for the message
             if m.world_size != self.world_size or (m.signature and m.signature != signature):
                 what = (f"world_size {m.world_size}" if m.world_size != self.world_size
                         else "a different model (other FQNs or shapes)")
@@ -687,13 +601,6 @@ class TieredCheckpointer:
                     f"job_id {self.job_id!r} already holds step {m.step} of {what} in "
                     f"{self.job_dir}; saving would evict it. Use another job_id, or free this "
                     f"one with `tierwatch-agent ckpt gc --job {self.job_id}` on every node")
-
-    def _remove_stale(self, step_dir: Path) -> None:
-        """Remove files this rank left in ``step_dir`` from an earlier run of the same step."""
-        for n in sorted(self._own_names(step_dir),
-                        key=lambda n: 0 if n.startswith(("manifest", "commit")) else 1):
-            with contextlib.suppress(FileNotFoundError):
-                (step_dir / n).unlink()
 
     def _budget_problem(self, nbytes: int, pins: dict[int, list[int]] | None = None
                         ) -> str | None:
@@ -717,75 +624,7 @@ class TieredCheckpointer:
         adds every rank's pins to its retention decision, so a request one node's agent got
         first already protects the step on all nodes.
         """
-        return pins_of(self._poller.snapshot(), served=self._timeline.served)
-
-    def _decide(self, step: int, outcomes: list[str | None], *,
-                force_persist: bool = False, pinned: list[int] | None = None
-                ) -> dict[str, Any]:
-        """Rank 0's decision for ``step``: committed, persist, and ``retain`` per tier (the
-        newest ``keep[tier]`` steps of the tier, plus the ``pinned`` steps older than
-        ``step``)."""
-        failed = [f"rank {r}: {e}" for r, e in enumerate(outcomes) if e]
-        if failed:
-            return {"committed": False, "why": "; ".join(failed)[:1800]}
-        last_persisted = self._persisted[-1] if self._persisted else None
-        persist = force_persist or last_persisted is None or \
-            step // self.persist_every > last_persisted // self.persist_every
-        self._committed = [s for s in self._committed if s < step] + [step]
-        if persist:
-            self._persisted = [s for s in self._persisted if s < step] + [step]
-        old_pins = {s for s in pinned or [] if s < step}
-        retain = {
-            "memory": sorted(set(self._committed[-self.keep["memory"]:]) | old_pins),
-            "peer": sorted(set(self._committed[-self.keep["peer"]:]) | old_pins),
-            "persistent": sorted(set(self._persisted[-self.keep["persistent"]:]) | old_pins),
-        }
-        self._committed = self._committed[-max(self.keep["memory"], self.keep["peer"]):]
-        return {"committed": True, "persist": persist, "retain": retain}
-
-    def _retain_memory(self, keep: list[int], newest: int) -> None:
-        """Remove this rank's files of memory steps rank 0 did not retain.
-
-        ``keep`` holds the steps pinned by pending restore requests (rank 0's decision); the
-        steps this rank's agent pins now are kept too (a request that arrived since).
-
-        The newest step marked for the persistent tier stays until this node's agent has
-        uploaded it (``.tier-<r>.json`` says so): the agent reads the upload from memory,
-        and with saves every step retention would otherwise evict it mid-upload. An older
-        persist step is superseded (the agent uploads the newest one) and goes.
-        """
-        keep_set = set(keep) | {newest} | set(self.pinned_steps())
-        steps = self.layout.steps(self.job_id)
-        uploading = self._pending_upload(steps)
-        for step in steps:
-            if step in keep_set or step >= newest or step == uploading:
-                continue
-            if self._remove_own(step):
-                self._event(step, "memory", "evicted")
-
-    def _pending_upload(self, steps: list[int]) -> int | None:
-        """The newest step of ``steps`` marked persist whose upload this rank's agent has not
-        finished, or None."""
-        for step in sorted(steps, reverse=True):
-            d = self.layout.step_dir(self.job_id, step)
-            try:
-                marker = json.loads((d / commit_name(self.rank)).read_text())
-            except (OSError, ValueError):
-                continue
-            if not marker.get("persist"):
-                continue
-            try:
-                progress = json.loads((d / tier_progress_name(self.rank)).read_text())
-            except (OSError, ValueError):
-                progress = {}
-            done = (progress.get("persistent") or {}).get("uploaded")
-            return None if done else step
-        return None
-
-    def seed_history(self, committed: list[int], persisted: list[int]) -> None:
-        """Tell rank 0 which steps the tiers already hold (called by restore)."""
-        self._committed = sorted(set(committed))
-        self._persisted = sorted(set(persisted))
+        return self._rollback.pinned_steps()
 
     # -- restore -------------------------------------------------------------------------------
     def restore(self, state: dict[str, Any], step: int | None = None) -> int | None:
@@ -817,15 +656,9 @@ class TieredCheckpointer:
                                   f"{step!r}")
         self._finish_inflight()
         if step is None:
-            requests = self._poller.refresh()
-            stale = [r.request_id for r in requests if r.request_id <= self._timeline.served]
-            if stale:
-                self._retire(max(stale))
-            agreed = self._min_over_ranks(newest_unserved(requests, self._timeline.served))
-            if agreed > self._timeline.served:
-                loaded = self._serve_request(state, agreed, requests, last_done=None)
-                if loaded is not None:
-                    return loaded
+            loaded = self._rollback.serve_pending_at_start(state)
+            if loaded is not None:
+                return loaded
         return restore_state(self, state, wanted=step)
 
     # -- rollback ------------------------------------------------------------------------------
@@ -871,112 +704,8 @@ class TieredCheckpointer:
         """
         if self.closed:
             raise CheckpointError("maybe_rollback() after close()")
-        self._rollback_calls += 1
-        if self._rollback_calls % self.rollback_every:
-            return None
-        pending = self._poller.snapshot()
-        agreed = self._min_over_ranks(newest_unserved(pending, self._timeline.served))
-        if agreed <= self._timeline.served:
-            return None
-        return self._serve_request(state, agreed, pending,
-                                   last_done=self._last_step if step is None else step)
-
-    def _min_over_ranks(self, value: int) -> int:
-        """all_reduce MIN of one integer on the control group."""
-        if not self.distributed:
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._ctrl_group)
-        return int(t.item())
-
-    def _serve_request(self, state: dict[str, Any], request_id: int,
-                       pending: list[RestoreRequest], *, last_done: int | None) -> int | None:
-        """Carry out request ``request_id``, which every rank knows (collective; ``pending``:
-        the requests this rank's agent listed)."""
-        from tierwatch.agent.checkpoint.training.restore import ModelMismatchError, restore_state
-
-        mine = next((r for r in pending if r.request_id == request_id), None)
-        copies = [mine] if not self.distributed else [None] * self.world_size
-        if self.distributed:
-            dist.all_gather_object(copies, mine, group=self._ctrl_group)
-        request = pick_request(copies, request_id)
-        assert request is not None  # the rank(s) whose newest id is request_id hold it
-        for older in pending:
-            if self._timeline.served < older.request_id < request_id:
-                self._report_request(older, "failed", message=(
-                    f"superseded by restore request {request_id} (step {request.step})"))
-        log.info("rank %d: restore request %d: rolling %s back to step %d%s (%s, by %s)",
-                 self.rank, request_id, self.job_id, request.step,
-                 f" from the {request.tier} tier" if request.tier else "",
-                 request.reason or "no reason given", request.actor or "unknown")
-        self._finish_inflight()
-        self._report_request(request, "staging", step=request.step, message=(
-            f"rolling back to step {request.step}"
-            + (f" from the {request.tier} tier" if request.tier else "")
-            + f": {request.reason or 'no reason given'} (by {request.actor or 'unknown'})"))
-        loaded: int | None = None
-        try:
-            loaded = restore_state(self, state, wanted=request.step, tier=request.tier,
-                                   request_id=request_id, last_done=last_done,
-                                   on_loaded=lambda s: self._drop_future(request, s))
-        except (CheckpointError, ModelMismatchError) as exc:
-            run = self._restore_run
-            if run is not None and run.loading:
-                raise CheckpointError(
-                    f"restore request {request_id}: loading step {request.step} failed "
-                    f"({exc}); the live state may be partly overwritten: restart the job "
-                    "(it loads the requested step at start)") from exc
-            log.error("rank %d: restore request %d not served: %s", self.rank, request_id,
-                      exc)
-        if loaded is None:
-            self._set_timeline(self._timeline.after(request_id, loaded_step=None))
-        self._retire(request_id)
-        return loaded
-
-    def _drop_future(self, request: RestoreRequest, step: int) -> list[str]:
-        """After ``step`` is loaded for ``request``: fence the diverged future off and drop
-        it from every tier. Returns notes for the report."""
-        why = f"rolled back to step {step} by restore request {request.request_id}"
-        self._set_timeline(self._timeline.after(request.request_id, loaded_step=step))
-        for newer in self.layout.steps(self.job_id):
-            if newer > step and self._remove_own(newer):
-                self._event(newer, "memory", "evicted", message=why)
-        if self.rank == 0:
-            self._committed = [s for s in self._committed if s <= step]
-            self._persisted = [s for s in self._persisted if s <= step]
-        notes: list[str] = []
-        try:
-            answer = self.client.rollback(self.job_id, request_id=request.request_id,
-                                          step=step, persistent=self.rank == 0)
-            notes += [f"agent {self.node}: {e}" for e in answer.get("errors", [])]
-        except AgentUnavailable as exc:
-            notes.append(f"newer steps not dropped from the replicas/persistent tier: {exc}")
-            log.warning("rank %d: %s", self.rank, notes[-1])
-        return notes
-
-    def _set_timeline(self, timeline: Timeline) -> None:
-        self._timeline = timeline
-        path = self.layout.timeline_file(self.job_id)
-        try:
-            timeline.write(path)
-        except OSError as exc:
-            log.warning("cannot write %s: %s", path, exc)
-
-    def _retire(self, request_id: int) -> None:
-        try:
-            self.client.retire_restore_requests(self.job_id, request_id)
-        except AgentUnavailable as exc:  # retired again at the next start
-            log.warning("rank %d: restore request %d not retired on the agent: %s",
-                        self.rank, request_id, exc)
-
-    def _report_request(self, request: RestoreRequest, phase: str, *, step: int | None = None,
-                        message: str = "") -> None:
-        report = RestoreReport(job_id=self.job_id, rank=self.rank,
-                               world_size=self.world_size, step=step, ts=utcnow(),
-                               seconds=0.0, ok=phase != "failed", message=message[:2000],
-                               request_id=request.request_id,
-                               phase=phase)  # type: ignore[arg-type]
-        self.events.restore(report)
+        return self._rollback.maybe_rollback(
+            state, last_done=self._last_step if step is None else step)
 
     def finish(self) -> None:
         """Mark the job finished in the node's memory folder (``tierwatch-agent ckpt gc
@@ -1011,4 +740,3 @@ class TieredCheckpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

@@ -33,23 +33,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from tierwatch.agent.checkpoint.format import agreement
 from tierwatch.agent.checkpoint.format.layout import METADATA
 from tierwatch.agent.checkpoint.training.client import AgentUnavailable
+from tierwatch.agent.checkpoint.training.commit_decision import History
+from tierwatch.agent.checkpoint.training.errors import CheckpointError, ModelMismatchError
+from tierwatch.agent.checkpoint.training.state_adapter import StateAdapter
 from tierwatch.agent.protocol import RestoreReport, utcnow
 
 if TYPE_CHECKING:
     from tierwatch.agent.checkpoint.training.checkpointer import TieredCheckpointer
 
+__all__ = ["ModelMismatchError", "RestoreRun", "restore_state"]
+
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 8
-
-
-class ModelMismatchError(RuntimeError):
-    """The job id's checkpoint holds a different model (other FQNs or shapes)."""
 
 
 def _ask(ckpt: TieredCheckpointer, persistent: bool) -> dict[str, Any] | str:
@@ -69,14 +69,12 @@ def _gather_views(ckpt: TieredCheckpointer, persistent: bool, *, tier: str | Non
     """Every rank's agent's answer, merged: ``(views of tier, views of every tier)`` (the
     same when ``tier`` is None); dead steps are left out (the ranks' fences and those the
     manifests list)."""
-    from tierwatch.agent.checkpoint.training.checkpointer import CheckpointError
-
-    answers = ckpt._all_gather(_ask(ckpt, persistent))
+    answers = ckpt.collectives.all_gather(_ask(ckpt, persistent))
     errors = [f"rank {r} ({ckpt.nodes_by_rank[r]}): {a}" for r, a in enumerate(answers)
               if isinstance(a, str)]
     if errors:
         raise CheckpointError("restore needs every node's agent: " + "; ".join(errors[:4]))
-    fences = ckpt._timeline.fences
+    fences = ckpt.fences
     every = agreement.merge_available(answers, fences=fences)
     if tier is None:
         return every, every
@@ -144,8 +142,16 @@ def _stage(ckpt: TieredCheckpointer, step: int, files: list[dict[str, Any]]) -> 
 
 
 @dataclass
-class _Run:
-    """One restore attempt: when it began, the request it serves, what was reported."""
+class RestoreRun:
+    """One restore attempt: when it began, the request it serves, what was reported.
+
+    Attributes:
+        t0: ``time.monotonic()`` when it began.
+        request_id: The operator request served (None: a plain restore).
+        reported: Whether its outcome was reported.
+        loading: Whether it failed inside ``dcp.load`` or while putting the values back
+            (the live state may then be partly overwritten).
+    """
 
     t0: float = field(default_factory=time.monotonic)
     request_id: int | None = None
@@ -156,7 +162,8 @@ class _Run:
 def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *, wanted: int | None,
                   tier: str | None = None, request_id: int | None = None,
                   last_done: int | None = None,
-                  on_loaded: Callable[[int], list[str]] | None = None) -> int | None:
+                  on_loaded: Callable[[int], list[str]] | None = None,
+                  run: RestoreRun | None = None) -> int | None:
     """Run the restore protocol for ``ckpt`` into ``state`` (see the module docstring).
 
     Args:
@@ -168,9 +175,10 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *, wanted: in
             any rank's progress file or any tier knows).
         on_loaded: Called with the step once it is loaded into ``state``, before the
             outcome is reported; returns notes for the report's message.
+        run: The attempt's record (default: a new one); after a failure, its ``loading``
+            tells the caller whether the live state may be partly overwritten.
 
-    Every outcome is reported once (a failure too, ``ok`` False). ``ckpt._restore_run``
-    tells a caller whether a failure happened while loading (``loading``).
+    Every outcome is reported once (a failure too, ``ok`` False).
 
     Returns:
         The step loaded, or None when nothing is restorable and no step was asked for.
@@ -179,8 +187,8 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *, wanted: in
         CheckpointError: ``wanted`` is not restorable, or an agent is unreachable.
         ModelMismatchError: the job's checkpoint holds a different model.
     """
-    run = _Run(request_id=request_id)
-    ckpt._restore_run = run
+    if run is None:
+        run = RestoreRun(request_id=request_id)
     try:
         return _restore(ckpt, state, run, wanted=wanted, tier=tier, last_done=last_done,
                         on_loaded=on_loaded)
@@ -191,13 +199,11 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *, wanted: in
         raise
 
 
-def _restore(ckpt: TieredCheckpointer, state: dict[str, Any], run: _Run, *,
+def _restore(ckpt: TieredCheckpointer, state: dict[str, Any], run: RestoreRun, *,
              wanted: int | None, tier: str | None, last_done: int | None,
              on_loaded: Callable[[int], list[str]] | None) -> int | None:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
-
-    from tierwatch.agent.checkpoint.training.checkpointer import CheckpointError
 
     t0 = run.t0
     excluded: set[int] = set()
@@ -209,6 +215,7 @@ def _restore(ckpt: TieredCheckpointer, state: dict[str, Any], run: _Run, *,
     staged_dir: Path | None = None
     sources: dict[str, str] = {}
     template: dict[str, Any] | None = None
+    adapter: StateAdapter | None = None
     notes: list[str] = []  # bad copies met on the way (staging errors), for the report
     phases: dict[str, float] = {}  # seconds per phase, for the report
     only = f" in the {tier} tier" if tier else ""
@@ -244,11 +251,13 @@ def _restore(ckpt: TieredCheckpointer, state: dict[str, Any], run: _Run, *,
                                   f"({why}); restorable steps{only}: {steps or 'none'}")
         view = views[chosen]
         signature = next(iter(view.manifests.values())).signature
-        if template is None:
+        if adapter is None or template is None:
             t_tpl = time.monotonic()
-            template = _template(ckpt, state)
+            adapter = StateAdapter(state)
+            # a state dict of the right structure to load into (optimizer state initialised)
+            template = adapter.live().state_dict
             phases["template"] = time.monotonic() - t_tpl
-        ours = ckpt._signature_of(template, state)
+        ours = adapter.signature(template)
 
         meta = agreement.stage_request(view, [METADATA], node=ckpt.node)
         t_stage = time.monotonic()
@@ -259,11 +268,11 @@ def _restore(ckpt: TieredCheckpointer, state: dict[str, Any], run: _Run, *,
         if problem is None:
             staged_dir = Path(answer["dir"])
             if signature != ours:
-                mismatch = _check_model(template, staged_dir, sorted(ckpt._modules(state)),
+                mismatch = _check_model(template, staged_dir, sorted(adapter.modules),
                                         ckpt.job_id, chosen) or (
                     f"job_id {ckpt.job_id!r} step {chosen} was saved from a different state "
                     "(its signature differs); use another job_id")
-        mismatches = [m for m in ckpt._all_gather(mismatch) if m]
+        mismatches = [m for m in ckpt.collectives.all_gather(mismatch) if m]
         if mismatches:
             _report(ckpt, run, None, {}, ok=False, message=mismatches[0][:2000])
             raise ModelMismatchError(mismatches[0])
@@ -278,7 +287,7 @@ def _restore(ckpt: TieredCheckpointer, state: dict[str, Any], run: _Run, *,
                 phases["stage"] = phases.get("stage", 0.0) + time.monotonic() - t_stage
                 sources = {f["name"]: f"{f.get('tier')}:{f.get('holder')}"
                            for f in [*answer.get("files", []), *answer2.get("files", [])]}
-        outcomes = ckpt._all_gather(problem)
+        outcomes = ckpt.collectives.all_gather(problem)
         failed = [f"rank {r}: {p}" for r, p in enumerate(outcomes) if p]
         if not failed:
             break
@@ -296,23 +305,26 @@ def _restore(ckpt: TieredCheckpointer, state: dict[str, Any], run: _Run, *,
     assert chosen is not None
     assert staged_dir is not None
     assert template is not None
+    assert adapter is not None
     phases["agree+stage"] = time.monotonic() - t0 - phases.get("template", 0.0)
     t_load = time.monotonic()
     run.loading = True
     dcp_load(template, storage_reader=FileSystemReader(staged_dir),
-             process_group=ckpt._group, no_dist=not ckpt.distributed)
-    _apply(ckpt, state, template)
+             process_group=ckpt.collectives.group, no_dist=not ckpt.collectives.distributed)
+    adapter.load(template)
     run.loading = False
     phases["load"] = time.monotonic() - t_load
 
+    history = None
     if ckpt.rank == 0:
         complete = agreement.restorable_steps(every, ckpt.world_size)
         persisted = sorted({s for s in complete for src in every[s].sources.get(0, [])
                             if src.tier == "persistent" and s <= chosen})
-        ckpt.seed_history([s for s in complete if s <= chosen], persisted)
-    ckpt._last_step = chosen
+        history = History.seeded([s for s in complete if s <= chosen], persisted)
+    ckpt.restored(chosen, history=history)
     if last_done is None:
-        last = max([s for s in ckpt._all_gather(_last_trained(ckpt)) if s is not None]
+        last = max([s for s in ckpt.collectives.all_gather(_last_trained(ckpt))
+                    if s is not None]
                    + [s for s in every if every[s].manifests] + [chosen])
     else:
         last = max(last_done, chosen)
@@ -332,31 +344,7 @@ def _last_trained(ckpt: TieredCheckpointer) -> int | None:
         return None
 
 
-def _template(ckpt: TieredCheckpointer, state: dict[str, Any]) -> dict[str, Any]:
-    """A state dict of the right structure to load into (optimizer state initialised)."""
-    live, _, _ = ckpt._live_state(state)
-    return live
-
-
-def _apply(ckpt: TieredCheckpointer, state: dict[str, Any], loaded: dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.state_dict import (
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    modules = ckpt._modules(state)
-    for key, value in state.items():
-        if isinstance(value, nn.Module):
-            set_model_state_dict(value, loaded[key])
-        elif isinstance(value, torch.optim.Optimizer):
-            set_optimizer_state_dict(ckpt._owner(value, key, modules), value, loaded[key])
-        elif hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
-            value.load_state_dict(loaded[key])
-        else:
-            state[key] = loaded[key]
-
-
-def _report(ckpt: TieredCheckpointer, run: _Run, step: int | None, sources: dict[str, str],
+def _report(ckpt: TieredCheckpointer, run: RestoreRun, step: int | None, sources: dict[str, str],
             *, ok: bool, message: str = "", steps_lost: int | None = None) -> None:
     by_tier = Counter(v.split(":", 1)[0] for v in sources.values())
     phase = None if run.request_id is None else ("loaded" if ok and step is not None
@@ -369,6 +357,5 @@ def _report(ckpt: TieredCheckpointer, run: _Run, step: int | None, sources: dict
         sources=dict(list(sources.items())[:4096]), ok=ok and phase != "failed",
         message=message[:2000], request_id=run.request_id, phase=phase)
     run.reported = True
-    ckpt.last_restore = report
-    ckpt.events.restore(report)
+    ckpt.record_restore(report)
     log.info("rank %d restore: %s", ckpt.rank, json.dumps(report.model_dump(mode="json"))[:500])

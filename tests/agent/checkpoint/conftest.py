@@ -1,7 +1,8 @@
 """Fixtures for the checkpoint tests (tests/agent/checkpoint/ mirrors agent/checkpoint/).
 
 Helpers that tests call directly (``write_step``, ``CkptAgent``, event waits) live in
-``ckpt_helpers``, beside this file; the fixtures here start and stop what a test needs.
+``ckpt_helpers`` (tests/helpers/, on pytest's pythonpath); the fixtures here start and stop
+what a test needs.
 """
 
 from __future__ import annotations
