@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from procs import wait_for
-from training import committed_steps, read_log, start_cluster
+from training import Gate, committed_steps, read_log, run_in_thread, runs_of, start_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow]
 
@@ -68,8 +68,10 @@ def test_operator_isolates_releases_and_rolls_back_from_the_dashboard(browser, c
     server = cluster.server
     url = server.url
     log_dir = tmp_path / "run"
+    gate = Gate(tmp_path / "gate")
+    gate.open(6)  # steps 0 … 5 run; the job then waits at the gate while the operator acts
     procs = cluster.launch(["--job-id", JOB, "--steps", "40", "--log-dir", str(log_dir),
-                            "--step-sleep", "0.3", *SMALL], placement=["node-a", "node-b"],
+                            "--gate", str(gate.path), *SMALL], placement=["node-a", "node-b"],
                            log_dir=log_dir)
     page, errors = sign_in(browser, url, server.token("operator"))
 
@@ -115,6 +117,9 @@ def test_operator_isolates_releases_and_rolls_back_from_the_dashboard(browser, c
     page.fill('details[data-action="restore"] input[name="reason"]', "loss spike: suspected SDC")
     page.click('details[data-action="restore"] button[type=submit]')
     expect(page.locator(".flash")).to_contain_text(f"to step {target} requested")
+    # The job runs on, one step at a time, until its ranks roll back at a step boundary.
+    stepping = run_in_thread(lambda: gate.step_until(
+        7, 40, lambda: len(runs_of(read_log(log_dir))) > 1, log_dir=log_dir))
     request = page.locator(".restore-request").first
     # Watch it live (the page refreshes its live block; no reload).
     seen: set[str] = set()
@@ -129,6 +134,8 @@ def test_operator_isolates_releases_and_rolls_back_from_the_dashboard(browser, c
     assert seen & {"pending", "staging"}, seen  # the progress was watched, not just the end
     expect(request).to_have_attribute("data-state", "succeeded")
     expect(request.locator('tr[data-rank="0"]')).to_contain_text(str(target))
+    stepping.join()
+    gate.open(40)
     assert cluster.wait_ranks(procs, 240) == [0, 0]
     for rank in (0, 1):
         steps = [x["step"] for x in read_log(log_dir, rank)]

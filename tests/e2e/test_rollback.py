@@ -23,6 +23,7 @@ from training import (
     committed_steps,
     read_log,
     restore_command,
+    runs_of,
     start_cluster,
 )
 
@@ -84,16 +85,6 @@ def train_args(job: str, log_dir: Path, *extra: str) -> list[str]:
     return ["--job-id", job, "--steps", str(TOTAL), "--log-dir", str(log_dir), *SMALL, *extra]
 
 
-def runs(lines: list[dict]) -> list[list[dict]]:
-    """A rank's log split where the step goes back (a rollback or a restart)."""
-    out: list[list[dict]] = [[]]
-    for x in lines:
-        if out[-1] and x["step"] <= out[-1][-1]["step"]:
-            out.append([])
-        out[-1].append(x)
-    return out
-
-
 def pending(cluster: Cluster, job: str) -> list[int]:
     return [r["request_id"] for n in cluster.nodes.values() for r in httpx.get(
         f"{n.url}/v1/ckpt/jobs/{job}/restore-requests", timeout=5).json()["requests"]]
@@ -120,14 +111,14 @@ def test_operator_rolls_a_running_job_back_and_the_ranks_agree(cluster: Cluster,
     wait_for(lambda: pending(cluster, job) == [first, first], timeout=30,
              what="the restore request on both agents")
     # one step at a time until the ranks (which read requests every 0.5 s) roll back
-    gate.step_until(12, TOTAL, lambda: len(runs(read_log(log))) > 1, log_dir=log)
+    gate.step_until(12, TOTAL, lambda: len(runs_of(read_log(log))) > 1, log_dir=log)
     gate.open(TOTAL)
     assert cluster.wait_ranks(procs, 240) == [0, 0], procs[0].log_tail()
 
     # every rank rolled back at the same step boundary, to the requested step
     at = []
     for rank in (0, 1):
-        before, after = runs(read_log(log, rank))
+        before, after = runs_of(read_log(log, rank))
         at.append(before[-1]["step"])
         assert after[0]["step"] == TARGET + 1
         assert {x["restored_from"] for x in after} == {TARGET}
@@ -167,7 +158,7 @@ def test_operator_rolls_a_running_job_back_and_the_ranks_agree(cluster: Cluster,
     procs = cluster.launch(train_args(job, log, "--final"), placement=PLACEMENT, log_dir=log)
     assert cluster.wait_ranks(procs, 240) == [0, 0], procs[0].log_tail()
     for rank in (0, 1):
-        third = runs(read_log(log, rank))[-1]
+        third = runs_of(read_log(log, rank))[-1]
         assert third[0]["step"] == 10
         assert {x["restored_from"] for x in third} == {9}
         assert [x["loss"] for x in third] == [clean[rank][s] for s in range(10, TOTAL)]
@@ -224,12 +215,12 @@ def test_a_requested_step_outlives_retention_until_every_rank_acts(direct_cluste
     assert len(committed_steps(a, job, 0)) <= 4  # the newest 2, S, the persisted step 0
     a.deliver(restore_command(request_id=1, job_id=job, step=target, reason="pin test"))
     # one step at a time until the ranks (which read requests every 0.5 s) roll back
-    gate.step_until(target + 8, total, lambda: len(runs(read_log(log))) > 1, log_dir=log)
+    gate.step_until(target + 8, total, lambda: len(runs_of(read_log(log))) > 1, log_dir=log)
     gate.open(total)
     assert c.wait_ranks(procs, 120) == [0, 0], procs[0].log_tail()
 
     for rank in (0, 1):
-        before, after = runs(read_log(log, rank))
+        before, after = runs_of(read_log(log, rank))
         assert before[-1]["step"] >= target + 7
         assert after[0]["step"] == target + 1
         assert {x["restored_from"] for x in after} == {target}

@@ -99,6 +99,46 @@ class InProcessNode:
         self.runtime.ckpt.add_restore_request(command)
 
 
+def runs_of(lines: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """A rank's log (``read_log``) split where the step goes back: a rollback or a restart."""
+    out: list[list[dict[str, Any]]] = [[]]
+    for x in lines:
+        if out[-1] and x["step"] <= out[-1][-1]["step"]:
+            out.append([])
+        out[-1].append(x)
+    return out
+
+
+class Background:
+    """``fn()`` on a thread; :meth:`join` waits for it and raises what it raised."""
+
+    def __init__(self, fn: Any) -> None:
+        self.error: BaseException | None = None
+        self.result: Any = None
+
+        def run() -> None:
+            try:
+                self.result = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to join()
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float = 300) -> Any:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise TimeoutError(f"background work still running after {timeout}s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def run_in_thread(fn: Any) -> Background:
+    """Start ``fn()`` in the background (see :class:`Background`)."""
+    return Background(fn)
+
+
 @dataclass
 class Gate:
     """The file a gated trainer (``train_gpt.py --gate FILE``) waits on before each step: the
@@ -309,6 +349,6 @@ def read_log(log_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
         if path.exists() else []
 
 
-__all__ = ["Cluster", "Gate", "InProcessNode", "Node", "PEER_TOKEN", "committed_steps", "os",
-           "read_log", "read_losses", "read_restores", "restore_command", "run_cli",
-           "start_cluster"]
+__all__ = ["Background", "Cluster", "Gate", "InProcessNode", "Node", "PEER_TOKEN",
+           "committed_steps", "read_log", "read_losses", "read_restores", "restore_command",
+           "run_cli", "run_in_thread", "runs_of", "start_cluster"]
