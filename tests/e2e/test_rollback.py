@@ -205,7 +205,8 @@ def test_a_requested_step_outlives_retention_until_every_rank_acts(direct_cluste
 
     wait_for(lambda: newest(b, 1) == target, timeout=60, interval=0.02,
              what=f"step {target} committed")
-    b.deliver(restore_command(request_id=1, job_id=job, step=target, reason="pin test"))
+    b.deliver_and_wait_read(restore_command(request_id=1, job_id=job, step=target,
+                                            reason="pin test"))
     gate.open(target + 7)
     wait_for(lambda: newest(b, 1) >= target + 6 and newest(a, 0) >= target + 6, timeout=60,
              interval=0.1, what=f"step {target + 6} committed")
@@ -213,10 +214,9 @@ def test_a_requested_step_outlives_retention_until_every_rank_acts(direct_cluste
     assert target in committed_steps(a, job, 0)
     assert target in committed_steps(b, job, 1)
     assert len(committed_steps(a, job, 0)) <= 4  # the newest 2, S, the persisted step 0
-    a.deliver(restore_command(request_id=1, job_id=job, step=target, reason="pin test"))
-    # one step at a time until the ranks (which read requests every 0.5 s) roll back
-    gate.step_until(target + 8, total, lambda: len(runs_of(read_log(log))) > 1, log_dir=log)
-    gate.open(total)
+    a.deliver_and_wait_read(restore_command(request_id=1, job_id=job, step=target,
+                                            reason="pin test"))
+    gate.open(total)  # both ranks hold the request: they roll back at the next step
     assert c.wait_ranks(procs, 120) == [0, 0], procs[0].log_tail()
 
     for rank in (0, 1):

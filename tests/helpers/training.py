@@ -81,6 +81,7 @@ class InProcessNode:
 
         self.runtime = AgentRuntime(self.settings)
         self.runtime.start()
+        self._count_request_reads()
         self.thread = threading.Thread(target=self.runtime.run, name=f"agent-{self.name}",
                                        daemon=True)
         self.thread.start()
@@ -94,9 +95,44 @@ class InProcessNode:
             assert self.thread is not None
             self.thread.join(30)
 
+    def _count_request_reads(self) -> None:
+        """Count the ranks' reads of ``GET /v1/ckpt/jobs/{job}/restore-requests`` per job (the
+        agent's own reads, for pins, are quiet and not counted)."""
+        self.request_reads: dict[str, int] = {}
+        store = self.runtime.ckpt.requests
+        pending = store.pending
+
+        def counted(job_id: str, *, quiet: bool = False) -> Any:
+            out = pending(job_id, quiet=quiet)
+            if not quiet:
+                self.request_reads[job_id] = self.request_reads.get(job_id, 0) + 1
+            return out
+
+        store.pending = counted
+
     def deliver(self, command: Any) -> None:
         """Hand ``command`` to the agent as its command executor does for a restore."""
         self.runtime.ckpt.add_restore_request(command)
+
+    def deliver_and_wait_read(self, command: Any, timeout: float = 30) -> None:
+        """:meth:`deliver`, then wait until this node's ranks have read the job's requests
+        twice: the second read started after the delivery, so every local rank's poller now
+        holds the request (and the step it pins)."""
+        job = command.args["job_id"]
+        before = self.request_reads.get(job, 0)
+        self.deliver(command)
+        wait_for(lambda: self.request_reads.get(job, 0) >= before + 2, timeout=timeout,
+                 interval=0.02, what=f"{self.name}'s ranks reading {job}'s restore requests")
+
+    def spooled_restores(self) -> list[dict[str, Any]]:
+        """Restore reports in the batches this agent built and has not delivered."""
+        out: list[dict[str, Any]] = []
+        for p in sorted(self.spool_dir.glob("*.json")):
+            try:
+                out += json.loads(p.read_text()).get("restores", [])
+            except (OSError, ValueError):
+                continue
+        return out
 
 
 def runs_of(lines: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
