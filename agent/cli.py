@@ -50,61 +50,112 @@ def _err(message: str) -> None:
 @app.command()
 def run(
     node: Annotated[str | None, typer.Option(help="This node's name [TIERWATCH_NODE].")] = None,
-    server: Annotated[str | None, typer.Option(
-        help="Control-plane URL, e.g. http://cp:8000 [TIERWATCH_SERVER].")] = None,
-    token: Annotated[str | None, typer.Option(
-        help="Agent bearer token [TIERWATCH_TOKEN].")] = None,
-    collector: Annotated[str | None, typer.Option(
-        help="auto | nvml | dcgm-exporter | simulated [TIERWATCH_COLLECTOR].")] = None,
-    interval: Annotated[float | None, typer.Option(
-        help="Seconds between reports (default 5) [TIERWATCH_INTERVAL].")] = None,
-    listen: Annotated[str | None, typer.Option(
-        help="Local API address (default 127.0.0.1:9470) [TIERWATCH_LISTEN].")] = None,
-    spool_dir: Annotated[Path | None, typer.Option(
-        help="Spool folder (default var/spool/<node>) [TIERWATCH_SPOOL_DIR].")] = None,
-    spool_max_batches: Annotated[int | None, typer.Option(
-        help="Spool bound, batches (default 10000) [TIERWATCH_SPOOL_MAX_BATCHES].")] = None,
-    dcgm_exporter_url: Annotated[str | None, typer.Option(
-        help="dcgm-exporter metrics URL [TIERWATCH_DCGM_EXPORTER_URL].")] = None,
-    sim_gpus: Annotated[int | None, typer.Option(
-        help="Simulated GPUs (default 8) [TIERWATCH_SIM_GPUS].")] = None,
-    sim_seed: Annotated[int | None, typer.Option(
-        help="Simulator seed (default random) [TIERWATCH_SIM_SEED].")] = None,
-    sim_job: Annotated[str | None, typer.Option(
-        help="Job id for simulated latency samples [TIERWATCH_SIM_JOB].")] = None,
-    sim_rank: Annotated[int | None, typer.Option(
-        help="Rank for simulated latency samples [TIERWATCH_SIM_RANK].")] = None,
-    log_level: Annotated[str | None, typer.Option(
-        help="DEBUG | INFO | WARNING | ERROR [TIERWATCH_LOG_LEVEL].")] = None,
-    memory_dir: Annotated[Path | None, typer.Option(
-        help="Memory-tier folder shared with local ranks (default /dev/shm/tierwatch/<node>) "
-        "[TIERWATCH_MEMORY_DIR].")] = None,
-    peer_token: Annotated[str | None, typer.Option(
-        help="Token agents present on each other's peer endpoints; without it no peer tier "
-        "[TIERWATCH_PEER_TOKEN].")] = None,
-    advertise_url: Annotated[str | None, typer.Option(
-        help="URL peers use to reach this agent (default http://<listen host>:<port>) "
-        "[TIERWATCH_ADVERTISE_URL].")] = None,
-    persistent_url: Annotated[str | None, typer.Option(
-        help="fsspec URL of the persistent tier (default file://<cwd>/var/checkpoints; "
-        "s3:// needs s3fs) [TIERWATCH_PERSISTENT_URL].")] = None,
-    replication: Annotated[int | None, typer.Option(
-        help="Peer nodes holding a replica of each rank (default 1) "
-        "[TIERWATCH_REPLICATION].")] = None,
-    memory_budget: Annotated[str | None, typer.Option(
-        help="Most bytes the memory folder may hold, e.g. 8GiB (default 50% of its "
-        "filesystem) [TIERWATCH_MEMORY_BUDGET].")] = None,
-    ckpt_scan_interval: Annotated[float | None, typer.Option(
-        help="Seconds between scans for committed steps (default 2) "
-        "[TIERWATCH_CKPT_SCAN_INTERVAL].")] = None,
-    isolation_command: Annotated[Path | None, typer.Option(
-        help="Executable the 'command' isolation driver runs on isolate/release "
-        "[TIERWATCH_ISOLATION_COMMAND].")] = None,
-    isolation_timeout: Annotated[float | None, typer.Option(
-        help="Seconds the isolation command may run (default 60) "
-        "[TIERWATCH_ISOLATION_TIMEOUT].")] = None,
-    state_dir: Annotated[Path | None, typer.Option(
-        help="Agent state folder (default var/agent/<node>) [TIERWATCH_STATE_DIR].")] = None,
+    server: Annotated[
+        str | None, typer.Option(help="Control-plane URL, e.g. http://cp:8000 [TIERWATCH_SERVER].")
+    ] = None,
+    token: Annotated[str | None, typer.Option(help="Agent bearer token [TIERWATCH_TOKEN].")] = None,
+    collector: Annotated[
+        str | None,
+        typer.Option(help="auto | nvml | dcgm-exporter | simulated [TIERWATCH_COLLECTOR]."),
+    ] = None,
+    interval: Annotated[
+        float | None, typer.Option(help="Seconds between reports (default 5) [TIERWATCH_INTERVAL].")
+    ] = None,
+    listen: Annotated[
+        str | None,
+        typer.Option(help="Local API address (default 127.0.0.1:9470) [TIERWATCH_LISTEN]."),
+    ] = None,
+    spool_dir: Annotated[
+        Path | None,
+        typer.Option(help="Spool folder (default var/spool/<node>) [TIERWATCH_SPOOL_DIR]."),
+    ] = None,
+    spool_max_batches: Annotated[
+        int | None,
+        typer.Option(help="Spool bound, batches (default 10000) [TIERWATCH_SPOOL_MAX_BATCHES]."),
+    ] = None,
+    dcgm_exporter_url: Annotated[
+        str | None, typer.Option(help="dcgm-exporter metrics URL [TIERWATCH_DCGM_EXPORTER_URL].")
+    ] = None,
+    sim_gpus: Annotated[
+        int | None, typer.Option(help="Simulated GPUs (default 8) [TIERWATCH_SIM_GPUS].")
+    ] = None,
+    sim_seed: Annotated[
+        int | None, typer.Option(help="Simulator seed (default random) [TIERWATCH_SIM_SEED].")
+    ] = None,
+    sim_job: Annotated[
+        str | None, typer.Option(help="Job id for simulated latency samples [TIERWATCH_SIM_JOB].")
+    ] = None,
+    sim_rank: Annotated[
+        int | None, typer.Option(help="Rank for simulated latency samples [TIERWATCH_SIM_RANK].")
+    ] = None,
+    log_level: Annotated[
+        str | None, typer.Option(help="DEBUG | INFO | WARNING | ERROR [TIERWATCH_LOG_LEVEL].")
+    ] = None,
+    memory_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Memory-tier folder shared with local ranks (default /dev/shm/tierwatch/<node>) "
+            "[TIERWATCH_MEMORY_DIR]."
+        ),
+    ] = None,
+    peer_token: Annotated[
+        str | None,
+        typer.Option(
+            help="Token agents present on each other's peer endpoints; without it no peer tier "
+            "[TIERWATCH_PEER_TOKEN]."
+        ),
+    ] = None,
+    advertise_url: Annotated[
+        str | None,
+        typer.Option(
+            help="URL peers use to reach this agent (default http://<listen host>:<port>) "
+            "[TIERWATCH_ADVERTISE_URL]."
+        ),
+    ] = None,
+    persistent_url: Annotated[
+        str | None,
+        typer.Option(
+            help="fsspec URL of the persistent tier (default file://<cwd>/var/checkpoints; "
+            "s3:// needs s3fs) [TIERWATCH_PERSISTENT_URL]."
+        ),
+    ] = None,
+    replication: Annotated[
+        int | None,
+        typer.Option(
+            help="Peer nodes holding a replica of each rank (default 1) [TIERWATCH_REPLICATION]."
+        ),
+    ] = None,
+    memory_budget: Annotated[
+        str | None,
+        typer.Option(
+            help="Most bytes the memory folder may hold, e.g. 8GiB (default 50% of its "
+            "filesystem) [TIERWATCH_MEMORY_BUDGET]."
+        ),
+    ] = None,
+    ckpt_scan_interval: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds between scans for committed steps (default 2) "
+            "[TIERWATCH_CKPT_SCAN_INTERVAL]."
+        ),
+    ] = None,
+    isolation_command: Annotated[
+        Path | None,
+        typer.Option(
+            help="Executable the 'command' isolation driver runs on isolate/release "
+            "[TIERWATCH_ISOLATION_COMMAND]."
+        ),
+    ] = None,
+    isolation_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds the isolation command may run (default 60) [TIERWATCH_ISOLATION_TIMEOUT]."
+        ),
+    ] = None,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(help="Agent state folder (default var/agent/<node>) [TIERWATCH_STATE_DIR]."),
+    ] = None,
 ) -> None:
     """Run the agent until SIGTERM/SIGINT."""
     from pydantic import ValidationError
@@ -115,15 +166,29 @@ def run(
     overrides = {
         key: value
         for key, value in {
-            "node": node, "server": server, "token": token, "collector": collector,
-            "interval": interval, "listen": listen, "spool_dir": spool_dir,
-            "spool_max_batches": spool_max_batches, "dcgm_exporter_url": dcgm_exporter_url,
-            "sim_gpus": sim_gpus, "sim_seed": sim_seed, "sim_job": sim_job,
-            "sim_rank": sim_rank, "log_level": log_level, "memory_dir": memory_dir,
-            "peer_token": peer_token, "advertise_url": advertise_url,
-            "persistent_url": persistent_url, "replication": replication,
-            "memory_budget": memory_budget, "ckpt_scan_interval": ckpt_scan_interval,
-            "isolation_command": isolation_command, "isolation_timeout": isolation_timeout,
+            "node": node,
+            "server": server,
+            "token": token,
+            "collector": collector,
+            "interval": interval,
+            "listen": listen,
+            "spool_dir": spool_dir,
+            "spool_max_batches": spool_max_batches,
+            "dcgm_exporter_url": dcgm_exporter_url,
+            "sim_gpus": sim_gpus,
+            "sim_seed": sim_seed,
+            "sim_job": sim_job,
+            "sim_rank": sim_rank,
+            "log_level": log_level,
+            "memory_dir": memory_dir,
+            "peer_token": peer_token,
+            "advertise_url": advertise_url,
+            "persistent_url": persistent_url,
+            "replication": replication,
+            "memory_budget": memory_budget,
+            "ckpt_scan_interval": ckpt_scan_interval,
+            "isolation_command": isolation_command,
+            "isolation_timeout": isolation_timeout,
             "state_dir": state_dir,
         }.items()
         if value is not None
@@ -141,7 +206,8 @@ def run(
         raise typer.Exit(EXIT_USAGE) from None
 
     logging.basicConfig(
-        level=settings.log_level, stream=sys.stderr,
+        level=settings.log_level,
+        stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if settings.log_level != "DEBUG":  # one line per report is noise; failures are logged
@@ -160,18 +226,26 @@ def run(
 
 @app.command()
 def inject(
-    fault: Annotated[str, typer.Argument(
-        help="xid | thermal | temp | ecc-dbe | row-remap-failure | throttle | straggle | "
-        "freeze | clear")],
-    value: Annotated[float | None, typer.Argument(
-        help="XID code (xid) or temperature in °C (temp).")] = None,
-    gpu: Annotated[int | None, typer.Option(help="Target GPU index (default 0; clear: all).")]
-    = None,
-    agent: Annotated[str, typer.Option(
-        help="The agent's local API URL [TIERWATCH_AGENT_URL].")]
-    = "",
-    token: Annotated[str | None, typer.Option(
-        help="Agent token, needed from non-loopback addresses [TIERWATCH_TOKEN].")] = None,
+    fault: Annotated[
+        str,
+        typer.Argument(
+            help="xid | thermal | temp | ecc-dbe | row-remap-failure | throttle | straggle | "
+            "freeze | clear"
+        ),
+    ],
+    value: Annotated[
+        float | None, typer.Argument(help="XID code (xid) or temperature in °C (temp).")
+    ] = None,
+    gpu: Annotated[
+        int | None, typer.Option(help="Target GPU index (default 0; clear: all).")
+    ] = None,
+    agent: Annotated[
+        str, typer.Option(help="The agent's local API URL [TIERWATCH_AGENT_URL].")
+    ] = "",
+    token: Annotated[
+        str | None,
+        typer.Option(help="Agent token, needed from non-loopback addresses [TIERWATCH_TOKEN]."),
+    ] = None,
     timeout: Annotated[float, typer.Option(help="HTTP timeout, seconds.", min=0.1)] = 5.0,
 ) -> None:
     """Inject a fault into a running agent with the simulated collector."""
@@ -185,7 +259,7 @@ def inject(
         _err(f"error: VALUE must be a finite number, not {value}")
         raise typer.Exit(EXIT_USAGE)
 
-    url = (agent or os.environ.get("TIERWATCH_AGENT_URL") or "http://127.0.0.1:9470")
+    url = agent or os.environ.get("TIERWATCH_AGENT_URL") or "http://127.0.0.1:9470"
     url = url.rstrip("/") + "/v1/inject"
     token = token or os.environ.get("TIERWATCH_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}

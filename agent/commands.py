@@ -51,7 +51,13 @@ def _tail(text: str) -> str:
 
 
 def run_isolation_command(
-    executable: Path, *, action: str, node: str, reason: str, actor: str, command_id: str,
+    executable: Path,
+    *,
+    action: str,
+    node: str,
+    reason: str,
+    actor: str,
+    command_id: str,
     timeout_s: float,
 ) -> tuple[bool, int | None, str]:
     """Run the node-local isolation executable once.
@@ -70,13 +76,23 @@ def run_isolation_command(
     }
     try:
         proc = subprocess.Popen(
-            [str(executable), action, node], env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            [str(executable), action, node],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     except OSError as exc:
-        return False, None, (f"cannot run the isolation command {executable}: "
-                             f"{exc.strerror or exc}; set --isolation-command "
-                             "(TIERWATCH_ISOLATION_COMMAND) to an executable file")
+        return (
+            False,
+            None,
+            (
+                f"cannot run the isolation command {executable}: "
+                f"{exc.strerror or exc}; set --isolation-command "
+                "(TIERWATCH_ISOLATION_COMMAND) to an executable file"
+            ),
+        )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -105,8 +121,14 @@ class CommandExecutor:
     """
 
     def __init__(
-        self, *, node: str, state_dir: Path, isolation_command: Path | None,
-        isolation_timeout_s: float, restore_sink: RestoreSink | None, report: ResultSink,
+        self,
+        *,
+        node: str,
+        state_dir: Path,
+        isolation_command: Path | None,
+        isolation_timeout_s: float,
+        restore_sink: RestoreSink | None,
+        report: ResultSink,
     ) -> None:
         self.node = node
         self._path = state_dir / STATE_FILE
@@ -132,8 +154,10 @@ class CommandExecutor:
         done = data.get("commands", {}) if isinstance(data, dict) else {}
         for entry in done.values():
             if entry.get("state") == "started":  # cut short by a restart: never re-run
-                entry.update(state="failed", output="the agent stopped while this command "
-                             "ran; it is not run again")
+                entry.update(
+                    state="failed",
+                    output="the agent stopped while this command ran; it is not run again",
+                )
         return done
 
     def _save(self) -> None:
@@ -150,8 +174,9 @@ class CommandExecutor:
     def start(self) -> None:
         """Start the executor thread (idempotent)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="tierwatch-commands",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="tierwatch-commands", daemon=True
+            )
             self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -194,14 +219,24 @@ class CommandExecutor:
     @staticmethod
     def _result(command_id: str, entry: dict[str, Any]) -> CommandResult:
         state = entry["state"] if entry["state"] != "started" else "running"
-        return CommandResult(id=command_id, state=state, ts=utcnow(),
-                             exit_code=entry.get("exit_code"), output=entry.get("output", ""))
+        return CommandResult(
+            id=command_id,
+            state=state,
+            ts=utcnow(),
+            exit_code=entry.get("exit_code"),
+            output=entry.get("output", ""),
+        )
 
-    def _record(self, command_id: str, state: str, *, exit_code: int | None = None,
-                output: str = "") -> None:
+    def _record(
+        self, command_id: str, state: str, *, exit_code: int | None = None, output: str = ""
+    ) -> None:
         with self._lock:
-            self._done[command_id] = {"state": state, "exit_code": exit_code,
-                                      "output": _tail(output), "ts": utcnow().isoformat()}
+            self._done[command_id] = {
+                "state": state,
+                "exit_code": exit_code,
+                "output": _tail(output),
+                "ts": utcnow().isoformat(),
+            }
             self._save()
 
     # -- execution ---------------------------------------------------------------------
@@ -222,10 +257,25 @@ class CommandExecutor:
     def _finish(self, command: Command, ok: bool, exit_code: int | None, output: str) -> None:
         state = "succeeded" if ok else "failed"
         self._record(command.id, state, exit_code=exit_code, output=output)
-        log.log(logging.INFO if ok else logging.ERROR, "command %s (%s) %s%s", command.id,
-                command.kind, state, f": {output[-300:]}" if output and not ok else "")
-        self._report([CommandResult(id=command.id, state=state, ts=utcnow(),
-                                    exit_code=exit_code, output=_tail(output))])
+        log.log(
+            logging.INFO if ok else logging.ERROR,
+            "command %s (%s) %s%s",
+            command.id,
+            command.kind,
+            state,
+            f": {output[-300:]}" if output and not ok else "",
+        )
+        self._report(
+            [
+                CommandResult(
+                    id=command.id,
+                    state=state,
+                    ts=utcnow(),
+                    exit_code=exit_code,
+                    output=_tail(output),
+                )
+            ]
+        )
 
     def _execute(self, command: Command) -> None:
         if command.expires_at is not None and utcnow() >= command.expires_at:
@@ -235,33 +285,58 @@ class CommandExecutor:
         if command.kind in ("isolate", "release"):
             self._report([CommandResult(id=command.id, state="running", ts=utcnow())])
             if self._isolation_command is None:
-                self._finish(command, False, None, (
-                    "no isolation command is configured on this agent: set "
-                    "--isolation-command (TIERWATCH_ISOLATION_COMMAND) to the executable "
-                    "that isolates/releases this node"))
+                self._finish(
+                    command,
+                    False,
+                    None,
+                    (
+                        "no isolation command is configured on this agent: set "
+                        "--isolation-command (TIERWATCH_ISOLATION_COMMAND) to the executable "
+                        "that isolates/releases this node"
+                    ),
+                )
                 return
             ok, code, out = run_isolation_command(
-                self._isolation_command, action=command.kind, node=self.node,
+                self._isolation_command,
+                action=command.kind,
+                node=self.node,
                 reason=str(command.args.get("reason", "")),
-                actor=str(command.args.get("actor", "")), command_id=command.id,
+                actor=str(command.args.get("actor", "")),
+                command_id=command.id,
                 timeout_s=self._timeout_s,
             )
             self._finish(command, ok, code, out)
         elif command.kind == "restore":
             if self._restore_sink is None:
-                self._finish(command, False, None, "the checkpoint store is not running on "
-                             "this agent (start it with --memory-dir)")
+                self._finish(
+                    command,
+                    False,
+                    None,
+                    "the checkpoint store is not running on "
+                    "this agent (start it with --memory-dir)",
+                )
                 return
             try:
                 self._restore_sink(command)
             except (ValueError, RuntimeError) as exc:
                 self._finish(command, False, None, f"restore refused: {exc}")
                 return
-            self._record(command.id, "running",
-                         output="handed to the job's ranks on this node")
-            self._report([CommandResult(id=command.id, state="running", ts=utcnow(),
-                                        output="handed to the job's ranks on this node")])
+            self._record(command.id, "running", output="handed to the job's ranks on this node")
+            self._report(
+                [
+                    CommandResult(
+                        id=command.id,
+                        state="running",
+                        ts=utcnow(),
+                        output="handed to the job's ranks on this node",
+                    )
+                ]
+            )
         else:
-            self._finish(command, False, None,
-                         f"unknown command kind {command.kind!r} (this agent knows isolate, "
-                         "release, restore): upgrade the agent")
+            self._finish(
+                command,
+                False,
+                None,
+                f"unknown command kind {command.kind!r} (this agent knows isolate, "
+                "release, restore): upgrade the agent",
+            )

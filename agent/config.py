@@ -24,11 +24,30 @@ _NODE_RE = re.compile(NODE_NAME_PATTERN)
 
 
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?i?B?)?\s*$", re.IGNORECASE)
-_BYTE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2,
-               "G": 1000**3, "GB": 1000**3, "T": 1000**4, "TB": 1000**4, "P": 1000**5,
-               "PB": 1000**5, "KI": 1024, "KIB": 1024, "MI": 1024**2, "MIB": 1024**2,
-               "GI": 1024**3, "GIB": 1024**3, "TI": 1024**4, "TIB": 1024**4,
-               "PI": 1024**5, "PIB": 1024**5}
+_BYTE_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "KB": 1000,
+    "M": 1000**2,
+    "MB": 1000**2,
+    "G": 1000**3,
+    "GB": 1000**3,
+    "T": 1000**4,
+    "TB": 1000**4,
+    "P": 1000**5,
+    "PB": 1000**5,
+    "KI": 1024,
+    "KIB": 1024,
+    "MI": 1024**2,
+    "MIB": 1024**2,
+    "GI": 1024**3,
+    "GIB": 1024**3,
+    "TI": 1024**4,
+    "TIB": 1024**4,
+    "PI": 1024**5,
+    "PIB": 1024**5,
+}
 
 
 def parse_bytes(text: str | int) -> int:
@@ -54,8 +73,9 @@ def parse_bytes(text: str | int) -> int:
     m = _BYTES_RE.match(str(text))
     unit = (m.group(2) or "").upper() if m else ""
     if not m or unit not in _BYTE_UNITS:
-        raise ValueError(f"size {text!r}: use bytes or a number with a unit such as 512MiB, "
-                         "8GiB, 2GB")
+        raise ValueError(
+            f"size {text!r}: use bytes or a number with a unit such as 512MiB, 8GiB, 2GB"
+        )
     number = float(m.group(1)) * _BYTE_UNITS[unit]
     if number == float("inf"):
         raise ValueError(f"size {text!r} is too large")
@@ -76,8 +96,10 @@ def parse_memory_budget(value: object) -> int:
 
     def bad(why: str) -> PydanticCustomError:
         return PydanticCustomError(
-            "memory_budget", "--memory-budget (TIERWATCH_MEMORY_BUDGET) {value}: {why}",
-            {"value": repr(value) if not isinstance(value, int) else str(value), "why": why})
+            "memory_budget",
+            "--memory-budget (TIERWATCH_MEMORY_BUDGET) {value}: {why}",
+            {"value": repr(value) if not isinstance(value, int) else str(value), "why": why},
+        )
 
     positive = "must be a positive size such as 8GiB"
     if isinstance(value, bool) or not isinstance(value, str | int):
@@ -91,8 +113,10 @@ def parse_memory_budget(value: object) -> int:
     if size <= 0:
         raise bad(positive)
     if size > MAX_MEMORY_BUDGET:
-        raise bad(f"{size} bytes is more than any machine has (at most 2**62 bytes); "
-                  "use a size such as 8GiB")
+        raise bad(
+            f"{size} bytes is more than any machine has (at most 2**62 bytes); "
+            "use a size such as 8GiB"
+        )
     return size
 
 
@@ -240,8 +264,10 @@ class AgentSettings(BaseSettings):
             return None
         value = value.strip().rstrip("/")
         if not value.startswith(("http://", "https://")):
-            raise ValueError("advertise_url must be an http:// or https:// URL that other "
-                             "agents can reach, e.g. http://gpu-017:9470")
+            raise ValueError(
+                "advertise_url must be an http:// or https:// URL that other "
+                "agents can reach, e.g. http://gpu-017:9470"
+            )
         return value
 
     @field_validator("persistent_url")
@@ -323,8 +349,10 @@ class AgentSettings(BaseSettings):
         if self.memory_dir is not None:
             return self.memory_dir
         if not self.node:
-            raise SettingsError("set memory_dir or node (--memory-dir / TIERWATCH_MEMORY_DIR, "
-                                "--node / TIERWATCH_NODE)")
+            raise SettingsError(
+                "set memory_dir or node (--memory-dir / TIERWATCH_MEMORY_DIR, "
+                "--node / TIERWATCH_NODE)"
+            )
         return Path("/dev/shm/tierwatch") / self.node
 
     def resolved_persistent_url(self) -> str:
@@ -355,8 +383,9 @@ class AgentSettings(BaseSettings):
         if self.state_dir is not None:
             return self.state_dir
         if not self.node:
-            raise SettingsError("set --state-dir or --node so the agent knows where to keep "
-                                "its state")
+            raise SettingsError(
+                "set --state-dir or --node so the agent knows where to keep its state"
+            )
         return Path.cwd() / "var" / "agent" / self.node
 
     def resolved_spool_dir(self) -> Path:
@@ -380,8 +409,11 @@ class AgentSettings(BaseSettings):
         """
         missing = [
             f"--{name} (TIERWATCH_{name.upper()})"
-            for name, value in (("node", self.node), ("server", self.server),
-                                ("token", self.token_value))
+            for name, value in (
+                ("node", self.node),
+                ("server", self.server),
+                ("token", self.token_value),
+            )
             if not value
         ]
         if missing:

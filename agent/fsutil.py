@@ -60,13 +60,17 @@ def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
         fsync_dir(path.parent)
 
 
-def atomic_write_json(path: Path, obj: BaseModel | Mapping[str, object], *,
-                      fsync: bool = True) -> None:
+def atomic_write_json(
+    path: Path, obj: BaseModel | Mapping[str, object], *, fsync: bool = True
+) -> None:
     """:func:`atomic_write_bytes` of a pydantic model or a mapping as JSON (indent 1).
 
     Raises:
         OSError: as :func:`atomic_write_bytes`.
     """
-    data = obj.model_dump_json(indent=1) if isinstance(obj, BaseModel) \
+    data = (
+        obj.model_dump_json(indent=1)
+        if isinstance(obj, BaseModel)
         else json.dumps(obj, indent=1, default=str)
+    )
     atomic_write_bytes(path, data.encode(), fsync=fsync)

@@ -32,6 +32,8 @@ def error_detail(resp: httpx.Response, *, limit: int = DEFAULT_LIMIT) -> str:
     if isinstance(detail, list):
         fields = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', [])[1:]) or 'body'}: {e.get('msg')}"
-            for e in detail if isinstance(e, dict))
+            for e in detail
+            if isinstance(e, dict)
+        )
         return (fields or str(detail))[:limit]
     return str(detail)[:limit]

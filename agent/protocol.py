@@ -252,9 +252,10 @@ class RestoreReport(_Model):
     seconds: Annotated[float, Field(ge=0, le=10**7)]
     steps_lost: Annotated[int, Field(ge=0)] | None = None
     files_by_tier: dict[TierName, Annotated[int, Field(ge=0)]] = {}
-    sources: Annotated[dict[Annotated[str, Field(max_length=128)],
-                            Annotated[str, Field(max_length=300)]],
-                       Field(max_length=4096)] = {}
+    sources: Annotated[
+        dict[Annotated[str, Field(max_length=128)], Annotated[str, Field(max_length=300)]],
+        Field(max_length=4096),
+    ] = {}
     ok: bool = True
     message: Annotated[Text, Field(max_length=2000)] = ""
     # restore_requests.id is a 32-bit integer column: a larger id names no request (and on
@@ -298,8 +299,10 @@ class ReportBatch(_Model):
             raise ValueError("gpus: each GPU index may appear once in the inventory")
         if self.gpus:
             known = set(indices)
-            named = (("samples", [s.index for s in self.samples]),
-                     ("xids", [x.gpu for x in self.xids]))
+            named = (
+                ("samples", [s.index for s in self.samples]),
+                ("xids", [x.gpu for x in self.xids]),
+            )
             for field, gpus in named:
                 for i, gpu in enumerate(gpus):
                     if gpu not in known:

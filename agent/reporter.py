@@ -97,8 +97,12 @@ class SpoolItem:
     def from_path(cls, path: Path) -> SpoolItem | None:
         """Parse a spool file name; None when the name is not a spool file."""
         parts = path.name.split(".")
-        if len(parts) != 4 or parts[3] != "json" or not parts[0].isdigit() \
-                or not parts[2].isdigit():
+        if (
+            len(parts) != 4
+            or parts[3] != "json"
+            or not parts[0].isdigit()
+            or not parts[2].isdigit()
+        ):
             return None
         return cls(path=path, ordinal=int(parts[0]), epoch=parts[1], seq=int(parts[2]))
 
@@ -321,8 +325,11 @@ class Reporter:
         self._client = httpx.Client(
             base_url=self.server,
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0)),
-            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json",
-                     "User-Agent": f"tierwatch-agent/{__version__}"},
+            headers={
+                "Authorization": f"Bearer {token}",
+                "Content-Type": "application/json",
+                "User-Agent": f"tierwatch-agent/{__version__}",
+            },
         )
         self._build_lock = threading.Lock()
         self._state_lock = threading.Lock()
@@ -343,8 +350,11 @@ class Reporter:
         self._abort = threading.Event()  # stop now, even mid-retry
         self._thread: threading.Thread | None = None
         if len(self.spool):
-            log.info("spool %s holds %d unsent batch(es) from earlier; sending them first",
-                     self.spool.directory, len(self.spool))
+            log.info(
+                "spool %s holds %d unsent batch(es) from earlier; sending them first",
+                self.spool.directory,
+                len(self.spool),
+            )
 
     # -- building ------------------------------------------------------------------------
     def report(
@@ -389,9 +399,12 @@ class Reporter:
                 with self._state_lock:
                     self._dropped += newly_dropped
                     total = self._dropped
-                self._add_event("spool_full", f"spool full ({self.spool.max_batches} "
-                                f"batches): dropped {newly_dropped} oldest batch(es), "
-                                f"{total} since start")
+                self._add_event(
+                    "spool_full",
+                    f"spool full ({self.spool.max_batches} "
+                    f"batches): dropped {newly_dropped} oldest batch(es), "
+                    f"{total} since start",
+                )
             with self._state_lock:
                 own = self._events
                 room = max(0, MAX_EVENTS_PER_BATCH - len(events))
@@ -418,8 +431,7 @@ class Reporter:
                 command_results=list(command_results),
                 dropped_batches=dropped,
             )
-            late_drops = self.spool.put(batch.model_dump_json().encode(), batch.epoch,
-                                        batch.seq)
+            late_drops = self.spool.put(batch.model_dump_json().encode(), batch.epoch, batch.seq)
             self._seq = batch.seq
         if late_drops:  # only if the sender's in-flight batch blocked make_room (rare)
             with self._state_lock:
@@ -460,8 +472,7 @@ class Reporter:
         """Start the sender thread (idempotent)."""
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._run, name="tierwatch-reporter",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="tierwatch-reporter", daemon=True)
         self._thread.start()
 
     def close(self, flush_timeout_s: float = 5.0) -> bool:
@@ -484,8 +495,11 @@ class Reporter:
         self._client.close()
         left = len(self.spool)
         if left:
-            log.warning("%d batch(es) left in the spool %s; they are sent on the next start",
-                        left, self.spool.directory)
+            log.warning(
+                "%d batch(es) left in the spool %s; they are sent on the next start",
+                left,
+                self.spool.directory,
+            )
         return left == 0
 
     def wait_idle(self, timeout_s: float) -> bool:
@@ -549,12 +563,18 @@ class Reporter:
                 self._last_error = str(exc)
             hint = ""
             if exc.status_code in (401, 403):
-                hint = " (check the agent token and that it belongs to node " \
-                       f"{self.node!r})"
-            log.error("server refused batch epoch=%s seq=%d for good: %s%s; moved to %s",
-                      item.epoch, item.seq, exc, hint, target)
-            self._add_event("report_rejected", f"batch epoch={item.epoch} seq={item.seq} "
-                            f"refused: {exc}{hint}")
+                hint = f" (check the agent token and that it belongs to node {self.node!r})"
+            log.error(
+                "server refused batch epoch=%s seq=%d for good: %s%s; moved to %s",
+                item.epoch,
+                item.seq,
+                exc,
+                hint,
+                target,
+            )
+            self._add_event(
+                "report_rejected", f"batch epoch={item.epoch} seq={item.seq} refused: {exc}{hint}"
+            )
             return
         finally:
             self.spool.set_in_flight(None)
@@ -573,8 +593,9 @@ class Reporter:
         return retrying(self._post_once, body)
 
     def _wait(self, state: RetryCallState) -> float:
-        exp = wait_exponential_jitter(multiplier=self._backoff_initial, max=self._backoff_max,
-                                      jitter=self._backoff_initial)(state)
+        exp = wait_exponential_jitter(
+            multiplier=self._backoff_initial, max=self._backoff_max, jitter=self._backoff_initial
+        )(state)
         exc = state.outcome.exception() if state.outcome else None
         retry_after = getattr(exc, "retry_after_s", None)
         if retry_after is not None:
@@ -589,10 +610,19 @@ class Reporter:
         exc = state.outcome.exception() if state.outcome else None
         self._record_failure(str(exc))
         wait = state.next_action.sleep if state.next_action else 0.0
-        level = logging.WARNING if state.attempt_number in (1, 10) or \
-            state.attempt_number % 100 == 0 else logging.DEBUG
-        log.log(level, "report delivery failed (attempt %d): %s; retrying in %.1f s "
-                "(%d batch(es) spooled)", state.attempt_number, exc, wait, len(self.spool))
+        level = (
+            logging.WARNING
+            if state.attempt_number in (1, 10) or state.attempt_number % 100 == 0
+            else logging.DEBUG
+        )
+        log.log(
+            level,
+            "report delivery failed (attempt %d): %s; retrying in %.1f s (%d batch(es) spooled)",
+            state.attempt_number,
+            exc,
+            wait,
+            len(self.spool),
+        )
 
     def _post_once(self, body: bytes) -> ReportAck | None:
         """POST one batch.
@@ -608,21 +638,27 @@ class Reporter:
             resp = self._client.post(INGEST_PATH, content=body)
         except httpx.TransportError as exc:
             raise TransientReportError(
-                f"cannot reach {self.server}: {type(exc).__name__}: {exc}") from exc
+                f"cannot reach {self.server}: {type(exc).__name__}: {exc}"
+            ) from exc
         status = resp.status_code
         if status == 429 or status >= 500:
             raise TransientReportError(
                 f"HTTP {status} from {self.server}: {error_detail(resp, limit=DETAIL_LIMIT)}",
-                retry_after_s=_retry_after(resp))
+                retry_after_s=_retry_after(resp),
+            )
         if not 200 <= status < 300:
             raise PermanentReportError(
-                f"HTTP {status}: {error_detail(resp, limit=DETAIL_LIMIT)}", status)
+                f"HTTP {status}: {error_detail(resp, limit=DETAIL_LIMIT)}", status
+            )
         try:
             return ReportAck.model_validate_json(resp.content)
         except ValidationError as exc:
             log.error("server answered HTTP %d with an invalid acknowledgement: %s", status, exc)
-            self._add_event("bad_ack", f"HTTP {status} answer is not a ReportAck "
-                            f"({exc.error_count()} error(s)); batch counted as delivered")
+            self._add_event(
+                "bad_ack",
+                f"HTTP {status} answer is not a ReportAck "
+                f"({exc.error_count()} error(s)); batch counted as delivered",
+            )
             return None
 
     def _record_failure(self, error: str) -> None:
@@ -647,14 +683,25 @@ class Reporter:
                     self._last_acked_seq = max(self._last_acked_seq, ack.acked_seq)
         if outage is not None:
             took = time.monotonic() - outage
-            log.info("server reachable again after %.1f s (%d failed attempt(s)); replaying "
-                     "%d spooled batch(es)", took, failures, len(self.spool))
-            self._add_event("server_unreachable", f"reports could not be delivered for "
-                            f"{took:.0f} s ({failures} failed attempt(s)); spooled batches "
-                            "replayed in order")
+            log.info(
+                "server reachable again after %.1f s (%d failed attempt(s)); replaying "
+                "%d spooled batch(es)",
+                took,
+                failures,
+                len(self.spool),
+            )
+            self._add_event(
+                "server_unreachable",
+                f"reports could not be delivered for "
+                f"{took:.0f} s ({failures} failed attempt(s)); spooled batches "
+                "replayed in order",
+            )
         if ack is not None and ack.commands:
-            log.info("server sent %d command(s): %s", len(ack.commands),
-                     ", ".join(f"{c.kind}({c.id})" for c in ack.commands))
+            log.info(
+                "server sent %d command(s): %s",
+                len(ack.commands),
+                ", ".join(f"{c.kind}({c.id})" for c in ack.commands),
+            )
             if self._on_commands is not None:
                 try:
                     self._on_commands(list(ack.commands))

@@ -72,11 +72,13 @@ class LocalApiServer:
         import uvicorn  # imported here: only `run` needs it
 
         self._server = uvicorn.Server(
-            uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                           access_log=False)
+            uvicorn.Config(
+                app, host=host, port=port, log_level="warning", lifespan="off", access_log=False
+            )
         )
-        self._thread = threading.Thread(target=self._server.run, name="tierwatch-local-api",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, name="tierwatch-local-api", daemon=True
+        )
         self.host = host
         self.port = port
 
@@ -134,22 +136,27 @@ class AgentRuntime:
         settings.check_runnable()
         self.settings = settings
         self.collector = collector if collector is not None else make_collector(settings, nvml)
-        self.reporter = reporter if reporter is not None else Reporter(
-            node=settings.node or "",
-            server=settings.server or "",
-            token=settings.token_value or "",
-            spool_dir=settings.resolved_spool_dir(),
-            spool_max_batches=settings.spool_max_batches,
-            collector=self.collector.name,
-            simulated=self.collector.simulated,
-            interval_s=settings.interval,
-            on_commands=self.on_commands,
-            # Retry at least once per report interval, so after an outage a node is seen
-            # again within one interval, well before the 3-interval heartbeat window.
-            backoff_max_s=min(30.0, max(1.0, settings.interval)),
+        self.reporter = (
+            reporter
+            if reporter is not None
+            else Reporter(
+                node=settings.node or "",
+                server=settings.server or "",
+                token=settings.token_value or "",
+                spool_dir=settings.resolved_spool_dir(),
+                spool_max_batches=settings.spool_max_batches,
+                collector=self.collector.name,
+                simulated=self.collector.simulated,
+                interval_s=settings.interval,
+                on_commands=self.on_commands,
+                # Retry at least once per report interval, so after an outage a node is seen
+                # again within one interval, well before the 3-interval heartbeat window.
+                backoff_max_s=min(30.0, max(1.0, settings.interval)),
+            )
         )
-        self.flush_timeout_s = (settings.shutdown_flush_s if flush_timeout_s is None
-                                else flush_timeout_s)
+        self.flush_timeout_s = (
+            settings.shutdown_flush_s if flush_timeout_s is None else flush_timeout_s
+        )
         self.commands = CommandExecutor(
             node=settings.node or "",
             state_dir=settings.resolved_state_dir(),
@@ -193,27 +200,36 @@ class AgentRuntime:
         if serve_api:
             from tierwatch.agent.server import create_app
 
-            self._api = LocalApiServer(create_app(self), self.settings.listen_host,
-                                       self.settings.listen_port)
+            self._api = LocalApiServer(
+                create_app(self), self.settings.listen_host, self.settings.listen_port
+            )
             self._api.start()
             log.info("local API on http://%s:%d", self._api.host, self._api.port)
             if not is_loopback_host(self.settings.listen_host):
-                log.warning("local API listens on a non-loopback address (%s); control "
-                            "endpoints require the agent token from other hosts",
-                            self.settings.listen_host)
+                log.warning(
+                    "local API listens on a non-loopback address (%s); control "
+                    "endpoints require the agent token from other hosts",
+                    self.settings.listen_host,
+                )
         if self.ckpt is not None:
             try:
-                self.ckpt.start(self.settings.listen_host,
-                                self.api_port or self.settings.listen_port)
+                self.ckpt.start(
+                    self.settings.listen_host, self.api_port or self.settings.listen_port
+                )
             except OSError as exc:
                 log.error("checkpoint store disabled: %s", exc)
                 self.add_event("checkpoint_error", f"checkpoint store disabled: {exc}")
                 self.ckpt = None
         self._started = True
-        log.info("agent started: node=%s collector=%s%s server=%s interval=%gs epoch=%s",
-                 self.settings.node, self.collector.name,
-                 " (SIMULATED)" if self.collector.simulated else "", self.settings.server,
-                 self.settings.interval, self.reporter.epoch)
+        log.info(
+            "agent started: node=%s collector=%s%s server=%s interval=%gs epoch=%s",
+            self.settings.node,
+            self.collector.name,
+            " (SIMULATED)" if self.collector.simulated else "",
+            self.settings.server,
+            self.settings.interval,
+            self.reporter.epoch,
+        )
 
     def _make_ckpt(self) -> None:
         from tierwatch.agent.checkpoint.tierstore.api import CheckpointService
@@ -282,8 +298,12 @@ class AgentRuntime:
             log.error("could not spool the last batch: %s", exc)
         self.collector.shutdown()
         delivered = self.reporter.close(self.flush_timeout_s)
-        log.info("agent stopped (%s)", "all reports delivered" if delivered
-                 else f"{len(self.reporter.spool)} batch(es) left in the spool")
+        log.info(
+            "agent stopped (%s)",
+            "all reports delivered"
+            if delivered
+            else f"{len(self.reporter.spool)} batch(es) left in the spool",
+        )
         return 0
 
     # -- work ----------------------------------------------------------------------------
@@ -315,15 +335,22 @@ class AgentRuntime:
             ckpt_events = _take(self._ckpt_events, MAX_PER_BATCH)
             progress = _take(self._progress, MAX_PER_BATCH)
             restores = _take(self._restores, MAX_RESTORES_PER_BATCH)
-        self.reporter.report(gpus=self.collector.inventory(), samples=samples[:MAX_PER_BATCH],
-                             latency=latency, events=events, checkpoint_events=ckpt_events,
-                             progress=progress, restores=restores)
+        self.reporter.report(
+            gpus=self.collector.inventory(),
+            samples=samples[:MAX_PER_BATCH],
+            latency=latency,
+            events=events,
+            checkpoint_events=ckpt_events,
+            progress=progress,
+            restores=restores,
+        )
 
     def on_xid(self, event: XidEvent) -> None:
         """Push an XID (from any thread) to the server at once, in its own batch."""
         try:
-            self.reporter.push_now(gpus=self.collector.inventory(), xids=[event],
-                                   events=self._take_events())
+            self.reporter.push_now(
+                gpus=self.collector.inventory(), xids=[event], events=self._take_events()
+            )
         except OSError as exc:
             log.error("could not spool XID %d on GPU %d: %s", event.xid, event.gpu, exc)
 
@@ -341,8 +368,9 @@ class AgentRuntime:
     def report_command_results(self, results: list[CommandResult]) -> None:
         """Send command results to the server now, in a batch of their own."""
         try:
-            self.reporter.report(gpus=self.collector.inventory(), command_results=results,
-                                 urgent=True)
+            self.reporter.report(
+                gpus=self.collector.inventory(), command_results=results, urgent=True
+            )
         except OSError as exc:
             log.error("could not spool %d command result(s): %s", len(results), exc)
 
@@ -354,16 +382,21 @@ class AgentRuntime:
             for _ in range(max(0, overflow)):
                 self._latency.popleft()
         if overflow > 0:
-            self.add_event("latency_dropped", f"trainer latency queue full: dropped {overflow} "
-                           "oldest sample(s)")
+            self.add_event(
+                "latency_dropped",
+                f"trainer latency queue full: dropped {overflow} oldest sample(s)",
+            )
 
     def add_checkpoint_event(self, event: CheckpointEvent) -> None:
         """Queue one checkpoint event (from any thread) for the next batch."""
         self.add_checkpoint_reports([event], [], [])
 
-    def add_checkpoint_reports(self, events: Iterable[CheckpointEvent],
-                               progress: Iterable[JobProgress],
-                               restores: Iterable[RestoreReport]) -> dict[str, int]:
+    def add_checkpoint_reports(
+        self,
+        events: Iterable[CheckpointEvent],
+        progress: Iterable[JobProgress],
+        restores: Iterable[RestoreReport],
+    ) -> dict[str, int]:
         """Queue checkpoint events, progress and restore reports for the next batch(es).
 
         Each queue holds at most ``MAX_QUEUED_CKPT`` entries; beyond, the oldest are dropped
@@ -375,9 +408,11 @@ class AgentRuntime:
         counts = {}
         dropped = {}
         with self._lock:
-            for name, queue, items in (("events", self._ckpt_events, events),
-                                       ("progress", self._progress, progress),
-                                       ("restores", self._restores, restores)):
+            for name, queue, items in (
+                ("events", self._ckpt_events, events),
+                ("progress", self._progress, progress),
+                ("restores", self._restores, restores),
+            ):
                 before = len(queue)
                 queue.extend(items)
                 counts[name] = len(queue) - before
@@ -387,15 +422,16 @@ class AgentRuntime:
                 if overflow > 0:
                     dropped[name] = overflow
         for name, n in dropped.items():
-            self.add_event("checkpoint_queue_full", f"checkpoint {name} queue full: dropped "
-                           f"{n} oldest entr{'y' if n == 1 else 'ies'}")
+            self.add_event(
+                "checkpoint_queue_full",
+                f"checkpoint {name} queue full: dropped {n} oldest entr{'y' if n == 1 else 'ies'}",
+            )
         return counts
 
     def add_event(self, kind: str, message: str, gpu: int | None = None) -> None:
         """Queue an agent event for the next batch."""
         with self._lock:
-            self._events.append(AgentEvent(kind=kind, ts=utcnow(), message=message[:2000],
-                                           gpu=gpu))
+            self._events.append(AgentEvent(kind=kind, ts=utcnow(), message=message[:2000], gpu=gpu))
 
     def _take_events(self) -> list[AgentEvent]:
         collected = self.collector.drain_events()

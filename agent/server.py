@@ -90,8 +90,10 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
         token = runtime.settings.token_value
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
-        if token and scheme.lower() == "bearer" and hmac.compare_digest(
-            given.strip().encode(), token.encode()
+        if (
+            token
+            and scheme.lower() == "bearer"
+            and hmac.compare_digest(given.strip().encode(), token.encode())
         ):
             return
         raise HTTPException(
@@ -135,7 +137,11 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
     from tierwatch.agent.checkpoint.tierstore.api import ckpt_router
 
     # the store counts once it has started (agent.json written, peer URL known)
-    app.include_router(ckpt_router(lambda: runtime.ckpt if runtime.ckpt is not None
-                                   and runtime.ckpt.started else None, control=control,
-                                   queue_events=runtime.add_checkpoint_reports))
+    app.include_router(
+        ckpt_router(
+            lambda: runtime.ckpt if runtime.ckpt is not None and runtime.ckpt.started else None,
+            control=control,
+            queue_events=runtime.add_checkpoint_reports,
+        )
+    )
     return app

@@ -55,8 +55,14 @@ class BackgroundWork:
         ConfigError: the configured cluster driver cannot be set up (e.g. no kubeconfig).
     """
 
-    def __init__(self, factory: sessionmaker[Session], engine: Engine, settings: Settings, *,
-                 tick_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        factory: sessionmaker[Session],
+        engine: Engine,
+        settings: Settings,
+        *,
+        tick_s: float = 1.0,
+    ) -> None:
         self._factory = factory
         self._settings = settings
         self._tick_s = tick_s
@@ -126,8 +132,9 @@ class BackgroundWork:
             expired = queue.expire(session, now=now, run_limit_s=self._run_limit_s)
             names = _names(session, [r.node_id for r in expired])
             for row in expired:
-                record_command_outcome(session, self._settings, row, names.get(row.node_id, "?"),
-                                       now=now)
+                record_command_outcome(
+                    session, self._settings, row, names.get(row.node_id, "?"), now=now
+                )
             restores.expire_requests(session, now=now, settings=self._settings)
             session.commit()
         with self._factory() as session:
@@ -143,14 +150,15 @@ class BackgroundWork:
         now = utcnow()
         with self._factory() as session:
             deleted = fleet_service.prune(
-                session, now=now, sample_retention_s=self._settings.sample_retention_s,
+                session,
+                now=now,
+                sample_retention_s=self._settings.sample_retention_s,
                 event_retention_s=self._settings.event_retention_s,
             )
             deleted["alerts"] = prune_alerts(
                 session, now=now, retention_s=self._settings.event_retention_s
             )
-            deleted |= prune_actions(session, now=now,
-                                     retention_s=self._settings.event_retention_s)
+            deleted |= prune_actions(session, now=now, retention_s=self._settings.event_retention_s)
             session.commit()
         log.info("pruned %s", deleted)
 
@@ -184,9 +192,13 @@ class BackgroundWork:
 
     def _run_driver(self, kind: str, node: str, reason: str) -> tuple[bool, int | None, str]:
         if self._driver is None:
-            return False, None, (
-                f"isolation driver {self._settings.isolation.driver!r} is not usable on the "
-                "server (no cluster driver configured)"
+            return (
+                False,
+                None,
+                (
+                    f"isolation driver {self._settings.isolation.driver!r} is not usable on the "
+                    "server (no cluster driver configured)"
+                ),
             )
         run: Callable[[str, str], Any] = (
             self._driver.isolate if kind == "isolate" else self._driver.release
@@ -206,14 +218,17 @@ class BackgroundWork:
                 return
             if queue.finish(row, ok=ok, exit_code=exit_code, output=output, now=now):
                 names = _names(session, [row.node_id])
-                record_command_outcome(session, self._settings, row,
-                                       names.get(row.node_id, "?"), now=now)
+                record_command_outcome(
+                    session, self._settings, row, names.get(row.node_id, "?"), now=now
+                )
             session.commit()
 
 
 def _names(session: Session, node_ids: list[int]) -> dict[int, str]:
     if not node_ids:
         return {}
-    return dict(session.execute(
-        select(Node.id, Node.name).where(Node.id.in_(sorted(set(node_ids))))
-    ).tuples().all())
+    return dict(
+        session.execute(select(Node.id, Node.name).where(Node.id.in_(sorted(set(node_ids)))))
+        .tuples()
+        .all()
+    )

@@ -36,9 +36,13 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port", min=1, max=65535)] = 8000,
     migrate_first: Annotated[bool, typer.Option("--migrate/--no-migrate")] = True,
     log_level: Annotated[str, typer.Option()] = "info",
-    forwarded_allow_ips: Annotated[str, typer.Option(
-        help="comma-separated addresses of reverse proxies whose X-Forwarded-For is "
-        "trusted (default: none; the client address is the TCP peer)")] = "",
+    forwarded_allow_ips: Annotated[
+        str,
+        typer.Option(
+            help="comma-separated addresses of reverse proxies whose X-Forwarded-For is "
+            "trusted (default: none; the client address is the TCP peer)"
+        ),
+    ] = "",
 ) -> None:
     """Run the control plane (migrates the database first unless --no-migrate)."""
     import logging
@@ -47,8 +51,11 @@ def serve(
 
     from tierwatch.server.main import create_app
 
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     settings = get_settings()
     try:
@@ -64,9 +71,15 @@ def serve(
     _err(f"tierwatch-server listening on http://{host}:{port}")
     # Proxy headers only from named proxies: otherwise any local client could claim any
     # address (and get round the sign-in rate limit).
-    uvicorn.run(app_, host=host, port=port, log_level=log_level, access_log=False,
-                proxy_headers=bool(forwarded_allow_ips),
-                forwarded_allow_ips=forwarded_allow_ips or None)
+    uvicorn.run(
+        app_,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        proxy_headers=bool(forwarded_allow_ips),
+        forwarded_allow_ips=forwarded_allow_ips or None,
+    )
 
 
 @app.command()
@@ -106,9 +119,17 @@ def _audit_cli(session: Any, action: str, target: str, detail: dict[str, Any]) -
         user = getpass.getuser()
     except (KeyError, OSError):
         user = "unknown"
-    audit.record(session, actor=f"cli@{user}", role="admin", action=action,
-                 target_kind="token", target=target, outcome="ok", now=utcnow(),
-                 detail=detail)
+    audit.record(
+        session,
+        actor=f"cli@{user}",
+        role="admin",
+        action=action,
+        target_kind="token",
+        target=target,
+        outcome="ok",
+        now=utcnow(),
+        detail=detail,
+    )
 
 
 @token_app.command("create")
@@ -125,8 +146,9 @@ def token_create(
         with session_scope(_sessionmaker()) as session:
             plaintext, row = create_token(session, role=role, node=node, label=label)
             token_id = row.id
-            _audit_cli(session, "token_create", str(token_id),
-                       {"role": role, "node": node, "label": label})
+            _audit_cli(
+                session, "token_create", str(token_id), {"role": role, "node": node, "label": label}
+            )
     except TokenError as exc:
         _err(f"error: {exc}")
         raise typer.Exit(2) from exc
@@ -175,8 +197,10 @@ def main() -> None:
     try:
         app(prog_name="tierwatch-server", standalone_mode=True)
     except SettingsError as exc:  # e.g. a list setting that is not JSON
-        _err(f"error: invalid setting: {exc}; list settings take JSON, e.g. "
-             """TIERWATCH_POLICY__ACTIONS='["RESET_GPU","RESTART_BM"]'""")
+        _err(
+            f"error: invalid setting: {exc}; list settings take JSON, e.g. "
+            """TIERWATCH_POLICY__ACTIONS='["RESET_GPU","RESTART_BM"]'"""
+        )
         raise SystemExit(2) from None
     except ValidationError as exc:
         problems = "; ".join(

@@ -62,7 +62,11 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 
 def make_engine(
-    url: str, *, echo: bool = False, pool_size: int = 10, max_overflow: int = 40,
+    url: str,
+    *,
+    echo: bool = False,
+    pool_size: int = 10,
+    max_overflow: int = 40,
     pre_ping: bool = True,
 ) -> Engine:
     """Create an engine for a plain SQLAlchemy URL.

@@ -23,10 +23,12 @@ log = logging.getLogger(__name__)
 # The lock is (class, object) = ("tw", hash of database + schema): one per tierwatch
 # deployment, so two deployments in different schemas of one database never block each other.
 LOCK_CLASS = int.from_bytes(b"tw", "big")
-LOCK_SQL = ("SELECT pg_try_advisory_lock(:k, hashtext(current_database() || '.' || "
-            "current_schema()))")
-UNLOCK_SQL = ("SELECT pg_advisory_unlock(:k, hashtext(current_database() || '.' || "
-              "current_schema()))")
+LOCK_SQL = (
+    "SELECT pg_try_advisory_lock(:k, hashtext(current_database() || '.' || current_schema()))"
+)
+UNLOCK_SQL = (
+    "SELECT pg_advisory_unlock(:k, hashtext(current_database() || '.' || current_schema()))"
+)
 
 
 class LeaderLock:
@@ -78,8 +80,9 @@ class LeaderLock:
             return False
         if got:
             self._conn = conn
-            log.info("this replica is now the leader (runs policy, expiry, drivers, alerts, "
-                     "pruning)")
+            log.info(
+                "this replica is now the leader (runs policy, expiry, drivers, alerts, pruning)"
+            )
             return True
         conn.close()
         return False

@@ -125,7 +125,9 @@ def _register_wire_schemas(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(
-                title=app.title, version=app.version, description=app.description,
+                title=app.title,
+                version=app.version,
+                description=app.description,
                 routes=app.routes,
             )
             components = schema.setdefault("components", {}).setdefault("schemas", {})

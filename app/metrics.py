@@ -228,7 +228,8 @@ def collect_actions(session: Session) -> Iterator[Metric]:
     ):
         counts[(state, kind)] = n
     commands = GaugeMetricFamily(
-        "tierwatch_commands", "Commands in the queue per state and kind.",
+        "tierwatch_commands",
+        "Commands in the queue per state and kind.",
         labels=["state", "kind"],
     )
     for (state, kind), n in sorted(counts.items()):

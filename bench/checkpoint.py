@@ -64,8 +64,6 @@ BATCH = 8
 PEER_TOKEN = "bench-peer-" + "x" * 32
 
 
-
-
 def wait(pred, timeout: float, what: str):  # noqa: ANN001, ANN201
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -85,21 +83,50 @@ class Agent:
         self.url = f"http://127.0.0.1:{self.port}"
         self.memory_dir = Path("/dev/shm") / f"tw-bench-{os.getpid()}" / name
         self.log = root / f"{name}.log"
-        self.args = [str(BIN / "tierwatch-agent"), "run", "--node", name,
-                     "--server", "http://127.0.0.1:9", "--token", "bench-no-server",
-                     "--collector", "simulated", "--sim-gpus", "1", "--interval", "5",
-                     "--listen", f"127.0.0.1:{self.port}", "--spool-dir", str(root / name),
-                     "--memory-dir", str(self.memory_dir), "--persistent-url", persistent_url,
-                     "--ckpt-scan-interval", "0.5", "--log-level", "WARNING"]
+        self.args = [
+            str(BIN / "tierwatch-agent"),
+            "run",
+            "--node",
+            name,
+            "--server",
+            "http://127.0.0.1:9",
+            "--token",
+            "bench-no-server",
+            "--collector",
+            "simulated",
+            "--sim-gpus",
+            "1",
+            "--interval",
+            "5",
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--spool-dir",
+            str(root / name),
+            "--memory-dir",
+            str(self.memory_dir),
+            "--persistent-url",
+            persistent_url,
+            "--ckpt-scan-interval",
+            "0.5",
+            "--log-level",
+            "WARNING",
+        ]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Agent:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIERWATCH_")}
         env["TIERWATCH_PEER_TOKEN"] = PEER_TOKEN
-        self.proc = subprocess.Popen(self.args, env=env, stdout=open(self.log, "ab"),  # noqa: SIM115
-                                     stderr=subprocess.STDOUT)
-        wait(lambda: httpx.get(f"{self.url}/v1/ckpt/info", timeout=1).status_code == 200, 30,
-             f"agent {self.name}")
+        self.proc = subprocess.Popen(
+            self.args,
+            env=env,
+            stdout=open(self.log, "ab"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+        )
+        wait(
+            lambda: httpx.get(f"{self.url}/v1/ckpt/info", timeout=1).status_code == 200,
+            30,
+            f"agent {self.name}",
+        )
         return self
 
     def stop(self) -> None:
@@ -192,8 +219,9 @@ def part1(root: Path, disk: Path) -> dict:
         t1 = time.perf_counter()
         if fut is not None:
             fut.result()
-        fut = dcp.async_save(plain_sd(), checkpoint_id=str(disk / "dcpa" / step_dirname(i % 2)),
-                             no_dist=True)
+        fut = dcp.async_save(
+            plain_sd(), checkpoint_id=str(disk / "dcpa" / step_dirname(i % 2)), no_dist=True
+        )
         t2 = time.perf_counter()
         blocks.append(t2 - t1)
         steps.append(t2 - t0)
@@ -202,8 +230,10 @@ def part1(root: Path, disk: Path) -> dict:
     out["results"]["dcp.async_save"] = {"blocking_s": median(blocks), "step_s": mean(steps)}
 
     # TieredCheckpointer every step and every 10 steps
-    for label, every in (("TieredCheckpointer, every step", 1),
-                         ("TieredCheckpointer, every 10 steps", 10)):
+    for label, every in (
+        ("TieredCheckpointer, every step", 1),
+        ("TieredCheckpointer, every 10 steps", 10),
+    ):
         base_block()
         ckpt = TieredCheckpointer(f"bench-{every}", persist_every=10, latency_every=0)
         n = MEASURED if every == 1 else (40 if QUICK else 100)
@@ -219,14 +249,22 @@ def part1(root: Path, disk: Path) -> dict:
             saves.append(t2 - t1 if i % every == 0 else None)
             steps.append(t2 - t0)
         # blocking of the save after step i = time in save() + the pre-hook wait in step i+1
-        blocks = [s + (hooks[i + 1] if i + 1 < n else 0.0)
-                  for i, s in enumerate(saves) if s is not None]
+        blocks = [
+            s + (hooks[i + 1] if i + 1 < n else 0.0) for i, s in enumerate(saves) if s is not None
+        ]
         ckpt.close()
-        out["results"][label] = {"blocking_s": median(blocks), "step_s": mean(steps),
-                                 "saves": len(blocks), "allocations": ckpt._stager.allocations}
+        out["results"][label] = {
+            "blocking_s": median(blocks),
+            "step_s": mean(steps),
+            "saves": len(blocks),
+            "allocations": ckpt._stager.allocations,
+        }
     base_block()
-    out["results"]["no checkpoint"] = {"step_s": mean(baseline), "step_median_s": median(baseline),
-                                       "steps": len(baseline)}
+    out["results"]["no checkpoint"] = {
+        "step_s": mean(baseline),
+        "step_median_s": median(baseline),
+        "steps": len(baseline),
+    }
     agent.stop()
     shutil.rmtree(agent.memory_dir, ignore_errors=True)
     return out
@@ -237,11 +275,20 @@ def run_ranks(agents: list[Agent], args: list[str], timeout: float = 900) -> Non
     procs = []
     for rank, agent in enumerate(agents):
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIERWATCH_")}
-        env.update(RANK=str(rank), WORLD_SIZE=str(len(agents)), LOCAL_RANK="0",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   TIERWATCH_AGENT_URL=agent.url, BENCH_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(REPO / "bench" / "ckpt_worker.py"),
-                                       *args], env=env))
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(len(agents)),
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TIERWATCH_AGENT_URL=agent.url,
+            BENCH_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(REPO / "bench" / "ckpt_worker.py"), *args], env=env
+            )
+        )
     for p in procs:
         if p.wait(timeout) != 0:
             raise RuntimeError(f"worker exited with {p.returncode}")
@@ -256,16 +303,22 @@ def part2(root: Path, disk: Path) -> dict:
         t0 = time.monotonic()
         run_ranks(agents, ["--mode", "train", "--steps", "2", "--persist-every", "1", *common])
         # persistent step 1 complete = its .metadata exists; commit marker time → .metadata
-        marker = next((agents[0].memory_dir / "jobs" / "bench-tiers" / "step-1").glob(
-            "commit-0.json"))
+        marker = next(
+            (agents[0].memory_dir / "jobs" / "bench-tiers" / "step-1").glob("commit-0.json")
+        )
         meta = persistent / "bench-tiers" / "step-1" / ".metadata"
         wait(meta.exists, 900, "persistent .metadata of step 1")
         upload_s = meta.stat().st_mtime - marker.stat().st_mtime
         step_bytes = sum(f.stat().st_size for f in meta.parent.iterdir() if f.is_file())
         out["persistent_upload"] = {"bytes": step_bytes, "seconds": upload_s}
         # replicas in place on both nodes
-        wait(lambda: all(any((a.memory_dir / "replicas").rglob("step-1/commit-*.json"))
-                         for a in agents), 600, "peer replicas of step 1")
+        wait(
+            lambda: all(
+                any((a.memory_dir / "replicas").rglob("step-1/commit-*.json")) for a in agents
+            ),
+            600,
+            "peer replicas of step 1",
+        )
         out["train_wall_s"] = time.monotonic() - t0
 
         def restore(label: str) -> None:
@@ -297,7 +350,7 @@ def part2(root: Path, disk: Path) -> dict:
         with open(raw, "wb") as f:
             left = step_bytes
             while left > 0:
-                f.write(chunk[:min(left, len(chunk))])
+                f.write(chunk[: min(left, len(chunk))])
                 left -= len(chunk)
             f.flush()
             os.fsync(f.fileno())
@@ -333,21 +386,32 @@ def report(p1: dict, p2: dict, when: datetime | None = None) -> str:
         f"| no checkpoint ({r['no checkpoint']['steps']} steps in blocks between the methods)"
         f" | – | | | {fmt_s(base)} | |",
     ]
-    for name in ("torch.save + fsync", "dcp.save", "dcp.async_save",
-                 "TieredCheckpointer, every step", "TieredCheckpointer, every 10 steps"):
+    for name in (
+        "torch.save + fsync",
+        "dcp.save",
+        "dcp.async_save",
+        "TieredCheckpointer, every step",
+        "TieredCheckpointer, every 10 steps",
+    ):
         v = r[name]
         b = v["blocking_s"]
-        lines.append(f"| {name} | {fmt_s(b)} | ×{b / torch_b:.3f} | ×{b / async_b:.2f} | "
-                     f"{fmt_s(v['step_s'])} | {100 * (v['step_s'] / base - 1):+.1f} % |")
+        lines.append(
+            f"| {name} | {fmt_s(b)} | ×{b / torch_b:.3f} | ×{b / async_b:.2f} | "
+            f"{fmt_s(v['step_s'])} | {100 * (v['step_s'] / base - 1):+.1f} % |"
+        )
     lines.append("")
-    lines.append("| restore (2 ranks on 2 nodes) | step | seconds (rank 0) | files per tier "
-                 "(rank 0) | phases |")
+    lines.append(
+        "| restore (2 ranks on 2 nodes) | step | seconds (rank 0) | files per tier "
+        "(rank 0) | phases |"
+    )
     lines.append("|---|---|---|---|---|")
     for tier in ("memory", "peer", "persistent"):
         rep = p2[f"restore_{tier}"]
         phases = rep["message"].split(";")[0].removeprefix("phases: ")
-        lines.append(f"| from {tier} | {rep['step']} | {fmt_s(rep['seconds'])} | "
-                     f"{rep['files_by_tier']} | {phases} |")
+        lines.append(
+            f"| from {tier} | {rep['step']} | {fmt_s(rep['seconds'])} | "
+            f"{rep['files_by_tier']} | {phases} |"
+        )
     up = p2["persistent_upload"]
     raw = p2["raw_write"]
     up_bps = up["bytes"] / max(up["seconds"], 1e-9)
@@ -362,8 +426,12 @@ def report(p1: dict, p2: dict, when: datetime | None = None) -> str:
         f"{raw_bps / 2**20:.0f} MiB/s | |",
         "",
         "Page cache dropped before the persistent restore: "
-        + ("yes" if p2["cache_dropped"]
-           else "no (not permitted here), so the persistent read is warm") + "."
+        + (
+            "yes"
+            if p2["cache_dropped"]
+            else "no (not permitted here), so the persistent read is warm"
+        )
+        + "."
         " The persistent folder is on this machine's disk, which the host caches; a"
         " network filesystem or object store would be slower.",
         "",

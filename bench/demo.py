@@ -36,10 +36,25 @@ def run(seed: int, root: Path) -> dict:
     var = root / f"seed-{seed}"
     report = var / "report.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "demo.py"), "--seconds", f"{SECONDS:g}",
-         "--mtbf", "60", "--seed", str(seed), "--collector", "simulated",
-         "--var-dir", str(var), "--report", str(report)],
-        capture_output=True, text=True)
+        [
+            sys.executable,
+            str(REPO / "scripts" / "demo.py"),
+            "--seconds",
+            f"{SECONDS:g}",
+            "--mtbf",
+            "60",
+            "--seed",
+            str(seed),
+            "--collector",
+            "simulated",
+            "--var-dir",
+            str(var),
+            "--report",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+    )
     print(proc.stdout[-3000:], flush=True)
     if proc.returncode != 0:
         raise RuntimeError(f"demo seed {seed} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
@@ -65,9 +80,14 @@ def table(reports: dict[int, dict]) -> str:
     ]
     effs, bases = [], []
     for seed, r in reports.items():
-        fails = "; ".join(f"{f['component']} → {f['restore_tier'] or '-'}, "
-                          f"{f['downtime_s'] if f['downtime_s'] is not None else '-'}"
-                          for f in r["failures"]) or "none"
+        fails = (
+            "; ".join(
+                f"{f['component']} → {f['restore_tier'] or '-'}, "
+                f"{f['downtime_s'] if f['downtime_s'] is not None else '-'}"
+                for f in r["failures"]
+            )
+            or "none"
+        )
         ok = sum(1 for f in r["failures"] if f["recovered"])
         eff, base = r["effective_training_time"], r["baseline_persistent_only"]
         b = r.get("baseline") or {}
@@ -75,17 +95,25 @@ def table(reports: dict[int, dict]) -> str:
             effs.append(eff)
             bases.append(base)
         ratio = f"{eff / base:.2f}×" if eff is not None and base else "n/a"
-        lines.append(f"| {seed} | {fails} | {ok}/{len(r['failures'])} | "
-                     f"{', '.join(r['tiers_used']) or 'none'} | {pct(eff)} | {pct(base)} | "
-                     f"{ratio} | {b.get('checkpoint_s', 'n/a')} | {b.get('interval_s', 'n/a')} |")
+        lines.append(
+            f"| {seed} | {fails} | {ok}/{len(r['failures'])} | "
+            f"{', '.join(r['tiers_used']) or 'none'} | {pct(eff)} | {pct(base)} | "
+            f"{ratio} | {b.get('checkpoint_s', 'n/a')} | {b.get('interval_s', 'n/a')} |"
+        )
     if effs:
-        lines += ["", f"Median over {len(effs)} runs: effective **{pct(statistics.median(effs))}"
-                  f"**, persistent-only **{pct(statistics.median(bases))}**, ratio "
-                  f"{statistics.median(e / b for e, b in zip(effs, bases, strict=True)):.2f}×."]
-    lines += ["", "Effective training time: compute seconds of the steps that survived / wall "
-              "time. The persistent-only peer is played on the same run's failures from its "
-              "measured costs (δ: memory write + persistent upload of a step; downtime less "
-              "the restore, plus a persistent restore), scaled by the run's compute share."]
+        lines += [
+            "",
+            f"Median over {len(effs)} runs: effective **{pct(statistics.median(effs))}"
+            f"**, persistent-only **{pct(statistics.median(bases))}**, ratio "
+            f"{statistics.median(e / b for e, b in zip(effs, bases, strict=True)):.2f}×.",
+        ]
+    lines += [
+        "",
+        "Effective training time: compute seconds of the steps that survived / wall "
+        "time. The persistent-only peer is played on the same run's failures from its "
+        "measured costs (δ: memory write + persistent upload of a step; downtime less "
+        "the restore, plus a persistent restore), scaled by the run's compute share.",
+    ]
     return "\n".join(lines)
 
 
@@ -99,8 +127,7 @@ def write_doc(block: str) -> None:
     if after:  # keep the sections after ours
         nxt = after.find("\n## ")
         rest = after[nxt:] if nxt >= 0 else ""
-    path.write_text(before.rstrip() + "\n\n" + HEAD + "\n\n" + cmd + "\n\n" + block + "\n"
-                    + rest)
+    path.write_text(before.rstrip() + "\n\n" + HEAD + "\n\n" + cmd + "\n\n" + block + "\n" + rest)
 
 
 def main() -> int:

@@ -1019,8 +1019,6 @@ def measure_db_floor(pg_url: str) -> dict[str, Any]:
 # --- server process ----------------------------------------------------------------------------
 
 
-
-
 class ServerProc:
     """One ``tierwatch-server serve --no-migrate`` on an ephemeral loopback port."""
 

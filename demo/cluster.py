@@ -87,8 +87,9 @@ def nvml_gpus(nvml: Any = None) -> int:
             pass
 
 
-def server_env(var: Path, *, report: Path, policy_unreachable_s: float,
-               quiet_s: float) -> dict[str, str]:
+def server_env(
+    var: Path, *, report: Path, policy_unreachable_s: float, quiet_s: float
+) -> dict[str, str]:
     """The server's environment in the demo (its own ``TIERWATCH_*`` only).
 
     The demo compresses time (failures a minute apart), so it sets what a cluster would set
@@ -98,8 +99,12 @@ def server_env(var: Path, *, report: Path, policy_unreachable_s: float,
     shows healthy again); the policy also acts on ``CHECK_COOLING`` (a GPU past its slowdown
     temperature takes the job down in the demo).
     """
-    quiet = {"xid": quiet_s, "ecc_uncorrectable": quiet_s, "temperature": quiet_s,
-             "xid_repeat": quiet_s}
+    quiet = {
+        "xid": quiet_s,
+        "ecc_uncorrectable": quiet_s,
+        "temperature": quiet_s,
+        "xid_repeat": quiet_s,
+    }
     return {
         "TIERWATCH_DATABASE_URL": f"sqlite:///{var / 'tierwatch.db'}",
         "TIERWATCH_SECRET_KEY": secrets.token_urlsafe(48),
@@ -108,7 +113,8 @@ def server_env(var: Path, *, report: Path, policy_unreachable_s: float,
         "TIERWATCH_POLICY__BREAKER_PCT": "40",
         "TIERWATCH_POLICY__BREAKER_WINDOW_S": "120",
         "TIERWATCH_POLICY__ACTIONS": json.dumps(
-            ["RESET_GPU", "RESTART_BM", "REPLACE_GPU", "CHECK_COOLING"]),
+            ["RESET_GPU", "RESTART_BM", "REPLACE_GPU", "CHECK_COOLING"]
+        ),
         "TIERWATCH_HEALTH__QUIET_PERIOD_S": json.dumps(quiet),
         "TIERWATCH_BACKGROUND_TICK_S": "0.5",
         "TIERWATCH_DEMO_REPORT": str(report),
@@ -143,8 +149,9 @@ class Node:
         if self.running:
             return
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the child
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, preexec_fn=detach)
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=detach
+        )
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Wait until the agent's local API answers.
@@ -153,8 +160,9 @@ class Node:
             RuntimeError: it exited or did not answer within ``timeout`` seconds.
         """
         if not wait_http(f"{self.url}/v1/ckpt/info", timeout, alive=lambda: self.running):
-            raise RuntimeError(f"agent {self.name} exited or did not answer in {timeout:g} s; "
-                               f"see {self.log_path}")
+            raise RuntimeError(
+                f"agent {self.name} exited or did not answer in {timeout:g} s; see {self.log_path}"
+            )
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         """Signal the agent and wait for it (SIGKILL after ``timeout``)."""
@@ -233,8 +241,13 @@ class Cluster:
         return self.var / "persistent"
 
     def _cli(self, *args: str) -> str:
-        return subprocess.run([str(BIN / "tierwatch-server"), *args], env=self.env, check=True,
-                              capture_output=True, text=True).stdout.strip()
+        return subprocess.run(
+            [str(BIN / "tierwatch-server"), *args],
+            env=self.env,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
 
     def start_server(self) -> None:
         """Fresh database, migrations, an operator token, then ``serve``; waits for /healthz.
@@ -247,16 +260,32 @@ class Cluster:
         for stale in self.var.glob("tierwatch.db*"):
             stale.unlink()
         base = {k: v for k, v in os.environ.items() if not k.startswith("TIERWATCH_")}
-        self.env = {**base, **server_env(self.var, report=self.report,
-                                         policy_unreachable_s=self.policy_unreachable_s,
-                                         quiet_s=self.quiet_s)}
+        self.env = {
+            **base,
+            **server_env(
+                self.var,
+                report=self.report,
+                policy_unreachable_s=self.policy_unreachable_s,
+                quiet_s=self.quiet_s,
+            ),
+        }
         self._cli("migrate")
         self.token = self._cli("token", "create", "--role", "operator", "--label", "demo")
         log = open(self.logs / "server.log", "wb")  # noqa: SIM115 - lives as long as the child
         self.server = subprocess.Popen(
-            [str(BIN / "tierwatch-server"), "serve", "--host", "127.0.0.1", "--port",
-             str(self.port)], env=self.env, stdout=log, stderr=subprocess.STDOUT,
-            preexec_fn=detach)
+            [
+                str(BIN / "tierwatch-server"),
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=detach,
+        )
         server = self.server
         if not wait_http(f"{self.url}/healthz", 60, alive=lambda: server.poll() is None):
             raise RuntimeError(f"the server did not start; see {self.logs / 'server.log'}")
@@ -270,19 +299,47 @@ class Cluster:
         shutil.rmtree(d, ignore_errors=True)
         port = self.agent_port + index
         node = Node(
-            name=name, port=port, memory_dir=d / "memory", spool_dir=d / "spool",
-            state_dir=d / "state", log_path=self.logs / f"{name}.log",
-            argv=[str(BIN / "tierwatch-agent"), "run", "--node", name, "--server", self.url,
-                  "--token", token, "--collector", self.collector,
-                  "--interval", f"{self.interval_s:g}", "--listen", f"127.0.0.1:{port}",
-                  "--spool-dir", str(d / "spool"), "--memory-dir", str(d / "memory"),
-                  "--state-dir", str(d / "state"),
-                  "--persistent-url", self.persistent_dir.resolve().as_uri(),
-                  "--ckpt-scan-interval", "0.5",
-                  *(["--sim-gpus", str(self.gpus), "--sim-seed", str(index + 1)]
-                    if self.collector == "simulated" else [])],
-            env={**{k: v for k, v in os.environ.items() if not k.startswith("TIERWATCH_")},
-                 "TIERWATCH_PEER_TOKEN": self.peer_token},
+            name=name,
+            port=port,
+            memory_dir=d / "memory",
+            spool_dir=d / "spool",
+            state_dir=d / "state",
+            log_path=self.logs / f"{name}.log",
+            argv=[
+                str(BIN / "tierwatch-agent"),
+                "run",
+                "--node",
+                name,
+                "--server",
+                self.url,
+                "--token",
+                token,
+                "--collector",
+                self.collector,
+                "--interval",
+                f"{self.interval_s:g}",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--spool-dir",
+                str(d / "spool"),
+                "--memory-dir",
+                str(d / "memory"),
+                "--state-dir",
+                str(d / "state"),
+                "--persistent-url",
+                self.persistent_dir.resolve().as_uri(),
+                "--ckpt-scan-interval",
+                "0.5",
+                *(
+                    ["--sim-gpus", str(self.gpus), "--sim-seed", str(index + 1)]
+                    if self.collector == "simulated"
+                    else []
+                ),
+            ],
+            env={
+                **{k: v for k, v in os.environ.items() if not k.startswith("TIERWATCH_")},
+                "TIERWATCH_PEER_TOKEN": self.peer_token,
+            },
         )
         self.nodes[name] = node
         node.start()
@@ -291,9 +348,13 @@ class Cluster:
     # -- the server's view -------------------------------------------------------------
     def api(self, method: str, path: str, **kw: Any) -> httpx.Response:
         """One REST call as the demo's operator."""
-        return httpx.request(method, f"{self.url}/api/v1{path}",
-                             headers={"Authorization": f"Bearer {self.token}"},
-                             timeout=10, **kw)
+        return httpx.request(
+            method,
+            f"{self.url}/api/v1{path}",
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=10,
+            **kw,
+        )
 
     def node_views(self) -> dict[str, dict[str, Any]]:
         """``GET /api/v1/nodes`` by name (state, isolated, last_seen …)."""

@@ -77,10 +77,12 @@ class Effect:
             else:
                 what = str(self.fault)
             return f"{what} + rank killed"
-        return {"host": "agent killed + memory tier wiped + rank killed",
-                "process": "rank killed",
-                "network": "rank killed + the node's peer replicas dropped",
-                "sdc": "a weight corrupted in the running job"}[self.action]
+        return {
+            "host": "agent killed + memory tier wiped + rank killed",
+            "process": "rank killed",
+            "network": "rank killed + the node's peer replicas dropped",
+            "sdc": "a weight corrupted in the running job",
+        }[self.action]
 
 
 # Per GPU component, the fault the node's collector shows (the XID NVIDIA documents for it,
@@ -135,8 +137,10 @@ def load_catalog(path: Path = CATALOG) -> list[FailureKind]:
     reader = csv.DictReader(text.splitlines())
     missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
     if missing:
-        raise CatalogError(f"{path}: missing column(s) {', '.join(missing)}; the header must "
-                           f"be {','.join(COLUMNS)}")
+        raise CatalogError(
+            f"{path}: missing column(s) {', '.join(missing)}; the header must "
+            f"be {','.join(COLUMNS)}"
+        )
     rows = []
     for line, row in enumerate(reader, start=2):
         try:
@@ -144,11 +148,15 @@ def load_catalog(path: Path = CATALOG) -> list[FailureKind]:
         except (TypeError, ValueError):
             count = -1
         if count < 0:
-            raise CatalogError(f"{path} line {line}: interruptions must be a whole number ≥ 0, "
-                               f"got {row['interruptions']!r}")
+            raise CatalogError(
+                f"{path} line {line}: interruptions must be a whole number ≥ 0, "
+                f"got {row['interruptions']!r}"
+            )
         if row["failure_class"] not in FAILURE_CLASSES:
-            raise CatalogError(f"{path} line {line}: failure_class {row['failure_class']!r} is "
-                               f"not one of {', '.join(FAILURE_CLASSES)}")
+            raise CatalogError(
+                f"{path} line {line}: failure_class {row['failure_class']!r} is "
+                f"not one of {', '.join(FAILURE_CLASSES)}"
+            )
         rows.append(FailureKind(row["component"], row["category"], count, row["failure_class"]))
     if not any(r.interruptions for r in rows):
         raise CatalogError(f"{path}: no row has any interruptions to draw from")
@@ -196,14 +204,23 @@ def pick(catalog: list[FailureKind], components: list[str]) -> list[FailureKind]
     by = {k.component: k for k in catalog}
     unknown = [c for c in components if c not in by]
     if unknown:
-        raise CatalogError(f"unknown component(s) {', '.join(map(repr, unknown))}; choose "
-                           f"from: {', '.join(by)}")
+        raise CatalogError(
+            f"unknown component(s) {', '.join(map(repr, unknown))}; choose from: {', '.join(by)}"
+        )
     return [by[c] for c in components]
 
 
-def schedule(catalog: list[FailureKind], *, seconds: float, mtbf_s: float, seed: int,
-             world_size: int, warmup_s: float, tail_s: float,
-             forced: list[FailureKind] | None = None) -> Iterator[PlannedFailure]:
+def schedule(
+    catalog: list[FailureKind],
+    *,
+    seconds: float,
+    mtbf_s: float,
+    seed: int,
+    world_size: int,
+    warmup_s: float,
+    tail_s: float,
+    forced: list[FailureKind] | None = None,
+) -> Iterator[PlannedFailure]:
     """The failures of a run, in time order (see the module docs for the stratification).
 
     Args:
@@ -233,7 +250,8 @@ def schedule(catalog: list[FailureKind], *, seconds: float, mtbf_s: float, seed:
             raise ValueError(
                 f"a {seconds:g} s run leaves no time for its {n} failure(s) after the "
                 f"{warmup_s:g} s warm-up and before the {tail_s:g} s recovery tail: run "
-                f"longer (DEMO_SECONDS ≥ {warmup_s + tail_s + 1:g}) or raise DEMO_MTBF")
+                f"longer (DEMO_SECONDS ≥ {warmup_s + tail_s + 1:g}) or raise DEMO_MTBF"
+            )
         slot = (end - start) / n if n else 0.0
         slots: Iterator[int] = iter(range(n))
     else:

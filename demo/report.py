@@ -111,8 +111,11 @@ def compute_share(entries: Iterable[dict[str, Any]], max_gap_s: float = 5.0) -> 
     for e in entries:
         if not is_step(e) or "t" not in e:
             continue
-        if prev is not None and e["step"] == prev["step"] + 1 and 0 < e["t"] - prev["t"] \
-                < max_gap_s:
+        if (
+            prev is not None
+            and e["step"] == prev["step"] + 1
+            and 0 < e["t"] - prev["t"] < max_gap_s
+        ):
             compute += e.get("compute_s", 0.0)
             busy += e["t"] - prev["t"] - e.get("save_s", 0.0)
         prev = e
@@ -146,8 +149,14 @@ def shard_tiers(sources: Iterable[dict[str, str]]) -> dict[str, str]:
     return dict(sorted(out.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0))
 
 
-def persistent_only(failures: list[BaselineFailure], *, wall_s: float, checkpoint_s: float,
-                    mtbf_s: float, compute_share: float = 1.0) -> tuple[float, float]:
+def persistent_only(
+    failures: list[BaselineFailure],
+    *,
+    wall_s: float,
+    checkpoint_s: float,
+    mtbf_s: float,
+    compute_share: float = 1.0,
+) -> tuple[float, float]:
     """Play persistent-only checkpointing at Young's interval over ``failures``.
 
     The timeline: work accrues at 1 s per s; after every ``τ`` s of work since the last

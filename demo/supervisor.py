@@ -31,8 +31,9 @@ def usable(view: dict[str, Any]) -> bool:
     return not view["isolated"] and view["state"] in USABLE_STATES
 
 
-def place(previous: list[str] | None, views: dict[str, dict[str, Any]],
-          world_size: int) -> list[str] | None:
+def place(
+    previous: list[str] | None, views: dict[str, dict[str, Any]], world_size: int
+) -> list[str] | None:
     """The node of every rank (index = rank), or None when too few nodes are usable.
 
     Ranks stay on their previous node when it is still usable; the others take the usable
@@ -109,8 +110,15 @@ class Supervisor:
     group, the model, the restore and the first step, not the imports.
     """
 
-    def __init__(self, cluster: Cluster, *, world_size: int, train_args: list[str],
-                 verdict_timeout_s: float = 30.0, standby: bool = True) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        *,
+        world_size: int,
+        train_args: list[str],
+        verdict_timeout_s: float = 30.0,
+        standby: bool = True,
+    ) -> None:
         self.cluster = cluster
         self.world_size = world_size
         self.train_args = train_args
@@ -132,11 +140,21 @@ class Supervisor:
             where = [f"--node={n}={self.cluster.nodes[n].url}" for n in nodes]
         log = open(self.cluster.logs / "train.log", "ab")  # noqa: SIM115 - closed by Job.stop
         proc = subprocess.Popen(
-            [sys.executable, str(REPO / "examples" / "launch.py"), *where,
-             "--ranks-file", str(ranks_file), "--", str(REPO / "examples" / "train_gpt.py"),
-             *self.train_args],
-            stdout=log, stderr=subprocess.STDOUT, cwd=str(self.cluster.var),
-            preexec_fn=detach)
+            [
+                sys.executable,
+                str(REPO / "examples" / "launch.py"),
+                *where,
+                "--ranks-file",
+                str(ranks_file),
+                "--",
+                str(REPO / "examples" / "train_gpt.py"),
+                *self.train_args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=str(self.cluster.var),
+            preexec_fn=detach,
+        )
         return Job(nodes or [], proc, ranks_file, time.time(), log)
 
     def prepare(self) -> None:
@@ -152,8 +170,7 @@ class Supervisor:
         self.standby = self.standby_go = None
         if job is not None and go is not None and job.running:
             tmp = go.with_suffix(".tmp")
-            tmp.write_text(json.dumps(
-                {"nodes": [[n, self.cluster.nodes[n].url] for n in layout]}))
+            tmp.write_text(json.dumps({"nodes": [[n, self.cluster.nodes[n].url] for n in layout]}))
             tmp.replace(go)
             job.layout, job.started = list(layout), time.time()
             return job
@@ -167,8 +184,9 @@ class Supervisor:
             self.standby.stop()
             self.standby = None
 
-    def wait_for_verdict(self, since: datetime, *, stop: Any = None, tick: Any = None
-                         ) -> tuple[list[str] | None, dict[str, dict[str, Any]]]:
+    def wait_for_verdict(
+        self, since: datetime, *, stop: Any = None, tick: Any = None
+    ) -> tuple[list[str] | None, dict[str, dict[str, Any]]]:
         """Wait until the server has a verdict newer than ``since`` on every node of the
         last layout (a report after it, or an isolation), and usable nodes for every rank.
 
@@ -189,9 +207,13 @@ class Supervisor:
                 views = views or {}
             prev = self.layout or []
             settled = all(
-                n in views and (views[n]["isolated"] or (
-                    seen_after(views[n], since) and views[n]["state"] in USABLE_STATES))
-                for n in prev)
+                n in views
+                and (
+                    views[n]["isolated"]
+                    or (seen_after(views[n], since) and views[n]["state"] in USABLE_STATES)
+                )
+                for n in prev
+            )
             layout = place(self.layout, views, self.world_size) if views else None
             if (settled and layout) or time.monotonic() > deadline or (stop and stop()):
                 return layout, views

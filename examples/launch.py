@@ -45,8 +45,6 @@ def _die_with_parent() -> None:
         pass
 
 
-
-
 def parse_node(spec: str, p: argparse.ArgumentParser) -> tuple[str, str]:
     """``NAME=URL`` → (name, url); exits with a usage error otherwise."""
     name, sep, url = spec.partition("=")
@@ -64,22 +62,33 @@ def read_go(path: str, nnodes: int) -> list[tuple[str, str]]:
     with open(path) as f:
         body = json.load(f)
     nodes = body.get("nodes") if isinstance(body, dict) else None
-    if not isinstance(nodes, list) or len(nodes) != nnodes or not all(
+    if (
+        not isinstance(nodes, list)
+        or len(nodes) != nnodes
+        or not all(
             isinstance(n, list) and len(n) == 2 and all(isinstance(x, str) for x in n)
-            for n in nodes):
-        raise ValueError(f"{path}: expected {{\"nodes\": [[NAME, AGENT_URL], …]}} with "
-                         f"{nnodes} nodes, got {body!r}")
+            for n in nodes
+        )
+    ):
+        raise ValueError(
+            f'{path}: expected {{"nodes": [[NAME, AGENT_URL], …]}} with '
+            f"{nnodes} nodes, got {body!r}"
+        )
     return [(n[0], n[1]) for n in nodes]
 
 
-def wait_for_go(path: str, nnodes: int, procs: list[subprocess.Popen[bytes]]
-                ) -> list[tuple[str, str]] | None:
+def wait_for_go(
+    path: str, nnodes: int, procs: list[subprocess.Popen[bytes]]
+) -> list[tuple[str, str]] | None:
     """Block until ``path`` exists and names the nodes; None when a rank died first or
     the file is malformed (the error is printed)."""
     while not os.path.exists(path):
         if any(q.poll() is not None for q in procs):
-            print("[launch] a standby rank exited before the go file came", file=sys.stderr,
-                  flush=True)
+            print(
+                "[launch] a standby rank exited before the go file came",
+                file=sys.stderr,
+                flush=True,
+            )
             return None
         time.sleep(0.05)
     try:
@@ -91,23 +100,36 @@ def wait_for_go(path: str, nnodes: int, procs: list[subprocess.Popen[bytes]]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="one process per rank over simulated nodes")
-    p.add_argument("--node", action="append", default=[], metavar="NAME=AGENT_URL",
-                   help="a simulated node and its agent's URL (repeat per node)")
-    p.add_argument("--standby", default=None, metavar="GO_FILE",
-                   help="start the ranks now, before their nodes are known: each imports its "
-                   "libraries, then waits for GO_FILE ({\"nodes\": [[NAME, AGENT_URL], …]}, "
-                   "written atomically by a supervisor); a warm relaunch skips the imports")
-    p.add_argument("--nnodes", type=int, default=0,
-                   help="with --standby: how many nodes GO_FILE will name")
+    p.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        metavar="NAME=AGENT_URL",
+        help="a simulated node and its agent's URL (repeat per node)",
+    )
+    p.add_argument(
+        "--standby",
+        default=None,
+        metavar="GO_FILE",
+        help="start the ranks now, before their nodes are known: each imports its "
+        'libraries, then waits for GO_FILE ({"nodes": [[NAME, AGENT_URL], …]}, '
+        "written atomically by a supervisor); a warm relaunch skips the imports",
+    )
+    p.add_argument(
+        "--nnodes", type=int, default=0, help="with --standby: how many nodes GO_FILE will name"
+    )
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--master-port", type=int, default=0, help="default: a free port")
-    p.add_argument("--ranks-file", default=None, metavar="PATH",
-                   help="write {\"ranks\": [{rank, pid, node}]} here once every rank started "
-                   "(a supervisor uses it to find the process of a rank)")
+    p.add_argument(
+        "--ranks-file",
+        default=None,
+        metavar="PATH",
+        help='write {"ranks": [{rank, pid, node}]} here once every rank started '
+        "(a supervisor uses it to find the process of a rank)",
+    )
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
     args = p.parse_args(argv)
-    script = [a for a in args.script if a != "--"] if args.script[:1] == ["--"] \
-        else args.script
+    script = [a for a in args.script if a != "--"] if args.script[:1] == ["--"] else args.script
     if not script:
         p.error("give the training script after --")
     if args.ranks_per_node < 1:
@@ -124,15 +146,22 @@ def main(argv: list[str] | None = None) -> int:
     for n in range(nnodes):
         for local in range(args.ranks_per_node):
             rank = n * args.ranks_per_node + local
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
-                       LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(args.ranks_per_node),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(local),
+                LOCAL_WORLD_SIZE=str(args.ranks_per_node),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
             if args.standby:
                 env["TIERWATCH_GO_FILE"] = os.path.abspath(args.standby)
             else:
                 env.update(TIERWATCH_AGENT_URL=nodes[n][1], TIERWATCH_NODE=nodes[n][0])
-            procs.append(subprocess.Popen([sys.executable, *script], env=env,
-                                          preexec_fn=_die_with_parent))
+            procs.append(
+                subprocess.Popen([sys.executable, *script], env=env, preexec_fn=_die_with_parent)
+            )
     if args.standby:
         nodes = wait_for_go(args.standby, nnodes, procs)
         if nodes is None:
@@ -142,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
 
     if args.ranks_file:
-        placed = [{"rank": r, "pid": q.pid, "node": nodes[r // args.ranks_per_node][0]}
-                  for r, q in enumerate(procs)]
+        placed = [
+            {"rank": r, "pid": q.pid, "node": nodes[r // args.ranks_per_node][0]}
+            for r, q in enumerate(procs)
+        ]
         tmp = f"{args.ranks_file}.tmp"
         with open(tmp, "w") as f:
             json.dump({"ranks": placed, "master_port": port}, f)
@@ -155,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 q.send_signal(sig)
 
     signal.signal(signal.SIGTERM, lambda *_: stop_all())
+
     def exit_code(rc: int) -> int:
         return 128 - rc if rc < 0 else rc  # killed by signal N → 128 + N, as a shell says
 
@@ -166,8 +198,11 @@ def main(argv: list[str] | None = None) -> int:
             if bad:
                 rank, rc = bad[0]
                 code = exit_code(rc)
-                print(f"[launch] rank {rank} exited with {code}; stopping the others",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[launch] rank {rank} exited with {code}; stopping the others",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 stop_all()
                 break
             if all(c == 0 for c in codes):

@@ -102,8 +102,9 @@ class GPT(nn.Module):
         d: embedding width; heads: attention heads; layers: transformer blocks.
     """
 
-    def __init__(self, vocab: int = 256, block: int = 64, d: int = 128, heads: int = 4,
-                 layers: int = 2) -> None:
+    def __init__(
+        self, vocab: int = 256, block: int = 64, d: int = 128, heads: int = 4, layers: int = 2
+    ) -> None:
         super().__init__()
         self.block = block
         self.tok = nn.Embedding(vocab, d)
@@ -111,8 +112,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
-        self.register_buffer("mask", torch.triu(torch.ones(block, block, dtype=torch.bool), 1),
-                             persistent=False)
+        self.register_buffer(
+            "mask", torch.triu(torch.ones(block, block, dtype=torch.bool), 1), persistent=False
+        )
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
@@ -124,11 +126,13 @@ class GPT(nn.Module):
 
 def lr_lambda(warmup: int, total: int):  # noqa: ANN201 - a LambdaLR factor
     """Linear warmup to 1 over ``warmup`` steps, then cosine decay to 0.1 at ``total``."""
+
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
     return factor
 
 
@@ -169,8 +173,9 @@ def wait_for_go(path: str) -> None:
         nodes = json.load(f).get("nodes", [])
     index = int(os.environ["RANK"]) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if index >= len(nodes):
-        raise SystemExit(f"{path} names {len(nodes)} nodes; rank {os.environ['RANK']} needs "
-                         f"node {index}")
+        raise SystemExit(
+            f"{path} names {len(nodes)} nodes; rank {os.environ['RANK']} needs node {index}"
+        )
     os.environ["TIERWATCH_NODE"], os.environ["TIERWATCH_AGENT_URL"] = nodes[index]
 
 
@@ -204,30 +209,55 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus-bytes", type=int, default=2_000_000)
     p.add_argument("--persist-every", type=int, default=10)
     p.add_argument("--save-every", type=int, default=1)
-    p.add_argument("--keep-memory", type=int, default=2,
-                   help="newest committed steps the memory tier keeps")
-    p.add_argument("--sdc-at", type=int, default=None, metavar="STEP",
-                   help="simulate silent data corruption: once per process, after STEP, "
-                   "rank 0 perturbs a weight (the steps after it are a diverged future to "
-                   "roll back from)")
-    p.add_argument("--sdc-signal", action="store_true",
-                   help="simulate silent data corruption when rank 0 gets SIGUSR1: it perturbs "
-                   "a weight after its current step and logs {\"event\": \"sdc\", \"step\"}")
+    p.add_argument(
+        "--keep-memory", type=int, default=2, help="newest committed steps the memory tier keeps"
+    )
+    p.add_argument(
+        "--sdc-at",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="simulate silent data corruption: once per process, after STEP, "
+        "rank 0 perturbs a weight (the steps after it are a diverged future to "
+        "roll back from)",
+    )
+    p.add_argument(
+        "--sdc-signal",
+        action="store_true",
+        help="simulate silent data corruption when rank 0 gets SIGUSR1: it perturbs "
+        'a weight after its current step and logs {"event": "sdc", "step"}',
+    )
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--step-sleep", type=float, default=0.0,
-                   help="extra seconds per step (to slow a demo down)")
-    p.add_argument("--gate", type=Path, default=None, metavar="FILE",
-                   help="run step N only once FILE holds a number > N (a test paces the run)")
+    p.add_argument(
+        "--step-sleep", type=float, default=0.0, help="extra seconds per step (to slow a demo down)"
+    )
+    p.add_argument(
+        "--gate",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="run step N only once FILE holds a number > N (a test paces the run)",
+    )
     p.add_argument("--log-dir", type=Path, default=Path("var/train"))
     p.add_argument("--final", action="store_true", help="write final state digests")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--latency-every", type=int, default=50,
-                   help="time a small all_reduce every this many saves (collective latency)")
-    p.add_argument("--exact-resume", action="store_true",
-                   help="one DDP gradient bucket per parameter, so a resumed run is bit-exact")
-    p.add_argument("--fsdp", action="store_true",
-                   help="shard parameters and optimizer state with FSDP2 (fully_shard) "
-                   "instead of DDP; the checkpoint then holds DTensor shards")
+    p.add_argument(
+        "--latency-every",
+        type=int,
+        default=50,
+        help="time a small all_reduce every this many saves (collective latency)",
+    )
+    p.add_argument(
+        "--exact-resume",
+        action="store_true",
+        help="one DDP gradient bucket per parameter, so a resumed run is bit-exact",
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard parameters and optimizer state with FSDP2 (fully_shard) "
+        "instead of DDP; the checkpoint then holds DTensor shards",
+    )
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -238,8 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
-        if args.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if args.device == "cuda"
+        else torch.device("cpu")
+    )
 
     data = load_corpus(args.corpus_bytes)
     windows = (len(data) - 1) // args.block - 1
@@ -271,8 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     rng = RNGState()
     state = {"model": model, "optim": optim, "sched": sched, "rng": rng, "data": sampler}
 
-    ckpt = TieredCheckpointer(args.job_id, persist_every=args.persist_every,
-                              keep_memory=args.keep_memory, latency_every=args.latency_every)
+    ckpt = TieredCheckpointer(
+        args.job_id,
+        persist_every=args.persist_every,
+        keep_memory=args.keep_memory,
+        latency_every=args.latency_every,
+    )
     last = ckpt.restore(state)
     start = 0 if last is None else last + 1
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -290,8 +327,11 @@ def main(argv: list[str] | None = None) -> int:
 
     log_restore()
     if rank == 0:
-        print(f"[train] job={args.job_id} world_size={world} windows={windows} "
-              f"restored_from={last} start={start}", flush=True)
+        print(
+            f"[train] job={args.job_id} world_size={world} windows={windows} "
+            f"restored_from={last} start={start}",
+            flush=True,
+        )
 
     it = iter(sampler)
 
@@ -306,10 +346,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             # A random shift per sequence, drawn from this rank's torch, Python and NumPy
             # generators: the data depends on all the per-rank RNG state a resume restores.
-            shift = int(torch.randint(0, args.block, (1,))) + random.randrange(args.block) \
+            shift = (
+                int(torch.randint(0, args.block, (1,)))
+                + random.randrange(args.block)
                 + int(np.random.randint(args.block))
+            )
             off = i * args.block + shift % args.block
-            rows.append(data[off: off + args.block + 1])
+            rows.append(data[off : off + args.block + 1])
         return torch.stack(rows).to(device)
 
     step = start
@@ -337,8 +380,9 @@ def main(argv: list[str] | None = None) -> int:
             sdc_requested.clear()
             with torch.no_grad():  # the same bit flip, now, at an operator's signal
                 model.ln.weight.view(-1)[0] *= 64.0
-            log.write(json.dumps({"event": "sdc", "step": step, "rank": rank,
-                                  "t": time.time()}) + "\n")
+            log.write(
+                json.dumps({"event": "sdc", "step": step, "rank": rank, "t": time.time()}) + "\n"
+            )
             print(f"[train] simulated silent data corruption after step {step}", flush=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
@@ -347,11 +391,22 @@ def main(argv: list[str] | None = None) -> int:
         if (step + 1) % args.save_every == 0 or last_step:
             ckpt.save(step, state, persist=last_step or None)  # the final step persists too
         step_s = time.monotonic() - t0
-        log.write(json.dumps({"step": step, "loss": loss.item(), "lr": sched.get_last_lr()[0],
-                              "rank": rank, "restored_from": last,
-                              "step_s": round(step_s, 4), "compute_s": round(compute_s, 4),
-                              "save_s": round(step_s - compute_s, 4),
-                              "t": round(time.time(), 4)}) + "\n")
+        log.write(
+            json.dumps(
+                {
+                    "step": step,
+                    "loss": loss.item(),
+                    "lr": sched.get_last_lr()[0],
+                    "rank": rank,
+                    "restored_from": last,
+                    "step_s": round(step_s, 4),
+                    "compute_s": round(compute_s, 4),
+                    "save_s": round(step_s - compute_s, 4),
+                    "t": round(time.time(), 4),
+                }
+            )
+            + "\n"
+        )
         log.flush()
         if rank == 0 and step % 20 == 0:
             print(f"[train] step {step} loss {loss.item():.4f}", flush=True)
@@ -364,9 +419,11 @@ def main(argv: list[str] | None = None) -> int:
         log_restore()
         if rank == 0:
             report = ckpt.last_restore
-            print(f"[train] rolled back from step {step} to step {rolled} (restore request "
-                  f"{report.request_id if report else '?'}); continuing at {rolled + 1}",
-                  flush=True)
+            print(
+                f"[train] rolled back from step {step} to step {rolled} (restore request "
+                f"{report.request_id if report else '?'}); continuing at {rolled + 1}",
+                flush=True,
+            )
         last = rolled
         it = iter(sampler)  # the sampler's position was restored: iterate from there
         step = rolled + 1
@@ -375,9 +432,14 @@ def main(argv: list[str] | None = None) -> int:
     if start < args.steps:
         ckpt.finish()  # all steps done: `tierwatch-agent ckpt gc --finished` may free memory
     if args.final:
-        final = {"model": digest(model.state_dict()), "optim": digest(optim.state_dict()),
-                 "sched": digest(sched.state_dict()), "rng": digest(rng.state_dict()),
-                 "data": digest(sampler.state_dict()), "step": args.steps - 1}
+        final = {
+            "model": digest(model.state_dict()),
+            "optim": digest(optim.state_dict()),
+            "sched": digest(sched.state_dict()),
+            "rng": digest(rng.state_dict()),
+            "data": digest(sampler.state_dict()),
+            "step": args.steps - 1,
+        }
         (args.log_dir / f"final-{rank}.json").write_text(json.dumps(final))
     ckpt.close()
     log.close()

@@ -78,14 +78,24 @@ def test_server_and_agent_do_not_import_torch(module, tmp_path):
 
 
 def test_training_api_is_a_lazy_re_export(tmp_path):
-    code = ("import sys, tierwatch; before = 'torch' in sys.modules; "
-            "from tierwatch import TieredCheckpointer, RNGState, ResumableDistributedSampler; "
-            "print(before, 'torch' in sys.modules, TieredCheckpointer.__module__)")
+    code = (
+        "import sys, tierwatch; before = 'torch' in sys.modules; "
+        "from tierwatch import TieredCheckpointer, RNGState, ResumableDistributedSampler; "
+        "print(before, 'torch' in sys.modules, TieredCheckpointer.__module__)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
     )
-    assert out.stdout.split() == ["False", "True",
-                                  "tierwatch.agent.checkpoint.training.checkpointer"]
-    bad = subprocess.run([sys.executable, "-c", "from tierwatch import Nope"], cwd=tmp_path,
-                         capture_output=True, text=True, check=False)
+    assert out.stdout.split() == [
+        "False",
+        "True",
+        "tierwatch.agent.checkpoint.training.checkpointer",
+    ]
+    bad = subprocess.run(
+        [sys.executable, "-c", "from tierwatch import Nope"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert "cannot import name 'Nope'" in bad.stderr

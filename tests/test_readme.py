@@ -46,6 +46,7 @@ EXAMPLE_VARS = {"TIERWATCH_URL"}
 
 # -- README parsing ------------------------------------------------------------------------
 
+
 def readme() -> str:
     return README.read_text(encoding="utf-8")
 
@@ -55,7 +56,7 @@ def section(heading: str) -> str:
     text = readme()
     start = text.find("\n" + heading + "\n")
     assert start >= 0, f"README.md has no section {heading!r}"
-    rest = text[start + len(heading) + 2:]
+    rest = text[start + len(heading) + 2 :]
     end = re.search(r"^## ", rest, flags=re.MULTILINE)
     return rest[: end.start()] if end else rest
 
@@ -107,9 +108,11 @@ def config_rows() -> list[Row]:
 
 # -- the code's variables ------------------------------------------------------------------
 
+
 def render_default(value: Any) -> str:
     """A default as the README's tables write it: ``none``, ``1``/``0`` for booleans,
     integral floats without ``.0``, JSON (compact) for lists and dicts, ``""`` for ""."""
+
     def plain(v: Any) -> Any:
         if isinstance(v, float) and v.is_integer():
             return int(v)
@@ -197,6 +200,7 @@ def grep(paths: tuple[str, ...]) -> set[str]:
 
 # -- configuration tests -------------------------------------------------------------------
 
+
 def test_configuration_tables_list_every_variable_and_nothing_else() -> None:
     settings = settings_by_table()
     required = set().union(*settings.values()) | grep(CODE_DIRS)
@@ -208,8 +212,10 @@ def test_configuration_tables_list_every_variable_and_nothing_else() -> None:
     stale = sorted(mentioned - known)
     problems = []
     if missing:
-        problems.append("variables the code reads but README.md's configuration tables lack: "
-                        + ", ".join(missing))
+        problems.append(
+            "variables the code reads but README.md's configuration tables lack: "
+            + ", ".join(missing)
+        )
     if stale:
         problems.append("variables README.md names that no longer exist: " + ", ".join(stale))
     assert not problems, "\n".join(problems)
@@ -241,8 +247,9 @@ def test_agent_table_options_are_the_run_options() -> None:
     from tierwatch.agent.config import AgentSettings
 
     params = set(inspect.signature(cli.run).parameters)
-    rows = {name: row for row in config_rows() if row.table.startswith("Agent")
-            for name in row.names}
+    rows = {
+        name: row for row in config_rows() if row.table.startswith("Agent") for name in row.names
+    }
     problems = []
     for field in AgentSettings.model_fields:
         row = rows.get(f"TIERWATCH_{field.upper()}")
@@ -252,15 +259,18 @@ def test_agent_table_options_are_the_run_options() -> None:
         option = "--" + field.replace("_", "-")
         want = {option} if field in params else set()
         if row.options != want:
-            problems.append(f"TIERWATCH_{field.upper()}: README options {sorted(row.options)}, "
-                            f"`tierwatch-agent run` has {sorted(want) or 'none'}")
+            problems.append(
+                f"TIERWATCH_{field.upper()}: README options {sorted(row.options)}, "
+                f"`tierwatch-agent run` has {sorted(want) or 'none'}"
+            )
     assert not problems, "\n".join(problems)
 
 
 def test_render_default_is_the_tables_notation() -> None:
-    assert [render_default(v) for v in (None, True, False, 86400.0, 1.5, 8, "", "json",
-                                        ["A", "B"], {"xid": 3600.0})] == [
-        "none", "1", "0", "86400", "1.5", "8", '""', "json", '["A","B"]', '{"xid":3600}']
+    assert [
+        render_default(v)
+        for v in (None, True, False, 86400.0, 1.5, 8, "", "json", ["A", "B"], {"xid": 3600.0})
+    ] == ["none", "1", "0", "86400", "1.5", "8", '""', "json", '["A","B"]', '{"xid":3600}']
 
 
 # -- the training-loop snippet -------------------------------------------------------------
@@ -295,8 +305,14 @@ def test_training_loop_snippet_runs_as_written(tmp_path: Path) -> None:
         env = base_env(TIERWATCH_AGENT_URL=node.url, OMP_NUM_THREADS="1")
 
         def run() -> dict[str, Any]:
-            out = subprocess.run([sys.executable, str(runner), str(code)], env=env,
-                                 cwd=tmp_path, capture_output=True, text=True, timeout=300)
+            out = subprocess.run(
+                [sys.executable, str(runner), str(code)],
+                env=env,
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
             line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
             return json.loads(line.removeprefix("RESULT "))
@@ -341,18 +357,43 @@ def seed(server_url: str, token_for) -> None:  # noqa: ANN001 - Server.token
     now = utcnow()
     for rank, node in enumerate((SICK, OTHER)):
         # interval_s: one report each, which must not turn unreachable during the test
-        batch = make_batch(node, 1, gpus=8, interval_s=600,
-                           xids=[(3, 79)] if node == SICK else None)
-        batch = batch.model_copy(update={
-            "progress": [JobProgress(job_id=JOB, rank=rank, world_size=2, step=1250, ts=now,
-                                     layout=[SICK, OTHER] if rank == 0 else None)],
-            "checkpoint_events": [CheckpointEvent(
-                job_id=JOB, step=step, tier="memory", kind="committed", rank=rank,
-                world_size=2, ts=now, bytes=1 << 20, seconds=0.5) for step in (1200, 1250)],
-        })
-        r = httpx.post(f"{server_url}/api/v1/ingest/report", content=batch.model_dump_json(),
-                       headers={**auth(token_for("agent", node)),
-                                "Content-Type": "application/json"}, timeout=10)
+        batch = make_batch(
+            node, 1, gpus=8, interval_s=600, xids=[(3, 79)] if node == SICK else None
+        )
+        batch = batch.model_copy(
+            update={
+                "progress": [
+                    JobProgress(
+                        job_id=JOB,
+                        rank=rank,
+                        world_size=2,
+                        step=1250,
+                        ts=now,
+                        layout=[SICK, OTHER] if rank == 0 else None,
+                    )
+                ],
+                "checkpoint_events": [
+                    CheckpointEvent(
+                        job_id=JOB,
+                        step=step,
+                        tier="memory",
+                        kind="committed",
+                        rank=rank,
+                        world_size=2,
+                        ts=now,
+                        bytes=1 << 20,
+                        seconds=0.5,
+                    )
+                    for step in (1200, 1250)
+                ],
+            }
+        )
+        r = httpx.post(
+            f"{server_url}/api/v1/ingest/report",
+            content=batch.model_dump_json(),
+            headers={**auth(token_for("agent", node)), "Content-Type": "application/json"},
+            timeout=10,
+        )
         assert r.status_code == 200, r.text
 
 
@@ -361,8 +402,11 @@ def test_rest_examples_run_against_a_real_server(tmp_path: Path) -> None:
     from procs import base_env, make_server
 
     lines = curl_lines()
-    wanted = {"list unhealthy": "nodes?state=unhealthy", "isolate": "/isolate",
-              "restore": "/restore\""}
+    wanted = {
+        "list unhealthy": "nodes?state=unhealthy",
+        "isolate": "/isolate",
+        "restore": '/restore"',
+    }
     for what, needle in wanted.items():
         assert any(needle in ln for ln in lines), f"README's REST API has no {what} example"
 
@@ -370,13 +414,17 @@ def test_rest_examples_run_against_a_real_server(tmp_path: Path) -> None:
     server.start()
     try:
         seed(server.url, server.token)
-        env = base_env(TIERWATCH_URL=server.url, TOKEN=server.token("operator"),
-                       PATH=os.environ.get("PATH", "/usr/bin:/bin"))
+        env = base_env(
+            TIERWATCH_URL=server.url,
+            TOKEN=server.token("operator"),
+            PATH=os.environ.get("PATH", "/usr/bin:/bin"),
+        )
         answers = []
         for line in lines:
             cmd = line.replace("curl ", "curl -sS -w '\\n%{http_code}' ", 1)
-            out = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True,
-                                 timeout=30)
+            out = subprocess.run(
+                ["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=30
+            )
             assert out.returncode == 0, f"{line}\n{out.stderr}"
             body, _, code = out.stdout.rpartition("\n")
             assert code.startswith("2"), f"{line}\nHTTP {code}: {body}"

@@ -73,6 +73,7 @@ def make_collector(settings: AgentSettings, nvml: ModuleType | None = None) -> G
         raise CollectorError(
             f"collector nvml: {nvml_collector.init_error or 'NVML is not available'}"
         )
-    log.warning("NVML is not available (%s); using the SIMULATED collector",
-                nvml_collector.init_error)
+    log.warning(
+        "NVML is not available (%s); using the SIMULATED collector", nvml_collector.init_error
+    )
     return _simulated(settings)

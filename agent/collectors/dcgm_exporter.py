@@ -235,8 +235,12 @@ class DcgmExporterCollector(GpuCollector):
             if g.xid is not None:
                 self._last_xid[g.index] = g.xid
                 if g.xid:
-                    self.add_event("xid_seen_at_start", f"dcgm-exporter shows last XID {g.xid} "
-                                   "from before the agent started (time unknown)", gpu=g.index)
+                    self.add_event(
+                        "xid_seen_at_start",
+                        f"dcgm-exporter shows last XID {g.xid} "
+                        "from before the agent started (time unknown)",
+                        gpu=g.index,
+                    )
 
     def inventory(self) -> list[GpuInfo]:
         """The GPUs found at :meth:`start`."""
@@ -249,8 +253,10 @@ class DcgmExporterCollector(GpuCollector):
         except CollectorError as exc:
             if not self._failing:
                 self._failing = True
-                self.add_event("exporter_unreachable", f"{exc}; last samples are repeated "
-                               "with their old timestamps")
+                self.add_event(
+                    "exporter_unreachable",
+                    f"{exc}; last samples are repeated with their old timestamps",
+                )
             return [self._last[i] for i in sorted(self._last)]
         if self._failing:
             self._failing = False
@@ -275,11 +281,23 @@ class DcgmExporterCollector(GpuCollector):
         previous = self._last_xid.get(gpu.index)
         self._last_xid[gpu.index] = gpu.xid
         if gpu.xid and previous is not None and gpu.xid != previous:
-            self.emit_xid(XidEvent(gpu=gpu.index, xid=gpu.xid, ts=now,
-                                   message="dcgm-exporter DCGM_FI_DEV_XID_ERRORS changed"))
+            self.emit_xid(
+                XidEvent(
+                    gpu=gpu.index,
+                    xid=gpu.xid,
+                    ts=now,
+                    message="dcgm-exporter DCGM_FI_DEV_XID_ERRORS changed",
+                )
+            )
         elif gpu.xid and previous is None:
-            self.emit_xid(XidEvent(gpu=gpu.index, xid=gpu.xid, ts=now,
-                                   message="dcgm-exporter DCGM_FI_DEV_XID_ERRORS appeared"))
+            self.emit_xid(
+                XidEvent(
+                    gpu=gpu.index,
+                    xid=gpu.xid,
+                    ts=now,
+                    message="dcgm-exporter DCGM_FI_DEV_XID_ERRORS appeared",
+                )
+            )
 
     def shutdown(self) -> None:
         """Close the HTTP client."""

@@ -46,11 +46,19 @@ REPEAT_FAILURE_EVENT_S = 300.0
 EVENT_WAIT_MS = 500
 
 # NVML return codes (nvml.h) that mean "this field is not available here" (-> None, quietly).
-_UNSUPPORTED_NAMES = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_FUNCTION_NOT_FOUND",
-                      "NVML_ERROR_NOT_FOUND", "NVML_ERROR_INVALID_ARGUMENT")
+_UNSUPPORTED_NAMES = (
+    "NVML_ERROR_NOT_SUPPORTED",
+    "NVML_ERROR_FUNCTION_NOT_FOUND",
+    "NVML_ERROR_NOT_FOUND",
+    "NVML_ERROR_INVALID_ARGUMENT",
+)
 # Return codes that mean "the GPU (or NVML) is gone" (-> stale sample + event).
-_FATAL_NAMES = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_RESET_REQUIRED",
-                "NVML_ERROR_DRIVER_NOT_LOADED", "NVML_ERROR_UNINITIALIZED")
+_FATAL_NAMES = (
+    "NVML_ERROR_GPU_IS_LOST",
+    "NVML_ERROR_RESET_REQUIRED",
+    "NVML_ERROR_DRIVER_NOT_LOADED",
+    "NVML_ERROR_UNINITIALIZED",
+)
 
 
 def load_pynvml() -> ModuleType:
@@ -187,12 +195,14 @@ class NvmlCollector(GpuCollector):
             uuid = self._field(index, "uuid", nv.nvmlDeviceGetUUID, handle)
             name = self._field(index, "name", nv.nvmlDeviceGetName, handle)
             mem = self._field(index, "memory_info", nv.nvmlDeviceGetMemoryInfo, handle)
-            self._inventory.append(GpuInfo(
-                index=index,
-                uuid=_text(uuid) or f"nvml-index-{index}",
-                name=(_text(name) or "")[:128],
-                memory_total_mib=round(mem.total / MIB, 1) if mem is not None else None,
-            ))
+            self._inventory.append(
+                GpuInfo(
+                    index=index,
+                    uuid=_text(uuid) or f"nvml-index-{index}",
+                    name=(_text(name) or "")[:128],
+                    memory_total_mib=round(mem.total / MIB, 1) if mem is not None else None,
+                )
+            )
         log.info("NVML: %d GPU(s): %s", count, ", ".join(g.name for g in self._inventory))
         self._start_xid_thread()
 
@@ -227,20 +237,24 @@ class NvmlCollector(GpuCollector):
         try:
             self._event_set = nv.nvmlEventSetCreate()
         except nv.NVMLError as exc:
-            self.add_event("xid_unavailable", f"nvmlEventSetCreate failed: {exc}; XID errors "
-                           "will not be reported")
+            self.add_event(
+                "xid_unavailable",
+                f"nvmlEventSetCreate failed: {exc}; XID errors will not be reported",
+            )
             return
         registered = 0
         for index, handle in enumerate(self._handles):
             if handle is None:
                 continue
             try:
-                nv.nvmlDeviceRegisterEvents(handle, nv.nvmlEventTypeXidCriticalError,
-                                            self._event_set)
+                nv.nvmlDeviceRegisterEvents(
+                    handle, nv.nvmlEventTypeXidCriticalError, self._event_set
+                )
                 registered += 1
             except nv.NVMLError as exc:
-                self.add_event("xid_unavailable", f"cannot register for XID events: {exc}",
-                               gpu=index)
+                self.add_event(
+                    "xid_unavailable", f"cannot register for XID events: {exc}", gpu=index
+                )
         if not registered:
             return
         self._stop.clear()
@@ -258,8 +272,9 @@ class NvmlCollector(GpuCollector):
                 if timeout_cls is not None and isinstance(exc, timeout_cls):
                     continue
                 if not failing:
-                    self.add_event("xid_wait_error", f"nvmlEventSetWait_v2 failed: {exc}; "
-                                   "retrying every 5 s")
+                    self.add_event(
+                        "xid_wait_error", f"nvmlEventSetWait_v2 failed: {exc}; retrying every 5 s"
+                    )
                     failing = True
                 self._stop.wait(5.0)
                 continue
@@ -268,18 +283,24 @@ class NvmlCollector(GpuCollector):
                 continue
             index = self._index_of(data.device)
             if index is None:
-                self.add_event("xid_unmapped",
-                               f"XID {int(data.eventData)} from a device handle that maps to "
-                               "no known GPU")
+                self.add_event(
+                    "xid_unmapped",
+                    f"XID {int(data.eventData)} from a device handle that maps to no known GPU",
+                )
                 continue
-            event = XidEvent(gpu=index, xid=int(data.eventData), ts=utcnow(),
-                             message="NVML XID critical error event")
+            event = XidEvent(
+                gpu=index,
+                xid=int(data.eventData),
+                ts=utcnow(),
+                message="NVML XID critical error event",
+            )
             try:
                 self.emit_xid(event)
             except Exception as exc:  # noqa: BLE001 - keep the thread alive, say why
                 log.exception("XID callback failed")
-                self.add_event("xid_callback_error", f"XID {event.xid} not pushed: {exc}",
-                               gpu=index)
+                self.add_event(
+                    "xid_callback_error", f"XID {event.xid} not pushed: {exc}", gpu=index
+                )
 
     def _index_of(self, handle: Any) -> int | None:
         index = self._index_by_key.get(_handle_key(handle))
@@ -320,9 +341,11 @@ class NvmlCollector(GpuCollector):
                 key = (index, field, code if isinstance(code, int) else -1)
                 if key not in self._reported_field_errors:
                     self._reported_field_errors.add(key)
-                    self.add_event("nvml_field_error",
-                                   f"{fn.__name__} ({field}) failed: {exc}; sent as null",
-                                   gpu=index)
+                    self.add_event(
+                        "nvml_field_error",
+                        f"{fn.__name__} ({field}) failed: {exc}; sent as null",
+                        gpu=index,
+                    )
             return None
 
     def _read_gpu(self, index: int, handle: Any) -> GpuSample | None:
@@ -336,10 +359,14 @@ class NvmlCollector(GpuCollector):
             last = self._failed_since.get(index)
             if last is None or now - last >= REPEAT_FAILURE_EVENT_S:
                 self._failed_since[index] = now
-                stale = "its last sample is repeated with its old timestamp" \
-                    if index in self._last_good else "no sample is sent"
-                self.add_event("nvml_gpu_error", f"GPU {index} cannot be read ({exc}); "
-                               f"{stale}", gpu=index)
+                stale = (
+                    "its last sample is repeated with its old timestamp"
+                    if index in self._last_good
+                    else "no sample is sent"
+                )
+                self.add_event(
+                    "nvml_gpu_error", f"GPU {index} cannot be read ({exc}); {stale}", gpu=index
+                )
             return None
         except nv.NVMLError as exc:  # pragma: no cover - _field catches these
             self.add_event("nvml_gpu_error", f"unexpected NVML error: {exc}", gpu=index)
@@ -361,12 +388,30 @@ class NvmlCollector(GpuCollector):
             out[name] = value
             ok.append(value is not None)
 
-        put("temperature_c", f(index, "temperature", nv.nvmlDeviceGetTemperature, handle,
-                               nv.NVML_TEMPERATURE_GPU))
-        put("slowdown_temp_c", f(index, "slowdown_temp", nv.nvmlDeviceGetTemperatureThreshold,
-                                 handle, nv.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN))
-        put("shutdown_temp_c", f(index, "shutdown_temp", nv.nvmlDeviceGetTemperatureThreshold,
-                                 handle, nv.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN))
+        put(
+            "temperature_c",
+            f(index, "temperature", nv.nvmlDeviceGetTemperature, handle, nv.NVML_TEMPERATURE_GPU),
+        )
+        put(
+            "slowdown_temp_c",
+            f(
+                index,
+                "slowdown_temp",
+                nv.nvmlDeviceGetTemperatureThreshold,
+                handle,
+                nv.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN,
+            ),
+        )
+        put(
+            "shutdown_temp_c",
+            f(
+                index,
+                "shutdown_temp",
+                nv.nvmlDeviceGetTemperatureThreshold,
+                handle,
+                nv.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN,
+            ),
+        )
         power_mw = f(index, "power", nv.nvmlDeviceGetPowerUsage, handle)
         put("power_w", power_mw / 1000.0 if power_mw is not None else None)
         limit_mw = f(index, "power_limit", nv.nvmlDeviceGetEnforcedPowerLimit, handle)
@@ -393,16 +438,17 @@ class NvmlCollector(GpuCollector):
             put("row_remap_pending", bool(pending))
             put("row_remap_failure", bool(failure))
 
-        put("pcie_replay_count", f(index, "pcie_replay", nv.nvmlDeviceGetPcieReplayCounter,
-                                   handle))
+        put("pcie_replay_count", f(index, "pcie_replay", nv.nvmlDeviceGetPcieReplayCounter, handle))
         put("throttle_reasons", self._throttle_reasons(index, handle))
         out.update(self._nvlink_errors(index, handle))
         return out, any(ok)
 
     def _throttle_reasons(self, index: int, handle: Any) -> int | None:
         nv = self.nvml
-        for fn_name in ("nvmlDeviceGetCurrentClocksEventReasons",
-                        "nvmlDeviceGetCurrentClocksThrottleReasons"):
+        for fn_name in (
+            "nvmlDeviceGetCurrentClocksEventReasons",
+            "nvmlDeviceGetCurrentClocksThrottleReasons",
+        ):
             fn = getattr(nv, fn_name, None)
             if fn is None:
                 continue
@@ -419,8 +465,10 @@ class NvmlCollector(GpuCollector):
         """
         nv = self.nvml
         counters = {
-            "nvlink_crc_errors": (nv.NVML_NVLINK_ERROR_DL_CRC_FLIT,
-                                  nv.NVML_NVLINK_ERROR_DL_CRC_DATA),
+            "nvlink_crc_errors": (
+                nv.NVML_NVLINK_ERROR_DL_CRC_FLIT,
+                nv.NVML_NVLINK_ERROR_DL_CRC_DATA,
+            ),
             "nvlink_replay_errors": (nv.NVML_NVLINK_ERROR_DL_REPLAY,),
             "nvlink_recovery_errors": (nv.NVML_NVLINK_ERROR_DL_RECOVERY,),
         }

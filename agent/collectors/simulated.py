@@ -49,8 +49,15 @@ from tierwatch.agent.protocol import (
 )
 
 Fault = Literal[
-    "xid", "thermal", "temp", "ecc-dbe", "row-remap-failure", "throttle", "straggle",
-    "freeze", "clear",
+    "xid",
+    "thermal",
+    "temp",
+    "ecc-dbe",
+    "row-remap-failure",
+    "throttle",
+    "straggle",
+    "freeze",
+    "clear",
 ]
 FAULTS: tuple[str, ...] = get_args(Fault)
 #: Faults that need a ``value`` (the XID code, the temperature in °C).
@@ -163,8 +170,12 @@ class SimulatedCollector(GpuCollector):
         for gpu in self._gpus:
             gpu.temperature_c = gpu.base_temp_c
         self._inventory = [
-            GpuInfo(index=i, uuid=simulated_uuid(node, i), name=SIM_MODEL,
-                    memory_total_mib=SIM_MEMORY_MIB)
+            GpuInfo(
+                index=i,
+                uuid=simulated_uuid(node, i),
+                name=SIM_MODEL,
+                memory_total_mib=SIM_MEMORY_MIB,
+            )
             for i in range(gpus)
         ]
 
@@ -266,8 +277,9 @@ class SimulatedCollector(GpuCollector):
             value = max(0.3, self._rng.gauss(BASE_LATENCY_MS, 0.15))
             if self._straggle:
                 value *= 10.0
-        return [LatencySample(job_id=self.job, rank=self.rank, ts=utcnow(),
-                              latency_ms=round(value, 3))]
+        return [
+            LatencySample(job_id=self.job, rank=self.rank, ts=utcnow(), latency_ms=round(value, 3))
+        ]
 
     # -- faults --------------------------------------------------------------------------
     def inject(self, fault: str, gpu: int | None = None, value: float | None = None) -> str:
@@ -296,10 +308,14 @@ class SimulatedCollector(GpuCollector):
             what = "an XID code, e.g. 79" if fault == "xid" else "a temperature in °C, e.g. 95"
             raise FaultError(f"fault {fault!r} needs a value: {what}")
         if fault not in FAULTS_WITH_VALUE and value is not None:
-            raise FaultError(f"fault {fault!r} takes no value (got {value!r}); use --gpu "
-                             "to pick the GPU")
-        if fault == "xid" and value is not None and (value != int(value)
-                                                     or not 0 <= value <= 100000):
+            raise FaultError(
+                f"fault {fault!r} takes no value (got {value!r}); use --gpu to pick the GPU"
+            )
+        if (
+            fault == "xid"
+            and value is not None
+            and (value != int(value) or not 0 <= value <= 100000)
+        ):
             raise FaultError(f"XID code must be an integer 0-100000, got {value!r}")
         if fault == "temp" and value is not None and not -50 <= value <= 200:
             raise FaultError(f"temperature must be between -50 and 200 °C, got {value!r}")
@@ -345,8 +361,9 @@ class SimulatedCollector(GpuCollector):
         target = self._gpus[gpu or 0]
         target.ecc_dbe_volatile += 1
         target.ecc_dbe_aggregate += 1
-        xid = XidEvent(gpu=target.index, xid=48, ts=utcnow(),
-                       message="simulated double bit ECC error")
+        xid = XidEvent(
+            gpu=target.index, xid=48, ts=utcnow(), message="simulated double bit ECC error"
+        )
         return f"uncorrectable ECC error (and XID 48) on GPU {target.index}", xid
 
     def _row_remap_failure(self, gpu: int | None, _value: float | None) -> _Effect:
@@ -373,8 +390,9 @@ class SimulatedCollector(GpuCollector):
         return f"telemetry of GPU {target.index} frozen", None
 
     #: The dispatch table of :meth:`inject`: one effect per fault of :data:`FAULTS`.
-    _EFFECTS: ClassVar[dict[str, Callable[[SimulatedCollector, int | None, float | None],
-                                          _Effect]]] = {
+    _EFFECTS: ClassVar[
+        dict[str, Callable[[SimulatedCollector, int | None, float | None], _Effect]]
+    ] = {
         "xid": _xid,
         "thermal": _thermal,
         "temp": _temp,

@@ -53,13 +53,24 @@ def _wake_drivers(request: Request) -> None:
 
 
 def _isolation(
-    request: Request, principal: Principal, node: Node, isolated: bool, body: ReasonIn,
-    session: SessionDep, settings: SettingsDep,
+    request: Request,
+    principal: Principal,
+    node: Node,
+    isolated: bool,
+    body: ReasonIn,
+    session: SessionDep,
+    settings: SettingsDep,
 ) -> IsolationOut:
     now = utcnow()
     outcome = isolation.set_isolated(
-        session, node, isolated, actor=principal.actor, role=principal.role,
-        reason=body.reason, now=now, settings=settings,
+        session,
+        node,
+        isolated,
+        actor=principal.actor,
+        role=principal.role,
+        reason=body.reason,
+        now=now,
+        settings=settings,
     )
     command = queue.command_out(outcome.command, node.name) if outcome.command else None
     session.commit()
@@ -71,8 +82,12 @@ def _isolation(
 
 @router.post("/nodes/{name}/isolate", response_model=IsolationOut, responses=BODY_ERRORS)
 def isolate(
-    request: Request, principal: OperatorDep, node: NodeDep, body: ReasonIn,
-    session: SessionDep, settings: SettingsDep,
+    request: Request,
+    principal: OperatorDep,
+    node: NodeDep,
+    body: ReasonIn,
+    session: SessionDep,
+    settings: SettingsDep,
 ) -> IsolationOut:
     """Isolate a node: takes effect at once (the answer shows ``isolated`` with who/when/
     why) and queues the configured driver's run (``command``; ``None`` for driver
@@ -87,8 +102,12 @@ def isolate(
 
 @router.post("/nodes/{name}/release", response_model=IsolationOut, responses=BODY_ERRORS)
 def release(
-    request: Request, principal: OperatorDep, node: NodeDep, body: ReasonIn,
-    session: SessionDep, settings: SettingsDep,
+    request: Request,
+    principal: OperatorDep,
+    node: NodeDep,
+    body: ReasonIn,
+    session: SessionDep,
+    settings: SettingsDep,
 ) -> IsolationOut:
     """Release an isolated node back into service (and queue the driver's undo). Needs
     operator.
@@ -122,10 +141,10 @@ def list_commands(
     return [queue.command_out(row, name) for row, name in rows]
 
 
-@router.get("/commands/{command_id}", response_model=CommandOut,
-            responses=error_responses(404))
+@router.get("/commands/{command_id}", response_model=CommandOut, responses=error_responses(404))
 def get_command(
-    _: ReaderDep, command_id: Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")],
+    _: ReaderDep,
+    command_id: Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")],
     session: SessionDep,
 ) -> dict:
     """One command.
@@ -147,10 +166,17 @@ def _job(session: SessionDep, job_id: str):  # noqa: ANN202 - a Job
         raise HTTPException(status_code=404, detail=str(exc)) from exc
 
 
-@router.post("/jobs/{job_id}/restore", response_model=RestoreRequestOut, status_code=202,
-             responses={**BODY_ERRORS, **error_responses(409)})
+@router.post(
+    "/jobs/{job_id}/restore",
+    response_model=RestoreRequestOut,
+    status_code=202,
+    responses={**BODY_ERRORS, **error_responses(409)},
+)
 def restore(
-    principal: OperatorDep, job_id: str, body: RestoreIn, session: SessionDep,
+    principal: OperatorDep,
+    job_id: str,
+    body: RestoreIn,
+    session: SessionDep,
     settings: SettingsDep,
 ) -> dict:
     """Roll a job back to a committed step (default: the newest some tier holds whole).
@@ -166,8 +192,15 @@ def restore(
     job = _job(session, job_id)
     try:
         req = restores.request_restore(
-            session, job, step=body.step, tier=body.tier, reason=body.reason,
-            actor=principal.actor, role=principal.role, now=utcnow(), settings=settings,
+            session,
+            job,
+            step=body.step,
+            tier=body.tier,
+            reason=body.reason,
+            actor=principal.actor,
+            role=principal.role,
+            now=utcnow(),
+            settings=settings,
         )
     except restores.RestoreRefused as exc:
         session.commit()  # keep the audit entry of the refusal
@@ -176,20 +209,25 @@ def restore(
     return restores.request_out(session, req)
 
 
-@router.get("/jobs/{job_id}/restores", response_model=list[RestoreRequestOut],
-            responses=error_responses(404))
+@router.get(
+    "/jobs/{job_id}/restores",
+    response_model=list[RestoreRequestOut],
+    responses=error_responses(404),
+)
 def list_restores(
-    _: ReaderDep, job_id: str, session: SessionDep,
+    _: ReaderDep,
+    job_id: str,
+    session: SessionDep,
     limit: Annotated[int, Query(ge=1, le=200)] = 20,
 ) -> list[dict]:
     """A job's restore requests, newest first, with per-rank progress."""
     job = _job(session, job_id)
-    return [restores.request_out(session, r) for r in restores.recent_requests(session, job,
-                                                                                limit)]
+    return [restores.request_out(session, r) for r in restores.recent_requests(session, job, limit)]
 
 
-@router.get("/restores/{request_id}", response_model=RestoreRequestOut,
-            responses=error_responses(404))
+@router.get(
+    "/restores/{request_id}", response_model=RestoreRequestOut, responses=error_responses(404)
+)
 def get_restore(
     _: ReaderDep, request_id: Annotated[int, Path(ge=1, le=2**31 - 1)], session: SessionDep
 ) -> dict:
@@ -210,9 +248,7 @@ def list_audit(
     session: SessionDep,
     actor: Annotated[Filter | None, Query(max_length=128)] = None,
     action: Annotated[Filter | None, Query(max_length=32)] = None,
-    target_kind: Annotated[
-        str | None, Query(pattern="^(node|job|policy|token|cluster)$")
-    ] = None,
+    target_kind: Annotated[str | None, Query(pattern="^(node|job|policy|token|cluster)$")] = None,
     target: Annotated[Filter | None, Query(max_length=128)] = None,
     outcome: Annotated[Filter | None, Query(max_length=16)] = None,
     since: AwareDatetime | None = None,
@@ -228,8 +264,16 @@ def list_audit(
     return [
         audit.entry_out(e)
         for e in audit.query(
-            session, actor=actor, action=action, target_kind=target_kind, target=target,
-            outcome=outcome, since=since, until=until, before_id=before_id, limit=limit,
+            session,
+            actor=actor,
+            action=action,
+            target_kind=target_kind,
+            target=target,
+            outcome=outcome,
+            since=since,
+            until=until,
+            before_id=before_id,
+            limit=limit,
         )
     ]
 

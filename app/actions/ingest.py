@@ -16,21 +16,45 @@ if TYPE_CHECKING:
     from tierwatch.server.config import Settings
 
 
-def record_command_outcome(session: Session, settings: Settings, row: CommandRow,
-                           node_name: str, *, now: datetime) -> None:
+def record_command_outcome(
+    session: Session, settings: Settings, row: CommandRow, node_name: str, *, now: datetime
+) -> None:
     """Audit a finished command, and alert when a driver run did not succeed (the caller
     commits)."""
-    audit.record(session, actor=row.actor, role="system", action="command",
-                 target_kind="node", target=node_name, reason=row.reason, outcome=row.state,
-                 now=now, detail={"command": row.id, "kind": row.kind, "driver": row.driver,
-                                  "exit_code": row.exit_code, "output": row.output[-500:]})
+    audit.record(
+        session,
+        actor=row.actor,
+        role="system",
+        action="command",
+        target_kind="node",
+        target=node_name,
+        reason=row.reason,
+        outcome=row.state,
+        now=now,
+        detail={
+            "command": row.id,
+            "kind": row.kind,
+            "driver": row.driver,
+            "exit_code": row.exit_code,
+            "output": row.output[-500:],
+        },
+    )
     if row.state in ("failed", "expired") and row.kind != "restore":
-        notify.command_failed(session, settings, node=node_name, command_id=row.id,
-                              kind=row.kind, driver=row.driver, output=row.output, now=now)
+        notify.command_failed(
+            session,
+            settings,
+            node=node_name,
+            command_id=row.id,
+            kind=row.kind,
+            driver=row.driver,
+            output=row.output,
+            now=now,
+        )
 
 
-def apply_report(session: Session, batch: ReportBatch, *, node_id: int, settings: Settings,
-                 now: datetime) -> None:
+def apply_report(
+    session: Session, batch: ReportBatch, *, node_id: int, settings: Settings, now: datetime
+) -> None:
     """Apply a freshly stored batch's ``command_results`` and request-tagged ``restores``."""
     for row in queue.apply_results(session, node_id, batch.command_results, now=now):
         if row.state in TERMINAL_STATES:

@@ -42,7 +42,13 @@ class IsolationOutcome:
 
 
 def _driver_command(
-    session: Session, node: Node, kind: str, *, actor: str, reason: str, now: datetime,
+    session: Session,
+    node: Node,
+    kind: str,
+    *,
+    actor: str,
+    reason: str,
+    now: datetime,
     settings: Settings,
 ) -> CommandRow | None:
     driver = settings.isolation.driver
@@ -89,13 +95,16 @@ def set_isolated(
         values |= {"isolated_at": now, "isolated_by": actor, "isolated_reason": reason}
     else:
         values |= {"released_at": now}
-    changed = execute_dml(
-        session,
-        update(Node)
-        .where(Node.id == node.id, Node.isolated.is_(not isolated))
-        .values(**values)
-        .execution_options(synchronize_session=False),
-    ) == 1
+    changed = (
+        execute_dml(
+            session,
+            update(Node)
+            .where(Node.id == node.id, Node.isolated.is_(not isolated))
+            .values(**values)
+            .execution_options(synchronize_session=False),
+        )
+        == 1
+    )
     session.refresh(node)
     kind = "isolate" if isolated else "release"
     command = None
@@ -103,8 +112,15 @@ def set_isolated(
         command = _driver_command(
             session, node, kind, actor=actor, reason=reason, now=now, settings=settings
         )
-        notify.isolation_changed(session, settings, node=node.name, isolated=isolated,
-                                 actor=actor, reason=reason, now=now)
+        notify.isolation_changed(
+            session,
+            settings,
+            node=node.name,
+            isolated=isolated,
+            actor=actor,
+            reason=reason,
+            now=now,
+        )
     audit.record(
         session,
         actor=actor,

@@ -15,11 +15,20 @@ from tierwatch.server.alerts.service import raise_alert
 from tierwatch.server.config import Settings
 
 
-def isolation_changed(session: Session, settings: Settings, *, node: str, isolated: bool,
-                      actor: str, reason: str, now: datetime) -> None:
+def isolation_changed(
+    session: Session,
+    settings: Settings,
+    *,
+    node: str,
+    isolated: bool,
+    actor: str,
+    reason: str,
+    now: datetime,
+) -> None:
     """A node was isolated (firing) or released (resolved)."""
     raise_alert(
-        session, settings.alerts,
+        session,
+        settings.alerts,
         kind="isolation",
         key=f"isolation:{node}",
         severity="warning",
@@ -31,11 +40,20 @@ def isolation_changed(session: Session, settings: Settings, *, node: str, isolat
     )
 
 
-def node_state_changed(session: Session, settings: Settings, *, node: str, old: str, new: str,
-                       message: str, now: datetime) -> None:
+def node_state_changed(
+    session: Session,
+    settings: Settings,
+    *,
+    node: str,
+    old: str,
+    new: str,
+    message: str,
+    now: datetime,
+) -> None:
     """A node's health state changed (firing while degraded/unhealthy, resolved when healthy)."""
     raise_alert(
-        session, settings.alerts,
+        session,
+        settings.alerts,
         kind="node_state",
         key=f"node_state:{node}:{new if new != 'healthy' else old}",
         severity={"unhealthy": "critical", "degraded": "warning"}.get(new, "info"),
@@ -47,11 +65,13 @@ def node_state_changed(session: Session, settings: Settings, *, node: str, old: 
     )
 
 
-def breaker_tripped(session: Session, settings: Settings, *, message: str, held: list[str],
-                    now: datetime) -> None:
+def breaker_tripped(
+    session: Session, settings: Settings, *, message: str, held: list[str], now: datetime
+) -> None:
     """The auto-isolation circuit breaker holds (a cluster-level alert)."""
     raise_alert(
-        session, settings.alerts,
+        session,
+        settings.alerts,
         kind="breaker",
         key="policy_breaker",
         severity="critical",
@@ -65,7 +85,8 @@ def breaker_tripped(session: Session, settings: Settings, *, message: str, held:
 def breaker_reset(session: Session, settings: Settings, *, now: datetime) -> None:
     """The circuit breaker let go again (resolves the breaker alert)."""
     raise_alert(
-        session, settings.alerts,
+        session,
+        settings.alerts,
         kind="breaker",
         key="policy_breaker",
         severity="info",
@@ -77,11 +98,21 @@ def breaker_reset(session: Session, settings: Settings, *, now: datetime) -> Non
     )
 
 
-def command_failed(session: Session, settings: Settings, *, node: str, command_id: str,
-                   kind: str, driver: str, output: str, now: datetime) -> None:
+def command_failed(
+    session: Session,
+    settings: Settings,
+    *,
+    node: str,
+    command_id: str,
+    kind: str,
+    driver: str,
+    output: str,
+    now: datetime,
+) -> None:
     """A driver run failed or expired."""
     raise_alert(
-        session, settings.alerts,
+        session,
+        settings.alerts,
         kind="command_failed",
         key=f"command:{command_id}",
         severity="warning",
@@ -92,11 +123,13 @@ def command_failed(session: Session, settings: Settings, *, node: str, command_i
     )
 
 
-def restore_failed(session: Session, settings: Settings, *, job: str, request_id: int,
-                   message: str, now: datetime) -> None:
+def restore_failed(
+    session: Session, settings: Settings, *, job: str, request_id: int, message: str, now: datetime
+) -> None:
     """A restore request failed on some rank."""
     raise_alert(
-        session, settings.alerts,
+        session,
+        settings.alerts,
         kind="restore_failed",
         key=f"restore:{job}:{request_id}",
         severity="critical",

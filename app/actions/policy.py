@@ -76,8 +76,7 @@ def effective(session: Session, settings: Settings) -> tuple[PolicySettings, dic
     return PolicySettings(**values), source
 
 
-def update(session: Session, change: PolicyUpdate, *, actor: str, role: str,
-           now: datetime) -> None:
+def update(session: Session, change: PolicyUpdate, *, actor: str, role: str, now: datetime) -> None:
     """Store an admin's change (the caller commits) and audit it."""
     row = _row(session, create=True)
     assert row is not None
@@ -86,10 +85,17 @@ def update(session: Session, change: PolicyUpdate, *, actor: str, role: str,
         setattr(row, name, getattr(change, name))
     row.updated_at = now
     row.updated_by = actor
-    audit.record(session, actor=actor, role=role, action="policy_update", target_kind="policy",
-                 target="auto-isolation", outcome="ok", now=now,
-                 detail={"before": before,
-                         "after": {n: getattr(row, n) for n in EDITABLE}})
+    audit.record(
+        session,
+        actor=actor,
+        role=role,
+        action="policy_update",
+        target_kind="policy",
+        target="auto-isolation",
+        outcome="ok",
+        now=now,
+        detail={"before": before, "after": {n: getattr(row, n) for n in EDITABLE}},
+    )
 
 
 def allowed_isolations(breaker_pct: float, nodes: int) -> int:
@@ -102,8 +108,9 @@ def qualifies(action: str, actions: Sequence[str]) -> bool:
     return action in actions or action.startswith(WORKFLOW_PREFIX)
 
 
-def candidates(views: Sequence[fleet_service.NodeView], policy: PolicySettings,
-               now: datetime) -> list[Candidate]:
+def candidates(
+    views: Sequence[fleet_service.NodeView], policy: PolicySettings, now: datetime
+) -> list[Candidate]:
     """Nodes the policy should isolate now, by name (pure: reads the views only)."""
     out = []
     for v in views:
@@ -112,14 +119,20 @@ def candidates(views: Sequence[fleet_service.NodeView], policy: PolicySettings,
             continue
         released = n.released_at
         silent_s = (now - n.last_seen).total_seconds()
-        if v.unreachable and silent_s > policy.unreachable_s and (
-            released is None or n.last_seen > released
+        if (
+            v.unreachable
+            and silent_s > policy.unreachable_s
+            and (released is None or n.last_seen > released)
         ):
-            out.append(Candidate(
-                n.id, n.name, "unreachable",
-                f"policy: no report for {silent_s:.0f} s (limit {policy.unreachable_s:g} s)",
-                {"last_seen": n.last_seen.isoformat(), "silent_s": round(silent_s, 1)},
-            ))
+            out.append(
+                Candidate(
+                    n.id,
+                    n.name,
+                    "unreachable",
+                    f"policy: no report for {silent_s:.0f} s (limit {policy.unreachable_s:g} s)",
+                    {"last_seen": n.last_seen.isoformat(), "silent_s": round(silent_s, 1)},
+                )
+            )
             continue
         if n.state != "unhealthy":
             continue
@@ -129,25 +142,37 @@ def candidates(views: Sequence[fleet_service.NodeView], policy: PolicySettings,
             if released is not None and r.first_seen <= released:
                 continue
             gpu = "" if r.gpu_index is None or r.gpu_index < 0 else f" (GPU {r.gpu_index})"
-            out.append(Candidate(
-                n.id, n.name, r.rule, f"policy: {r.rule}{gpu}: {r.message} → {r.action}",
-                {"rule": r.rule, "gpu": None if r.gpu_index < 0 else r.gpu_index,
-                 "action": r.action, "key": r.key},
-            ))
+            out.append(
+                Candidate(
+                    n.id,
+                    n.name,
+                    r.rule,
+                    f"policy: {r.rule}{gpu}: {r.message} → {r.action}",
+                    {
+                        "rule": r.rule,
+                        "gpu": None if r.gpu_index < 0 else r.gpu_index,
+                        "action": r.action,
+                        "key": r.key,
+                    },
+                )
+            )
             break
     return out
 
 
 def isolated_in_window(session: Session, now: datetime, window_s: float) -> int:
     """Nodes the policy isolated within the last ``window_s`` seconds."""
-    return session.scalar(
-        select(func.count(func.distinct(AuditEntry.target))).where(
-            AuditEntry.action == "isolate",
-            AuditEntry.actor == POLICY_ACTOR,
-            AuditEntry.outcome == "ok",
-            AuditEntry.ts >= now - timedelta(seconds=window_s),
+    return (
+        session.scalar(
+            select(func.count(func.distinct(AuditEntry.target))).where(
+                AuditEntry.action == "isolate",
+                AuditEntry.actor == POLICY_ACTOR,
+                AuditEntry.outcome == "ok",
+                AuditEntry.ts >= now - timedelta(seconds=window_s),
+            )
         )
-    ) or 0
+        or 0
+    )
 
 
 @dataclass
@@ -167,13 +192,27 @@ def _jobs_on(session: Session, node: str, now: datetime) -> list[Job]:
     return [j for j in jobs if j.layout and node in j.layout]
 
 
-def _reset_breaker(session: Session, settings: Settings, row: PolicySettingsRow, *,
-                   now: datetime, detail: dict[str, Any]) -> None:
+def _reset_breaker(
+    session: Session,
+    settings: Settings,
+    row: PolicySettingsRow,
+    *,
+    now: datetime,
+    detail: dict[str, Any],
+) -> None:
     row.breaker_tripped_at = None
     row.breaker_message = ""
-    audit.record(session, actor=POLICY_ACTOR, role="policy", action="breaker_reset",
-                 target_kind="cluster", target="auto-isolation", outcome="ok", now=now,
-                 detail=detail)
+    audit.record(
+        session,
+        actor=POLICY_ACTOR,
+        role="policy",
+        action="breaker_reset",
+        target_kind="cluster",
+        target="auto-isolation",
+        outcome="ok",
+        now=now,
+        detail=detail,
+    )
     notify.breaker_reset(session, settings, now=now)
 
 
@@ -194,8 +233,7 @@ def run(session: Session, settings: Settings, *, now: datetime) -> PolicyRun:
     tripped = row is not None and row.breaker_tripped_at is not None
     if tripped and count < allowed:
         assert row is not None
-        _reset_breaker(session, settings, row, now=now,
-                       detail={"allowed": allowed, "count": count})
+        _reset_breaker(session, settings, row, now=now, detail={"allowed": allowed, "count": count})
         result.reset = True
         tripped = False
     todo = candidates(views, policy, now)
@@ -207,8 +245,15 @@ def run(session: Session, settings: Settings, *, now: datetime) -> PolicyRun:
         if node is None:
             continue
         outcome = isolation.set_isolated(
-            session, node, True, actor=POLICY_ACTOR, role="policy", reason=cand.reason,
-            now=now, settings=settings, detail={"rule": cand.rule, **cand.detail},
+            session,
+            node,
+            True,
+            actor=POLICY_ACTOR,
+            role="policy",
+            reason=cand.reason,
+            now=now,
+            settings=settings,
+            detail={"rule": cand.rule, **cand.detail},
         )
         if not outcome.changed:
             continue
@@ -218,8 +263,14 @@ def run(session: Session, settings: Settings, *, now: datetime) -> PolicyRun:
             for job in _jobs_on(session, cand.name, now):
                 try:
                     req = restores.request_restore(
-                        session, job, step=None, tier=None, actor=POLICY_ACTOR, role="policy",
-                        reason=f"node {cand.name} auto-isolated ({cand.rule})", now=now,
+                        session,
+                        job,
+                        step=None,
+                        tier=None,
+                        actor=POLICY_ACTOR,
+                        role="policy",
+                        reason=f"node {cand.name} auto-isolated ({cand.rule})",
+                        now=now,
                         settings=settings,
                     )
                 except restores.RestoreRefused:
@@ -237,12 +288,19 @@ def run(session: Session, settings: Settings, *, now: datetime) -> PolicyRun:
         )
         if not tripped:
             row.breaker_tripped_at = now
-            audit.record(session, actor=POLICY_ACTOR, role="policy", action="breaker_trip",
-                         target_kind="cluster", target="auto-isolation", reason=message,
-                         outcome="ok", now=now,
-                         detail={"held": result.held, "allowed": allowed, "count": count})
-            notify.breaker_tripped(session, settings, message=message, held=result.held,
-                                   now=now)
+            audit.record(
+                session,
+                actor=POLICY_ACTOR,
+                role="policy",
+                action="breaker_trip",
+                target_kind="cluster",
+                target="auto-isolation",
+                reason=message,
+                outcome="ok",
+                now=now,
+                detail={"held": result.held, "allowed": allowed, "count": count},
+            )
+            notify.breaker_tripped(session, settings, message=message, held=result.held, now=now)
             result.tripped = True
         row.breaker_message = message  # while it holds: the nodes held now
     return result

@@ -101,7 +101,8 @@ def deliver(
                 (CommandRow.state == "delivered") & (CommandRow.delivered_at <= stale),
                 # A driver run the agent said it started but never finished (it may have
                 # crashed mid-run): sent again, so the agent answers with what it recorded.
-                (CommandRow.state == "running") & (CommandRow.kind != "restore")
+                (CommandRow.state == "running")
+                & (CommandRow.kind != "restore")
                 & (CommandRow.delivered_at <= stale),
             ),
         )
@@ -169,8 +170,7 @@ def apply_results(
     return changed
 
 
-def finish(row: CommandRow, *, ok: bool, exit_code: int | None, output: str,
-           now: datetime) -> bool:
+def finish(row: CommandRow, *, ok: bool, exit_code: int | None, output: str, now: datetime) -> bool:
     """Record a finished run (server driver, or a restore whose ranks are done)."""
     if not _advance(row, "succeeded" if ok else "failed", now):
         return False
@@ -207,11 +207,13 @@ def expire(session: Session, *, now: datetime, run_limit_s: float) -> list[Comma
       than ``run_limit_s`` without a result: ``failed``, not run again (the agent went away,
       or the server stopped mid-run) — the node's state in the scheduler must be checked.
     """
-    rows = list(session.scalars(
-        select(CommandRow).where(
-            CommandRow.state.in_(("pending", "delivered")), CommandRow.expires_at <= now
+    rows = list(
+        session.scalars(
+            select(CommandRow).where(
+                CommandRow.state.in_(("pending", "delivered")), CommandRow.expires_at <= now
+            )
         )
-    ))
+    )
     for row in rows:
         _advance(row, "expired", now)
         row.output = row.output or (
@@ -219,23 +221,34 @@ def expire(session: Session, *, now: datetime, run_limit_s: float) -> list[Comma
             f"{row.expires_at.isoformat(timespec='seconds')}"
             + (" (the node's agent did not report in time)" if row.executor == "agent" else "")
         )
-    stuck = list(session.scalars(
-        select(CommandRow).where(
-            CommandRow.state == "running", CommandRow.kind != "restore",
-            CommandRow.started_at <= now - timedelta(seconds=run_limit_s),
+    stuck = list(
+        session.scalars(
+            select(CommandRow).where(
+                CommandRow.state == "running",
+                CommandRow.kind != "restore",
+                CommandRow.started_at <= now - timedelta(seconds=run_limit_s),
+            )
         )
-    ))
+    )
     for row in stuck:
         where = "the node's agent" if row.executor == "agent" else "the server"
-        finish(row, ok=False, exit_code=row.exit_code, now=now, output=(
-            f"{row.output}\nno result {run_limit_s:g} s after the driver started: {where} "
-            "stopped while it ran, so it is not run again; check the node's state in the "
-            "scheduler and isolate/release again if needed").strip())
+        finish(
+            row,
+            ok=False,
+            exit_code=row.exit_code,
+            now=now,
+            output=(
+                f"{row.output}\nno result {run_limit_s:g} s after the driver started: {where} "
+                "stopped while it ran, so it is not run again; check the node's state in the "
+                "scheduler and isolate/release again if needed"
+            ).strip(),
+        )
     return rows + stuck
 
 
-def fail_running_for_restore(session: Session, restore_id: int, *, message: str,
-                             now: datetime, state: str = "failed") -> None:
+def fail_running_for_restore(
+    session: Session, restore_id: int, *, message: str, now: datetime, state: str = "failed"
+) -> None:
     """End every open command of a restore request (``failed`` or ``expired``)."""
     session.execute(
         update(CommandRow)
@@ -280,10 +293,18 @@ def prune(session: Session, *, now: datetime, retention_s: float) -> dict[str, i
 
     cut = now - timedelta(seconds=retention_s)
     out = {}
-    out["commands"] = execute_dml(session, delete(CommandRow).where(
-        CommandRow.state.in_(sorted(TERMINAL_STATES)), CommandRow.created_at < cut))
-    out["restore_requests"] = execute_dml(session, delete(RestoreRequest).where(
-        RestoreRequest.state != "running", RestoreRequest.created_at < cut))
+    out["commands"] = execute_dml(
+        session,
+        delete(CommandRow).where(
+            CommandRow.state.in_(sorted(TERMINAL_STATES)), CommandRow.created_at < cut
+        ),
+    )
+    out["restore_requests"] = execute_dml(
+        session,
+        delete(RestoreRequest).where(
+            RestoreRequest.state != "running", RestoreRequest.created_at < cut
+        ),
+    )
     out["audit_log"] = execute_dml(session, delete(AuditEntry).where(AuditEntry.ts < cut))
     return out
 

@@ -38,7 +38,8 @@ def restorable_steps(session: Session, job: Job) -> dict[int, list[str]]:
     """Steps some tier holds completely (not evicted): step → tiers, newest first."""
     rows = session.execute(
         select(LedgerRow.step, LedgerRow.tier).where(
-            LedgerRow.job_pk == job.id, LedgerRow.complete.is_(True),
+            LedgerRow.job_pk == job.id,
+            LedgerRow.complete.is_(True),
             LedgerRow.evicted.is_(False),
         )
     ).all()
@@ -104,24 +105,42 @@ def request_restore(
                 "starts): wait for the job to report, then retry"
             )
     except RestoreRefused as exc:
-        audit.record(session, actor=actor, role=role, action="restore", target_kind="job",
-                     target=job.job_id, reason=reason, outcome="refused", now=now,
-                     detail={"step": step, "tier": tier, "message": str(exc)})
+        audit.record(
+            session,
+            actor=actor,
+            role=role,
+            action="restore",
+            target_kind="job",
+            target=job.job_id,
+            reason=reason,
+            outcome="refused",
+            now=now,
+            detail={"step": step, "tier": tier, "message": str(exc)},
+        )
         raise
     layout = list(job.layout)
     req = RestoreRequest(
-        job_pk=job.id, job_id=job.job_id, step=target, tier=tier, reason=reason, actor=actor,
-        state="running", world_size=job.world_size, layout=layout, created_at=now, message="",
+        job_pk=job.id,
+        job_id=job.job_id,
+        step=target,
+        tier=tier,
+        reason=reason,
+        actor=actor,
+        state="running",
+        world_size=job.world_size,
+        layout=layout,
+        created_at=now,
+        message="",
     )
     session.add(req)
     session.flush()
     nodes = {
-        n.name: n
-        for n in session.scalars(select(Node).where(Node.name.in_(sorted(set(layout)))))
+        n.name: n for n in session.scalars(select(Node).where(Node.name.in_(sorted(set(layout)))))
     }
     session.add_all(
-        RestoreRankProgress(request_id=req.id, rank=r, node=name, phase="pending",
-                            files_by_tier={}, message="")
+        RestoreRankProgress(
+            request_id=req.id, rank=r, node=name, phase="pending", files_by_tier={}, message=""
+        )
         for r, name in enumerate(layout)
     )
     commands = []
@@ -129,20 +148,50 @@ def request_restore(
         node = nodes.get(name)
         if node is None:
             continue
-        commands.append(queue.enqueue(
-            session, kind="restore", node_id=node.id, executor="agent", driver="restore",
-            args={"request_id": req.id, "job_id": job.job_id, "step": target, "tier": tier,
-                  "reason": reason, "actor": actor,
-                  "not_after": (now + timedelta(seconds=settings.commands.restore_ttl_s))
-                  .isoformat()},
-            actor=actor, reason=reason, now=now, ttl_s=settings.commands.ttl_s,
-            restore_id=req.id,
-        ))
-    audit.record(session, actor=actor, role=role, action="restore", target_kind="job",
-                 target=job.job_id, reason=reason, outcome="ok", now=now,
-                 detail={"request_id": req.id, "step": target, "tier": tier,
-                         "requested_step": step, "nodes": sorted(set(layout)),
-                         "commands": [c.id for c in commands]})
+        commands.append(
+            queue.enqueue(
+                session,
+                kind="restore",
+                node_id=node.id,
+                executor="agent",
+                driver="restore",
+                args={
+                    "request_id": req.id,
+                    "job_id": job.job_id,
+                    "step": target,
+                    "tier": tier,
+                    "reason": reason,
+                    "actor": actor,
+                    "not_after": (
+                        now + timedelta(seconds=settings.commands.restore_ttl_s)
+                    ).isoformat(),
+                },
+                actor=actor,
+                reason=reason,
+                now=now,
+                ttl_s=settings.commands.ttl_s,
+                restore_id=req.id,
+            )
+        )
+    audit.record(
+        session,
+        actor=actor,
+        role=role,
+        action="restore",
+        target_kind="job",
+        target=job.job_id,
+        reason=reason,
+        outcome="ok",
+        now=now,
+        detail={
+            "request_id": req.id,
+            "step": target,
+            "tier": tier,
+            "requested_step": step,
+            "nodes": sorted(set(layout)),
+            "commands": [c.id for c in commands],
+        },
+    )
     return req
 
 
@@ -203,28 +252,34 @@ def apply_rank_reports(
 def _settle(session: Session, req: RestoreRequest, *, now: datetime, settings: Settings) -> None:
     if req.state != "running":
         return
-    ranks = list(session.scalars(
-        select(RestoreRankProgress).where(RestoreRankProgress.request_id == req.id)
-    ))
+    ranks = list(
+        session.scalars(select(RestoreRankProgress).where(RestoreRankProgress.request_id == req.id))
+    )
     commands = list(session.scalars(select(CommandRow).where(CommandRow.restore_id == req.id)))
-    node_ids = {n.name: n.id for n in session.scalars(
-        select(Node).where(Node.id.in_([c.node_id for c in commands])))}
+    node_ids = {
+        n.name: n.id
+        for n in session.scalars(select(Node).where(Node.id.in_([c.node_id for c in commands])))
+    }
     for cmd in commands:
         own = [p for p in ranks if node_ids.get(p.node) == cmd.node_id]
         if own and all(p.phase in ("loaded", "failed") for p in own):
             failed = [p for p in own if p.phase == "failed"]
             queue.finish(
-                cmd, ok=not failed, exit_code=None, now=now,
+                cmd,
+                ok=not failed,
+                exit_code=None,
+                now=now,
                 output="; ".join(f"rank {p.rank}: {p.message}" for p in failed)
-                if failed else f"ranks {', '.join(str(p.rank) for p in own)} loaded step "
-                f"{req.step}",
+                if failed
+                else f"ranks {', '.join(str(p.rank) for p in own)} loaded step {req.step}",
             )
     failed = [p for p in ranks if p.phase == "failed"]
     if failed:
         req.state = "failed"
         req.message = "; ".join(f"rank {p.rank}: {p.message}" for p in failed)[:2000]
-        queue.fail_running_for_restore(session, req.id, now=now,
-                                       message=f"restore request failed: {req.message}")
+        queue.fail_running_for_restore(
+            session, req.id, now=now, message=f"restore request failed: {req.message}"
+        )
     elif all(p.phase == "loaded" for p in ranks):
         req.state = "succeeded"
     else:
@@ -233,14 +288,28 @@ def _settle(session: Session, req: RestoreRequest, *, now: datetime, settings: S
     done = [p for p in ranks if p.seconds is not None]
     req.seconds = max((p.seconds for p in done), default=None)  # type: ignore[type-var]
     req.steps_lost = max((p.steps_lost for p in ranks if p.steps_lost is not None), default=None)
-    audit.record(session, actor=req.actor, role="system", action="restore_done",
-                 target_kind="job", target=req.job_id, reason=req.reason, outcome=req.state,
-                 now=now, detail={"request_id": req.id, "step": req.step,
-                                  "seconds": req.seconds, "steps_lost": req.steps_lost,
-                                  "tiers": {str(p.rank): p.tier for p in ranks}})
+    audit.record(
+        session,
+        actor=req.actor,
+        role="system",
+        action="restore_done",
+        target_kind="job",
+        target=req.job_id,
+        reason=req.reason,
+        outcome=req.state,
+        now=now,
+        detail={
+            "request_id": req.id,
+            "step": req.step,
+            "seconds": req.seconds,
+            "steps_lost": req.steps_lost,
+            "tiers": {str(p.rank): p.tier for p in ranks},
+        },
+    )
     if req.state == "failed":
-        notify.restore_failed(session, settings, job=req.job_id, request_id=req.id,
-                              message=req.message, now=now)
+        notify.restore_failed(
+            session, settings, job=req.job_id, request_id=req.id, message=req.message, now=now
+        )
 
 
 def expire_requests(session: Session, *, now: datetime, settings: Settings) -> list[int]:
@@ -260,13 +329,25 @@ def expire_requests(session: Session, *, now: datetime, settings: Settings) -> l
         ).all()
         req.state = "expired"
         req.finished_at = now
-        req.message = (f"ranks {', '.join(map(str, waiting))} did not report within "
-                       f"{settings.commands.restore_ttl_s:g} s")
-        queue.fail_running_for_restore(session, req.id, message=req.message, now=now,
-                                       state="expired")
-        audit.record(session, actor=req.actor, role="system", action="restore_done",
-                     target_kind="job", target=req.job_id, reason=req.reason,
-                     outcome="expired", now=now, detail={"request_id": req.id})
+        req.message = (
+            f"ranks {', '.join(map(str, waiting))} did not report within "
+            f"{settings.commands.restore_ttl_s:g} s"
+        )
+        queue.fail_running_for_restore(
+            session, req.id, message=req.message, now=now, state="expired"
+        )
+        audit.record(
+            session,
+            actor=req.actor,
+            role="system",
+            action="restore_done",
+            target_kind="job",
+            target=req.job_id,
+            reason=req.reason,
+            outcome="expired",
+            now=now,
+            detail={"request_id": req.id},
+        )
     return [r.id for r in rows]
 
 
@@ -310,7 +391,11 @@ def request_out(session: Session, req: RestoreRequest) -> dict[str, Any]:
 
 def recent_requests(session: Session, job: Job, limit: int = 10) -> list[RestoreRequest]:
     """The job's newest restore requests first."""
-    return list(session.scalars(
-        select(RestoreRequest).where(RestoreRequest.job_pk == job.id)
-        .order_by(RestoreRequest.id.desc()).limit(limit)
-    ))
+    return list(
+        session.scalars(
+            select(RestoreRequest)
+            .where(RestoreRequest.job_pk == job.id)
+            .order_by(RestoreRequest.id.desc())
+            .limit(limit)
+        )
+    )

@@ -62,5 +62,3 @@ class PolicyUpdate(BaseModel):
     breaker_pct: Annotated[float, Field(gt=0, le=100)] | None = None
     breaker_window_s: Annotated[float, Field(gt=0, le=30 * 86400)] | None = None
     restore_jobs: bool | None = None
-
-

@@ -58,21 +58,38 @@ def _node_path(name: str) -> str:
 def _reason(request: Request, reason: str) -> str | None:
     text = reason.strip()
     if not text:
-        flash(request, "Give a reason: it goes into the audit log and tells other operators "
-              "why.", "error")
+        flash(
+            request,
+            "Give a reason: it goes into the audit log and tells other operators why.",
+            "error",
+        )
         return None
     return text
 
 
-def _isolation(request: Request, principal: Any, name: str, isolated: bool, reason: str,
-               session: Any, settings: Any) -> Response:
+def _isolation(
+    request: Request,
+    principal: Any,
+    name: str,
+    isolated: bool,
+    reason: str,
+    session: Any,
+    settings: Any,
+) -> Response:
     node = fleet_service.get_node(session, name)
     text = _reason(request, reason)
     if text is None:
         return _back(_node_path(name))
-    outcome = isolation.set_isolated(session, node, isolated, actor=principal.actor,
-                                     role=principal.role, reason=text, now=utcnow(),
-                                     settings=settings)
+    outcome = isolation.set_isolated(
+        session,
+        node,
+        isolated,
+        actor=principal.actor,
+        role=principal.role,
+        reason=text,
+        now=utcnow(),
+        settings=settings,
+    )
     session.commit()
     if outcome.command is not None and outcome.command.executor == "server":
         work = getattr(request.app.state, "background", None)
@@ -80,58 +97,103 @@ def _isolation(request: Request, principal: Any, name: str, isolated: bool, reas
             work.wake_drivers()
     verb = "isolated" if isolated else "released"
     if not outcome.changed:
-        flash(request, f"{name} was already {'isolated' if isolated else 'in service'}; "
-              "nothing changed.", "info")
+        flash(
+            request,
+            f"{name} was already {'isolated' if isolated else 'in service'}; nothing changed.",
+            "info",
+        )
     elif outcome.command is None:
         flash(request, f"{name} {verb} (driver none: recorded only).")
     else:
-        flash(request, f"{name} {verb}; the {outcome.command.driver} driver's run is "
-              f"{outcome.command.state} (see Driver runs below).")
+        flash(
+            request,
+            f"{name} {verb}; the {outcome.command.driver} driver's run is "
+            f"{outcome.command.state} (see Driver runs below).",
+        )
     return _back(_node_path(name))
 
 
 @router.post("/nodes/{name}/isolate")
-def isolate_form(request: Request, name: str, principal: OperatorPageDep, _: CsrfDep,
-                 session: SessionDep, settings: SettingsDep,
-                 reason: ReasonField = "") -> Response:
+def isolate_form(
+    request: Request,
+    name: str,
+    principal: OperatorPageDep,
+    _: CsrfDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    reason: ReasonField = "",
+) -> Response:
     """Isolate a node from its page."""
     return _isolation(request, principal, name, True, reason, session, settings)
 
 
 @router.post("/nodes/{name}/release")
-def release_form(request: Request, name: str, principal: OperatorPageDep, _: CsrfDep,
-                 session: SessionDep, settings: SettingsDep,
-                 reason: ReasonField = "") -> Response:
+def release_form(
+    request: Request,
+    name: str,
+    principal: OperatorPageDep,
+    _: CsrfDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    reason: ReasonField = "",
+) -> Response:
     """Release a node from its page."""
     return _isolation(request, principal, name, False, reason, session, settings)
 
 
 @router.post("/nodes/{name}/ack")
-def ack_form(request: Request, name: str, principal: OperatorPageDep, _: CsrfDep,
-             session: SessionDep,
-             note: Annotated[str, Form(max_length=2000)] = "") -> Response:
+def ack_form(
+    request: Request,
+    name: str,
+    principal: OperatorPageDep,
+    _: CsrfDep,
+    session: SessionDep,
+    note: Annotated[str, Form(max_length=2000)] = "",
+) -> Response:
     """Acknowledge every active reason of a node (clears XID-driven states)."""
     node = fleet_service.get_node(session, name)
     text = _reason(request, note)
     if text is None:
         return _back(_node_path(name))
     now = utcnow()
-    cleared = fleet_service.acknowledge(session, node, rule=None, gpu=None,
-                                        actor=principal.actor, note=text, now=now)
-    audit.record(session, actor=principal.actor, role=principal.role, action="ack",
-                 target_kind="node", target=name, reason=text,
-                 outcome="ok" if cleared else "noop", now=now, detail={"cleared": cleared})
+    cleared = fleet_service.acknowledge(
+        session, node, rule=None, gpu=None, actor=principal.actor, note=text, now=now
+    )
+    audit.record(
+        session,
+        actor=principal.actor,
+        role=principal.role,
+        action="ack",
+        target_kind="node",
+        target=name,
+        reason=text,
+        outcome="ok" if cleared else "noop",
+        now=now,
+        detail={"cleared": cleared},
+    )
     session.commit()
-    flash(request, f"{cleared} reason(s) of {name} acknowledged." if cleared
-          else f"{name} had no reasons to acknowledge.", "ok" if cleared else "info")
+    flash(
+        request,
+        f"{cleared} reason(s) of {name} acknowledged."
+        if cleared
+        else f"{name} had no reasons to acknowledge.",
+        "ok" if cleared else "info",
+    )
     return _back(_node_path(name))
 
 
 @router.post("/jobs/{job_id}/restore")
-def restore_form(request: Request, job_id: str, principal: OperatorPageDep, _: CsrfDep,
-                 session: SessionDep, settings: SettingsDep, reason: ReasonField = "",
-                 step: Annotated[str, Form(max_length=24)] = "",
-                 tier: Annotated[str, Form(max_length=16)] = "") -> Response:
+def restore_form(
+    request: Request,
+    job_id: str,
+    principal: OperatorPageDep,
+    _: CsrfDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    reason: ReasonField = "",
+    step: Annotated[str, Form(max_length=24)] = "",
+    tier: Annotated[str, Form(max_length=16)] = "",
+) -> Response:
     """Ask for a restore of a job from its page."""
     job = checkpoint_service.get_job(session, job_id)
     path = "/jobs/" + quote(job_id, safe="")
@@ -145,21 +207,36 @@ def restore_form(request: Request, job_id: str, principal: OperatorPageDep, _: C
             return _back(path)
         step_value = int(step.strip())
     if tier and tier not in ("memory", "peer", "persistent"):
-        flash(request, f"Tier must be memory, peer or persistent, or empty for the fastest "
-              f"that holds the step (got {tier!r}).", "error")
+        flash(
+            request,
+            f"Tier must be memory, peer or persistent, or empty for the fastest "
+            f"that holds the step (got {tier!r}).",
+            "error",
+        )
         return _back(path)
     tier_value = tier or None
     try:
-        req = restores.request_restore(session, job, step=step_value, tier=tier_value,
-                                       reason=text, actor=principal.actor,
-                                       role=principal.role, now=utcnow(), settings=settings)
+        req = restores.request_restore(
+            session,
+            job,
+            step=step_value,
+            tier=tier_value,
+            reason=text,
+            actor=principal.actor,
+            role=principal.role,
+            now=utcnow(),
+            settings=settings,
+        )
     except restores.RestoreRefused as exc:
         session.commit()
         flash(request, f"Restore refused: {exc}", "error")
         return _back(path)
     session.commit()
-    flash(request, f"Restore {req.id} of {job_id} to step {req.step} requested: the ranks "
-          "roll back at their next step boundary (progress below).")
+    flash(
+        request,
+        f"Restore {req.id} of {job_id} to step {req.step} requested: the ranks "
+        "roll back at their next step boundary (progress below).",
+    )
     return _back(path)
 
 
@@ -168,20 +245,28 @@ def restore_form(request: Request, job_id: str, principal: OperatorPageDep, _: C
 
 @router.get("/audit")
 def audit_page(
-    request: Request, viewer: ViewerPageDep, session: SessionDep, settings: SettingsDep,
+    request: Request,
+    viewer: ViewerPageDep,
+    session: SessionDep,
+    settings: SettingsDep,
     actor: Annotated[str | None, Query(max_length=128)] = None,
     action: Annotated[str | None, Query(max_length=32)] = None,
     target: Annotated[str | None, Query(max_length=128)] = None,
     outcome: Annotated[str | None, Query(max_length=16)] = None,
 ) -> Response:
     """The audit log, newest first, filtered by exact actor, action, target and outcome."""
-    filters = {k: v.strip() for k, v in (("actor", actor), ("action", action),
-                                          ("target", target), ("outcome", outcome))
-               if v and v.strip()}
+    filters = {
+        k: v.strip()
+        for k, v in (("actor", actor), ("action", action), ("target", target), ("outcome", outcome))
+        if v and v.strip()
+    }
     entries = audit.query(session, limit=300, **filters)
     context = {
-        "principal": viewer, "now": utcnow(), "refresh_s": max(5.0, settings.dashboard_refresh_s),
-        "entries": entries, "filters": filters,
+        "principal": viewer,
+        "now": utcnow(),
+        "refresh_s": max(5.0, settings.dashboard_refresh_s),
+        "entries": entries,
+        "filters": filters,
         "poll_url": "/audit" + (f"?{urlencode(filters)}" if filters else ""),
     }
     return render_page(request, "pages/audit.html", context)
@@ -191,17 +276,25 @@ def audit_page(
 
 
 @router.get("/policy")
-def policy_page(request: Request, viewer: ViewerPageDep, session: SessionDep,
-                settings: SettingsDep) -> Response:
+def policy_page(
+    request: Request, viewer: ViewerPageDep, session: SessionDep, settings: SettingsDep
+) -> Response:
     """The auto-isolation policy: settings (and their source), breaker, recent actions."""
-    context = {"principal": viewer, "now": utcnow(), "refresh_s": settings.dashboard_refresh_s,
-               "policy": policy.status(session, settings, now=utcnow())}
+    context = {
+        "principal": viewer,
+        "now": utcnow(),
+        "refresh_s": settings.dashboard_refresh_s,
+        "policy": policy.status(session, settings, now=utcnow()),
+    }
     return render_page(request, "pages/policy.html", context)
 
 
 @router.post("/policy")
 def policy_form(
-    request: Request, principal: AdminPageDep, _: CsrfDep, session: SessionDep,
+    request: Request,
+    principal: AdminPageDep,
+    _: CsrfDep,
+    session: SessionDep,
     enabled: Annotated[str, Form(max_length=8)] = "",
     restore_jobs: Annotated[str, Form(max_length=8)] = "",
     unreachable_s: Annotated[str, Form(max_length=24)] = "",
@@ -210,19 +303,24 @@ def policy_form(
 ) -> Response:
     """Change the policy from the policy page (checkboxes; empty numbers keep the value)."""
     values: dict[str, Any] = {"enabled": enabled == "on", "restore_jobs": restore_jobs == "on"}
-    for name, raw in (("unreachable_s", unreachable_s), ("breaker_pct", breaker_pct),
-                      ("breaker_window_s", breaker_window_s)):
+    for name, raw in (
+        ("unreachable_s", unreachable_s),
+        ("breaker_pct", breaker_pct),
+        ("breaker_window_s", breaker_window_s),
+    ):
         if raw.strip():
             values[name] = raw.strip()
     try:
         change = PolicyUpdate(**values)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
-                             for e in exc.errors())
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         flash(request, f"Policy not changed: {problems}", "error")
         return _back("/policy")
     policy.update(session, change, actor=principal.actor, role=principal.role, now=utcnow())
     session.commit()
-    flash(request, "Policy updated" + (" — auto-isolation is ON." if change.enabled
-                                       else " — auto-isolation is off."))
+    flash(
+        request,
+        "Policy updated"
+        + (" — auto-isolation is ON." if change.enabled else " — auto-isolation is off."),
+    )
     return _back("/policy")

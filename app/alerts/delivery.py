@@ -120,7 +120,10 @@ def alertmanager_payload(alert: Alert, *, external_url: str = "") -> dict[str, A
     ``external_url``).
     """
     labels = {
-        "alertname": alert.kind, **alert.labels, "alertkey": alert.key, "severity": alert.severity,
+        "alertname": alert.kind,
+        **alert.labels,
+        "alertkey": alert.key,
+        "severity": alert.severity,
     }
     description = alert.details.get("description")
     annotations = {
@@ -167,7 +170,10 @@ def build_payload(alert: Alert, settings: AlertSettings) -> dict[str, Any]:
 
 
 def backoff_s(
-    attempts: int, settings: AlertSettings, *, retry_after_s: float | None = None,
+    attempts: int,
+    settings: AlertSettings,
+    *,
+    retry_after_s: float | None = None,
     rng: random.Random | None = None,
 ) -> float:
     """Seconds to wait after the ``attempts``-th failed attempt (1-based).
@@ -232,20 +238,24 @@ def _retry_after(response: httpx.Response) -> float | None:
         return None  # an HTTP date: fall back to the backoff
 
 
-async def _send(
-    client: httpx.AsyncClient, settings: AlertSettings, claim: _Claim
-) -> _Outcome:
+async def _send(client: httpx.AsyncClient, settings: AlertSettings, claim: _Claim) -> _Outcome:
     headers = {"User-Agent": f"tierwatch/{__version__}"}
     if settings.bearer_token is not None:
         headers["Authorization"] = f"Bearer {settings.bearer_token.get_secret_value()}"
     try:
         response = await client.post(
-            claim.url, json=claim.payload, headers=headers, timeout=settings.timeout_s,
+            claim.url,
+            json=claim.payload,
+            headers=headers,
+            timeout=settings.timeout_s,
             follow_redirects=False,
         )
     except httpx.TimeoutException as exc:
-        return _Outcome(claim.delivery_id, ok=False, error=f"timed out after "
-                        f"{settings.timeout_s:g} s ({type(exc).__name__})")
+        return _Outcome(
+            claim.delivery_id,
+            ok=False,
+            error=f"timed out after {settings.timeout_s:g} s ({type(exc).__name__})",
+        )
     except Exception as exc:  # recorded on the delivery and retried, never dropped
         return _Outcome(claim.delivery_id, ok=False, error=f"{type(exc).__name__}: {exc}")
     code = response.status_code
@@ -259,13 +269,19 @@ async def _send(
     permanent = 300 <= code < 500 and code not in RETRYABLE_4XX
     retry_after = _retry_after(response) if code in (429, 503) else None
     return _Outcome(
-        claim.delivery_id, ok=False, status_code=code, error=error, permanent=permanent,
+        claim.delivery_id,
+        ok=False,
+        status_code=code,
+        error=error,
+        permanent=permanent,
         retry_after_s=retry_after,
     )
 
 
 def _record(
-    factory: sessionmaker[Session], settings: AlertSettings, outcomes: list[_Outcome],
+    factory: sessionmaker[Session],
+    settings: AlertSettings,
+    outcomes: list[_Outcome],
     now: datetime,
 ) -> None:
     with session_scope(factory) as session:
@@ -290,14 +306,14 @@ def _record(
                     f"{outcome.error} (gave up after {delivery.attempts} attempts)"
                 )
             else:
-                wait = backoff_s(
-                    delivery.attempts, settings, retry_after_s=outcome.retry_after_s
-                )
+                wait = backoff_s(delivery.attempts, settings, retry_after_s=outcome.retry_after_s)
                 delivery.next_attempt_at = now + timedelta(seconds=wait)
                 delivery.last_error = outcome.error
             if not outcome.ok:
                 log.warning(
-                    "alert delivery %s to %s: %s", delivery.id, redact_url(delivery.url),
+                    "alert delivery %s to %s: %s",
+                    delivery.id,
+                    redact_url(delivery.url),
                     delivery.last_error,
                 )
 
@@ -338,4 +354,3 @@ async def deliver_due(
             tg.start_soon(send_one, claim)
     await anyio.to_thread.run_sync(_record, factory, settings, outcomes, now)
     return len(claims)
-

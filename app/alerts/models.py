@@ -24,7 +24,12 @@ from tierwatch.server.fleet.models import BigId
 
 # The kinds raised today (the dashboard's filter chips); the column takes any kind.
 KINDS = (
-    "node_state", "policy_isolate", "isolation", "breaker", "command_failed", "restore_failed",
+    "node_state",
+    "policy_isolate",
+    "isolation",
+    "breaker",
+    "command_failed",
+    "restore_failed",
 )
 SEVERITIES = ("info", "warning", "critical")
 STATUSES = ("firing", "resolved")
@@ -100,9 +105,7 @@ class AlertDelivery(Base):
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    alert_id: Mapped[int] = mapped_column(
-        BigId, ForeignKey("alerts.id", ondelete="CASCADE")
-    )
+    alert_id: Mapped[int] = mapped_column(BigId, ForeignKey("alerts.id", ondelete="CASCADE"))
     url: Mapped[str] = mapped_column(String(2048))
     state: Mapped[str] = mapped_column(String(16), default="pending")
     attempts: Mapped[int] = mapped_column(Integer, default=0)

@@ -86,7 +86,7 @@ class AlertSettings(BaseModel):
                 except ValueError as exc:
                     raise ValueError(
                         f"TIERWATCH_ALERTS__WEBHOOKS: {text!r} is not a JSON list of URLs ({exc}); "
-                        'write \'["https://a.example/hook"]\' or comma-separated URLs'
+                        "write '[\"https://a.example/hook\"]' or comma-separated URLs"
                     ) from exc
             return [part.strip() for part in text.split(",") if part.strip()]
         return value
@@ -186,8 +186,10 @@ def raise_alert(
         starts_at = newest.starts_at if newest is not None and newest.status == "firing" else now
         ends_at = None
     else:
-        firing = newest if newest is not None and newest.status == "firing" else _newest(
-            session, key, status="firing"
+        firing = (
+            newest
+            if newest is not None and newest.status == "firing"
+            else _newest(session, key, status="firing")
         )
         starts_at = firing.starts_at if firing is not None else now
         ends_at = now
@@ -210,7 +212,11 @@ def raise_alert(
     for url in dict.fromkeys(settings.webhooks):  # one delivery per distinct URL
         session.add(
             AlertDelivery(
-                alert_id=alert.id, url=url, state="pending", attempts=0, next_attempt_at=now,
+                alert_id=alert.id,
+                url=url,
+                state="pending",
+                attempts=0,
+                next_attempt_at=now,
                 last_error="",
             )
         )
@@ -281,9 +287,9 @@ def prune_alerts(session: Session, *, now: datetime, retention_s: float) -> int:
     pending = exists().where(AlertDelivery.alert_id == Alert.id, AlertDelivery.state == "pending")
     return execute_dml(
         session,
-        delete(Alert).where(Alert.last_fired_at < cutoff, ~pending).execution_options(
-            synchronize_session=False
-        ),
+        delete(Alert)
+        .where(Alert.last_fired_at < cutoff, ~pending)
+        .execution_options(synchronize_session=False),
     )
 
 

@@ -61,9 +61,7 @@ def get_job(_: ReaderDep, job: JobDep, session: SessionDep) -> dict:
     return service.job_status(session, job)
 
 
-@router.get(
-    "/jobs/{job_id}/history", response_model=JobHistoryOut, responses=error_responses(404)
-)
+@router.get("/jobs/{job_id}/history", response_model=JobHistoryOut, responses=error_responses(404))
 def get_history(
     _: ReaderDep,
     job: JobDep,

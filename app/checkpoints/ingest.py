@@ -77,15 +77,19 @@ def report_errors(batch: ReportBatch) -> list[dict[str, Any]]:
 
     for i, e in enumerate(batch.checkpoint_events):
         if e.rank is not None and e.world_size is not None and e.rank >= e.world_size:
-            err(("checkpoint_events", i, "rank"),
-                f"rank {e.rank} is not below world_size {e.world_size}")
+            err(
+                ("checkpoint_events", i, "rank"),
+                f"rank {e.rank} is not below world_size {e.world_size}",
+            )
     for i, p in enumerate(batch.progress):
         if p.rank >= p.world_size:
             err(("progress", i, "rank"), f"rank {p.rank} is not below world_size {p.world_size}")
         if p.layout is not None and len(p.layout) != p.world_size:
-            err(("progress", i, "layout"),
+            err(
+                ("progress", i, "layout"),
                 f"layout names {len(p.layout)} node(s) but world_size is {p.world_size}: "
-                "send one node name per rank")
+                "send one node name per rank",
+            )
     for i, r in enumerate(batch.restores):
         if r.rank >= r.world_size:
             err(("restores", i, "rank"), f"rank {r.rank} is not below world_size {r.world_size}")
@@ -93,12 +97,16 @@ def report_errors(batch: ReportBatch) -> list[dict[str, Any]]:
             err(("restores", i, "steps_lost"), f"steps_lost must be at most {MAX_BIGINT}")
         for tier, n in r.files_by_tier.items():
             if n > MAX_BIGINT:
-                err(("restores", i, "files_by_tier", tier), f"a file count must be at most "
-                    f"{MAX_BIGINT}")
+                err(
+                    ("restores", i, "files_by_tier", tier),
+                    f"a file count must be at most {MAX_BIGINT}",
+                )
         for name, source in r.sources.items():
             if "\x00" in name or "\x00" in source:
-                err(("restores", i, "sources", name.replace("\x00", "\\x00")),
-                    "file names and sources must not contain NUL (\\x00) characters")
+                err(
+                    ("restores", i, "sources", name.replace("\x00", "\\x00")),
+                    "file names and sources must not contain NUL (\\x00) characters",
+                )
     return errors
 
 
@@ -121,11 +129,7 @@ def store_checkpoint_content(
     batches = [b for b in batches if has_checkpoint_content(b)]
     if not batches:
         return
-    names = {
-        x.job_id
-        for b in batches
-        for x in (*b.checkpoint_events, *b.progress, *b.restores)
-    }
+    names = {x.job_id for b in batches for x in (*b.checkpoint_events, *b.progress, *b.restores)}
     jobs = _load_or_create_jobs(session, sorted(names), now)
     newly_sized = _update_jobs(session, batches, jobs, now)
     event_rows: list[dict[str, Any]] = []
@@ -205,7 +209,13 @@ def _load_or_create_jobs(
 
 
 _JOB_COLUMNS = (
-    "world_size", "layout", "step", "step_ts", "step_time_s", "progress_ts", "last_seen",
+    "world_size",
+    "layout",
+    "step",
+    "step_ts",
+    "step_time_s",
+    "progress_ts",
+    "last_seen",
 )
 _UPDATE_JOB = (
     update(JOBS)
@@ -256,8 +266,9 @@ def _update_jobs(
         [{"b_id": j["id"], **{f"b_{c}": j[c] for c in _JOB_COLUMNS}} for j in jobs.values()],
     )
     return {
-        j["id"] for j in jobs.values() if j["world_size"] is not None
-        and before[j["id"]] != j["world_size"]
+        j["id"]
+        for j in jobs.values()
+        if j["world_size"] is not None and before[j["id"]] != j["world_size"]
     }
 
 
@@ -274,9 +285,7 @@ def _update_ledger(
     now: datetime,
 ) -> None:
     """Create/refresh the ledger rows the batches' committed/evicted/failed events touch."""
-    events = [
-        e for b in batches for e in b.checkpoint_events if e.kind in LEDGER_KINDS
-    ]
+    events = [e for b in batches for e in b.checkpoint_events if e.kind in LEDGER_KINDS]
     keys: dict[tuple[int, int, str], int | None] = {}
     for e in events:
         key = (jobs[e.job_id]["id"], e.step, e.tier)
@@ -290,9 +299,18 @@ def _update_ledger(
             insert_fn(LEDGER)
             .values(
                 [
-                    {"job_pk": j, "step": s, "tier": t, "world_size": ws, "ranks_committed": 0,
-                     "whole_step": False, "complete": False, "evicted": False, "failures": 0,
-                     "updated_at": now}
+                    {
+                        "job_pk": j,
+                        "step": s,
+                        "tier": t,
+                        "world_size": ws,
+                        "ranks_committed": 0,
+                        "whole_step": False,
+                        "complete": False,
+                        "evicted": False,
+                        "failures": 0,
+                        "updated_at": now,
+                    }
                     for (j, s, t), ws in keys.items()
                 ]
             )
@@ -316,8 +334,9 @@ def _update_ledger(
     # A step can be evicted and saved again (a rollback drops the steps after its target;
     # training then saves them anew): a committed event newer than the row's eviction starts
     # a new generation of the row, so the old generation's rank commits are dropped first.
-    evicted_at: dict[int, datetime] = {r.id: r.evicted_at or now for r in rows.values()
-                                       if r.evicted}
+    evicted_at: dict[int, datetime] = {
+        r.id: r.evicted_at or now for r in rows.values() if r.evicted
+    }
     reborn: dict[int, datetime] = {}
     commits = []
     failures: dict[int, int] = defaultdict(int)
@@ -355,9 +374,11 @@ def _update_ledger(
         ranks: set[int] = set()
         # Only a row with at least world_size ranks can be complete: read its ranks then.
         if not whole and ws is not None and agg is not None and agg["distinct"] >= ws:
-            ranks = set(session.scalars(
-                select(RANKS.c.rank).where(RANKS.c.ledger_id == row.id, RANKS.c.rank >= 0)
-            ))
+            ranks = set(
+                session.scalars(
+                    select(RANKS.c.rank).where(RANKS.c.ledger_id == row.id, RANKS.c.rank >= 0)
+                )
+            )
         done = ledger.completeness(ws, ranks, whole)
         was_complete = row.complete and row.id not in reborn
         updates.append(
@@ -381,8 +402,17 @@ def _update_ledger(
 
 
 _LEDGER_COLUMNS = (
-    "world_size", "ranks_committed", "whole_step", "complete", "committed_at", "bytes",
-    "seconds", "evicted", "evicted_at", "failures", "updated_at",
+    "world_size",
+    "ranks_committed",
+    "whole_step",
+    "complete",
+    "committed_at",
+    "bytes",
+    "seconds",
+    "evicted",
+    "evicted_at",
+    "failures",
+    "updated_at",
 )
 _UPDATE_LEDGER = (
     update(LEDGER)

@@ -174,8 +174,7 @@ def failure_incidents(
     incidents: list[tuple[float, str]] = []
     for ts, by_tier in sorted(restores, key=lambda r: r[0]):
         used = [t for t, n in by_tier.items() if n and t in _CLASS_BY_TIER]
-        klass = max((_CLASS_BY_TIER[t] for t in used), key=order.__getitem__,
-                    default="process")
+        klass = max((_CLASS_BY_TIER[t] for t in used), key=order.__getitem__, default="process")
         if incidents and ts - incidents[-1][0] <= window_s:
             start, prev = incidents[-1]
             incidents[-1] = (start, max(prev, klass, key=order.__getitem__))
@@ -184,8 +183,13 @@ def failure_incidents(
     return [k for _, k in incidents]
 
 
-def observed_mtbf_s(incidents: Sequence[str], span_s: float, klass: str, *,
-                    min_failures: int = MIN_OBSERVED_FAILURES) -> float | None:
+def observed_mtbf_s(
+    incidents: Sequence[str],
+    span_s: float,
+    klass: str,
+    *,
+    min_failures: int = MIN_OBSERVED_FAILURES,
+) -> float | None:
     """Observed MTBF (seconds) of one failure class: observed time / incidents of that class.
 
     None with fewer than ``min_failures`` incidents of the class (too few to estimate; the

@@ -110,14 +110,17 @@ def _newest_rows(session: Session, job: Job) -> dict[str, LedgerRow]:
     """Newest committed (complete, not evicted) ledger row per tier."""
     newest = (
         select(LedgerRow.tier, func.max(LedgerRow.step).label("step"))
-        .where(LedgerRow.job_pk == job.id, LedgerRow.complete.is_(True),
-               LedgerRow.evicted.is_(False))
+        .where(
+            LedgerRow.job_pk == job.id, LedgerRow.complete.is_(True), LedgerRow.evicted.is_(False)
+        )
         .group_by(LedgerRow.tier)
         .subquery()
     )
-    q = select(LedgerRow).join(
-        newest, (LedgerRow.tier == newest.c.tier) & (LedgerRow.step == newest.c.step)
-    ).where(LedgerRow.job_pk == job.id)
+    q = (
+        select(LedgerRow)
+        .join(newest, (LedgerRow.tier == newest.c.tier) & (LedgerRow.step == newest.c.step))
+        .where(LedgerRow.job_pk == job.id)
+    )
     return {r.tier: r for r in session.scalars(q)}
 
 
@@ -234,14 +237,20 @@ def _pending(session: Session, job: Job, tier: str, newest_step: int | None) -> 
 
 
 def _advice(
-    tier: str, *, cost_s: float | None, commit_s: float | None, gpus: int | None,
-    step_time_s: float | None, observed_mtbf_s: float | None = None,
+    tier: str,
+    *,
+    cost_s: float | None,
+    commit_s: float | None,
+    gpus: int | None,
+    step_time_s: float | None,
+    observed_mtbf_s: float | None = None,
 ) -> dict[str, Any] | None:
     """Interval advice for one tier, or None without a world size or any measurement."""
     if gpus is None or (cost_s is None and commit_s is None):
         return None
-    a = advice.advise(tier, cost_s=cost_s or 0.0, commit_s=commit_s or 0.0, gpus=gpus,
-                      mtbf_s=observed_mtbf_s)
+    a = advice.advise(
+        tier, cost_s=cost_s or 0.0, commit_s=commit_s or 0.0, gpus=gpus, mtbf_s=observed_mtbf_s
+    )
     return {
         "cost_s": a.cost_s,
         "commit_s": a.floor_s,
@@ -250,9 +259,7 @@ def _advice(
         "young_s": a.young_s,
         "daly_s": a.daly_s,
         "recommended_s": a.recommended_s,
-        "recommended_steps": (
-            a.recommended_s / step_time_s if step_time_s else None
-        ),
+        "recommended_steps": (a.recommended_s / step_time_s if step_time_s else None),
         "bounded_by_commit": a.bounded_by_commit,
     }
 
@@ -271,15 +278,21 @@ def job_status(session: Session, job: Job) -> dict[str, Any]:
         session, job, kind="staged", column=CheckpointEventRow.blocking_s, tier=None
     )
     incidents = _incidents(session, job)
-    span_s = (job.last_seen - job.first_seen).total_seconds() \
-        if job.last_seen and job.first_seen else 0.0
+    span_s = (
+        (job.last_seen - job.first_seen).total_seconds()
+        if job.last_seen and job.first_seen
+        else 0.0
+    )
     tiers: dict[str, dict[str, Any]] = {}
     for tier in ledger.TIERS:
         row = newest.get(tier)
         summary = _tier_summary(facts, row)
-        blocking = _recent_event_values(
-            session, job, kind="staged", column=CheckpointEventRow.blocking_s, tier=tier
-        ) or job_blocking
+        blocking = (
+            _recent_event_values(
+                session, job, kind="staged", column=CheckpointEventRow.blocking_s, tier=tier
+            )
+            or job_blocking
+        )
         commit_times = _recent_event_values(
             session, job, kind="committed", column=CheckpointEventRow.seconds, tier=tier
         )
@@ -298,8 +311,7 @@ def job_status(session: Session, job: Job) -> dict[str, Any]:
                 commit_s=ledger.median(commit_times),
                 gpus=job.world_size,
                 step_time_s=facts.step_time_s,
-                observed_mtbf_s=ledger.observed_mtbf_s(incidents, span_s,
-                                                       ledger.TIER_SERVES[tier]),
+                observed_mtbf_s=ledger.observed_mtbf_s(incidents, span_s, ledger.TIER_SERVES[tier]),
             ),
         }
     newest_steps = {t: tiers[t]["newest_step"] for t in ledger.TIERS}
@@ -330,15 +342,16 @@ def job_status(session: Session, job: Job) -> dict[str, Any]:
 def _incidents(session: Session, job: Job) -> list[str]:
     """Failure classes of the job's restore incidents (see ``ledger.failure_incidents``)."""
     rows = session.execute(
-        select(RestoreRow.ts, RestoreRow.files_by_tier)
-        .where(RestoreRow.job_pk == job.id, RestoreRow.ok.is_(True),
-               RestoreRow.step.is_not(None))
+        select(RestoreRow.ts, RestoreRow.files_by_tier).where(
+            RestoreRow.job_pk == job.id, RestoreRow.ok.is_(True), RestoreRow.step.is_not(None)
+        )
     ).all()
     return ledger.failure_incidents((ts.timestamp(), by_tier or {}) for ts, by_tier in rows)
 
 
-def recent_events(session: Session, job: Job, limit: int = EVENT_LIMIT, *,
-                  kind: str | None = None) -> list[dict[str, Any]]:
+def recent_events(
+    session: Session, job: Job, limit: int = EVENT_LIMIT, *, kind: str | None = None
+) -> list[dict[str, Any]]:
     """The job's newest checkpoint events (all kinds, failures included, or one ``kind``),
     newest first."""
     q = (
@@ -368,9 +381,7 @@ def recent_events(session: Session, job: Job, limit: int = EVENT_LIMIT, *,
     ]
 
 
-def recent_restores(
-    session: Session, job: Job, limit: int = RESTORE_LIMIT
-) -> list[dict[str, Any]]:
+def recent_restores(session: Session, job: Job, limit: int = RESTORE_LIMIT) -> list[dict[str, Any]]:
     """The job's newest restore outcomes (one per rank and restore), newest first."""
     q = (
         select(RestoreRow, Node.name)
@@ -396,9 +407,7 @@ def recent_restores(
     ]
 
 
-def job_history(
-    session: Session, job: Job, *, since: datetime, until: datetime
-) -> dict[str, Any]:
+def job_history(session: Session, job: Job, *, since: datetime, until: datetime) -> dict[str, Any]:
     """Training step and newest committed step per tier over time, for the job chart.
 
     Progress reports are reduced to the highest step per time bucket (at most
@@ -428,7 +437,9 @@ def job_history(
     for tier in ledger.TIERS:
         base = session.scalar(
             select(func.max(LedgerRow.step)).where(
-                LedgerRow.job_pk == job.id, LedgerRow.tier == tier, LedgerRow.complete.is_(True),
+                LedgerRow.job_pk == job.id,
+                LedgerRow.tier == tier,
+                LedgerRow.complete.is_(True),
                 LedgerRow.committed_at < since,
             )
         )
@@ -439,8 +450,10 @@ def job_history(
         rows = session.execute(
             select(LedgerRow.committed_at, LedgerRow.step)
             .where(
-                LedgerRow.job_pk == job.id, LedgerRow.tier == tier,
-                LedgerRow.complete.is_(True), LedgerRow.committed_at >= since,
+                LedgerRow.job_pk == job.id,
+                LedgerRow.tier == tier,
+                LedgerRow.complete.is_(True),
+                LedgerRow.committed_at >= since,
                 LedgerRow.committed_at <= until,
             )
             .order_by(LedgerRow.committed_at, LedgerRow.step)
@@ -500,7 +513,8 @@ def prune(
     )
     keep_ids = set(session.scalars(keep))
     stale = [
-        i for i in session.scalars(select(LedgerRow.id).where(LedgerRow.updated_at < event_cut))
+        i
+        for i in session.scalars(select(LedgerRow.id).where(LedgerRow.updated_at < event_cut))
         if i not in keep_ids
     ]
     count = 0

@@ -35,9 +35,12 @@ def _report_path(settings: SettingsDep) -> Path:
     response_model=demo_report.DemoReport,
     responses={
         **error_responses(404),
-        503: {"model": ErrorOut, "description": "the report file is unreadable, not JSON or "
-              "not a demo report: the detail names the file and what is wrong (retry: the "
-              "demo rewrites it while it runs)"},
+        503: {
+            "model": ErrorOut,
+            "description": "the report file is unreadable, not JSON or "
+            "not a demo report: the detail names the file and what is wrong (retry: the "
+            "demo rewrites it while it runs)",
+        },
     },
 )
 def get_demo_report(_: ViewerDep, path: Annotated[Path, Depends(_report_path)]) -> Any:

@@ -60,8 +60,9 @@ def demo_page(request: Request, viewer: ViewerPageDep, settings: SettingsDep) ->
     except demo_report.ReportAbsent:
         context["state"] = "absent"
     except demo_report.ReportInvalid as exc:
-        context.update(state="invalid", problem=exc.problem, errors=exc.errors,
-                       hint=demo_report.MID_WRITE_HINT)
+        context.update(
+            state="invalid", problem=exc.problem, errors=exc.errors, hint=demo_report.MID_WRITE_HINT
+        )
         status_code = 503
         headers["Retry-After"] = str(demo_report.RETRY_AFTER_S)
     else:

@@ -107,7 +107,13 @@ def get_samples(
         raise invalid_request(("query", "since"), "since must not be after until")
     try:
         rows = service.query_samples(
-            session, node, gpu=gpu, metric=metric, since=since, until=until, limit=limit,
+            session,
+            node,
+            gpu=gpu,
+            metric=metric,
+            since=since,
+            until=until,
+            limit=limit,
             step_s=step,
         )
     except ValueError as exc:
@@ -168,8 +174,15 @@ def acknowledge(
         session, node, rule=body.rule, gpu=body.gpu, actor=principal.actor, note=body.note, now=now
     )
     audit.record(
-        session, actor=principal.actor, role=principal.role, action="ack", target_kind="node",
-        target=node.name, reason=body.note, outcome="ok" if cleared else "noop", now=now,
+        session,
+        actor=principal.actor,
+        role=principal.role,
+        action="ack",
+        target_kind="node",
+        target=node.name,
+        reason=body.note,
+        outcome="ok" if cleared else "noop",
+        now=now,
         detail={"cleared": cleared, "rule": body.rule, "gpu": body.gpu},
     )
     session.commit()

@@ -169,8 +169,9 @@ def ingest_reports(
             session, batches=fresh, node_ids={b.node: nodes[b.node].id for b in fresh}, now=now
         )
         for b in fresh:
-            actions_ingest.apply_report(session, b, node_id=nodes[b.node].id, settings=settings,
-                                        now=now)
+            actions_ingest.apply_report(
+                session, b, node_id=nodes[b.node].id, settings=settings, now=now
+            )
     commands = queue.deliver(
         session, [nodes[b.node].id for b in batches], now=now, settings=settings.commands
     )
@@ -194,9 +195,7 @@ def ingest_reports(
                 or b.seq
             )
         acks.append(
-            ReportAck(
-                epoch=b.epoch, acked_seq=acked, stored=is_stored, commands=commands[node.id]
-            )
+            ReportAck(epoch=b.epoch, acked_seq=acked, stored=is_stored, commands=commands[node.id])
         )
     _update_nodes(session, nodes, changes)
     session.commit()
@@ -355,8 +354,13 @@ def _apply_batches(
     names = {n.id: n.name for n in nodes.values()}
     for e in state_events:
         notify.node_state_changed(
-            session, settings, node=names[e["node_id"]], old=e["data"]["from"],
-            new=e["data"]["to"], message=e["message"], now=e["received_at"],
+            session,
+            settings,
+            node=names[e["node_id"]],
+            old=e["data"]["from"],
+            new=e["data"]["to"],
+            message=e["message"],
+            now=e["received_at"],
         )
 
 

@@ -143,12 +143,12 @@ def node_view_fields(view: NodeView) -> dict[str, Any]:
         state=view.state,
         reasons=[reason_fields(r) for r in view.reasons],
         gpus=[
-            gpu_fields([getattr(g, c) for c in GPU_COLUMNS],
-                       xid_count=view.xid_counts.get(g.index, 0))
+            gpu_fields(
+                [getattr(g, c) for c in GPU_COLUMNS], xid_count=view.xid_counts.get(g.index, 0)
+            )
             for g in view.gpus
         ],
     )
-
 
 
 def effective_state(node: Node, now: datetime, th: rules.HealthThresholds) -> tuple[str, bool]:
@@ -506,7 +506,9 @@ def prune(
     from tierwatch.server.checkpoints import service as checkpoint_service  # (cycle-free)
 
     deleted |= checkpoint_service.prune(
-        session, now=now, sample_retention_s=sample_retention_s,
+        session,
+        now=now,
+        sample_retention_s=sample_retention_s,
         event_retention_s=event_retention_s,
     )
     session.commit()
@@ -623,9 +625,7 @@ def cluster_tiles(
         ``(counts, tiles)``: ``counts`` has every state (zero included) and ignores the state
         filter, as ``GET /api/v1/nodes`` does; ``tiles`` are by name, filtered by ``state``.
     """
-    views = list_node_views(
-        session, now=now, th=th, name_contains=name_contains, with_gpus=False
-    )
+    views = list_node_views(session, now=now, th=th, name_contains=name_contains, with_gpus=False)
     counts = state_counts(views)
     summaries = gpu_summaries(session)
     tiles = []
@@ -663,9 +663,7 @@ class XidRow:
 def xid_rows(session: Session, node: Node) -> list[XidRow]:
     """The node's newest XID events with catalog mnemonic, action and its description."""
     out = []
-    for event, _ in query_events(
-        session, node=node, kind="xid", since=None, limit=XID_EVENT_LIMIT
-    ):
+    for event, _ in query_events(session, node=node, kind="xid", since=None, limit=XID_EVENT_LIMIT):
         data = event.data or {}
         info = lookup_xid(event.code) if event.code is not None else None
         mnemonic = data.get("mnemonic") or (info.mnemonic if info else "UNKNOWN")
@@ -676,9 +674,4 @@ def xid_rows(session: Session, node: Node) -> list[XidRow]:
 
 def recent_events(session: Session, node: Node, kind: str, limit: int) -> list[Event]:
     """The node's newest events of one kind (``state``, ``agent``, ``ack``)."""
-    return [
-        e
-        for e, _ in query_events(
-            session, node=node, kind=kind, since=None, limit=limit
-        )
-    ]
+    return [e for e, _ in query_events(session, node=node, kind=kind, since=None, limit=limit)]

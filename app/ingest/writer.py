@@ -165,9 +165,7 @@ class IngestWriter:
 
     def _store(self, batches: list[ReportBatch]) -> list[ReportAck]:
         with self._factory() as session:
-            return ingest_reports(
-                session, batches=batches, settings=self._settings, now=utcnow()
-            )
+            return ingest_reports(session, batches=batches, settings=self._settings, now=utcnow())
 
 
 def _resolve(

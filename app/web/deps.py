@@ -204,9 +204,14 @@ class WebRoute(APIRoute):
             except RequestValidationError as exc:
                 fields = "; ".join(
                     f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'input'}: "
-                    f"{e.get('msg', '')}" for e in exc.errors()[:5]
+                    f"{e.get('msg', '')}"
+                    for e in exc.errors()[:5]
                 )
-                return error_page(request, 422, "Invalid input",
-                                  f"Nothing was changed. Fix and try again: {fields}.")
+                return error_page(
+                    request,
+                    422,
+                    "Invalid input",
+                    f"Nothing was changed. Fix and try again: {fields}.",
+                )
 
         return web_handler

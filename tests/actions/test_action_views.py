@@ -33,8 +33,7 @@ def node(client, make_token) -> str:
 
 def _post(client: TestClient, path: str, page: str, **data):
     html = client.get(page).text
-    return client.post(path, data={"csrf_token": csrf_from(html), **data},
-                       follow_redirects=False)
+    return client.post(path, data={"csrf_token": csrf_from(html), **data}, follow_redirects=False)
 
 
 def test_operator_isolates_and_releases_from_the_node_page(signed_in, node):
@@ -73,8 +72,9 @@ def test_acknowledge_from_the_node_page_clears_the_xid(signed_in, node, client, 
     assert r.status_code == 303
     api = client.get(f"/api/v1/nodes/{node}", headers=auth(make_token("viewer"))).json()
     assert api["reasons"] == []
-    audit = client.get("/api/v1/audit", params={"action": "ack"},
-                       headers=auth(make_token("viewer"))).json()
+    audit = client.get(
+        "/api/v1/audit", params={"action": "ack"}, headers=auth(make_token("viewer"))
+    ).json()
     assert audit[0]["reason"] == "GPU reset"
 
 
@@ -97,12 +97,22 @@ def test_form_without_csrf_token_is_refused(signed_in, node):
 
 def _job(client, make_token) -> str:
     tok = make_token("agent", "gpu-07")
-    ev = [CheckpointEvent(job_id="llm", step=s, tier="memory", kind="committed", rank=0,
-                          world_size=1, ts=utcnow()) for s in (10, 20)]
-    batch = ReportBatch(node="gpu-07", epoch="e2", seq=1, sent_at=utcnow(),
-                        checkpoint_events=ev,
-                        progress=[JobProgress(job_id="llm", rank=0, world_size=1, step=22,
-                                              ts=utcnow(), layout=["gpu-07"])])
+    ev = [
+        CheckpointEvent(
+            job_id="llm", step=s, tier="memory", kind="committed", rank=0, world_size=1, ts=utcnow()
+        )
+        for s in (10, 20)
+    ]
+    batch = ReportBatch(
+        node="gpu-07",
+        epoch="e2",
+        seq=1,
+        sent_at=utcnow(),
+        checkpoint_events=ev,
+        progress=[
+            JobProgress(job_id="llm", rank=0, world_size=1, step=22, ts=utcnow(), layout=["gpu-07"])
+        ],
+    )
     assert post_batch(client, tok, batch).status_code == 200
     return "llm"
 
@@ -112,8 +122,9 @@ def test_operator_requests_a_restore_from_the_job_page(signed_in, node, client, 
     client = signed_in("operator")
     page = client.get(f"/jobs/{job}").text
     assert '<option value="10">10 (memory)</option>' in page
-    r = _post(client, f"/jobs/{job}/restore", f"/jobs/{job}", step="10", tier="",
-              reason="loss spike")
+    r = _post(
+        client, f"/jobs/{job}/restore", f"/jobs/{job}", step="10", tier="", reason="loss spike"
+    )
     assert r.status_code == 303
     page = client.get(f"/jobs/{job}").text
     assert "to step 10 requested" in page
@@ -182,8 +193,15 @@ def test_turning_the_policy_off_lets_the_breaker_go(signed_in, client, make_toke
 
     app = client.app
     with app.state.sessionmaker() as s:
-        s.add(PolicySettingsRow(id=1, enabled=False, updated_by="", breaker_message="held",
-                                breaker_tripped_at=utcnow()))
+        s.add(
+            PolicySettingsRow(
+                id=1,
+                enabled=False,
+                updated_by="",
+                breaker_message="held",
+                breaker_tripped_at=utcnow(),
+            )
+        )
         s.commit()
         run = policy.run(s, app.state.settings, now=utcnow())
         s.commit()

@@ -37,28 +37,44 @@ class Agents:
 
     def post(self, node: str, **content) -> list[dict]:
         self.seq[node] += 1
-        batch = ReportBatch(node=node, epoch="e1", seq=self.seq[node], sent_at=utcnow(),
-                            **content)
+        batch = ReportBatch(node=node, epoch="e1", seq=self.seq[node], sent_at=utcnow(), **content)
         r = post_batch(self.client, self.tokens[node], batch)
         assert r.status_code == 200, r.text
         return r.json()["commands"]
 
 
 def committed(step: int, tier: str, rank: int | None) -> CheckpointEvent:
-    return CheckpointEvent(job_id=JOB, step=step, tier=tier, kind="committed", rank=rank,
-                           world_size=None if rank is None else 2, ts=utcnow(), bytes=100,
-                           seconds=0.5)
+    return CheckpointEvent(
+        job_id=JOB,
+        step=step,
+        tier=tier,
+        kind="committed",
+        rank=rank,
+        world_size=None if rank is None else 2,
+        ts=utcnow(),
+        bytes=100,
+        seconds=0.5,
+    )
 
 
 def run_job(agents: Agents) -> None:
     """A 2-rank job on n1/n2: steps 10 and 20 in memory, 10 in persistent, at step 25."""
-    agents.post("n1", progress=[JobProgress(job_id=JOB, rank=0, world_size=2, step=25,
-                                            ts=utcnow(), layout=LAYOUT)],
-                checkpoint_events=[committed(10, "memory", 0), committed(20, "memory", 0),
-                                   committed(10, "persistent", None)])
-    agents.post("n2", progress=[JobProgress(job_id=JOB, rank=1, world_size=2, step=25,
-                                            ts=utcnow())],
-                checkpoint_events=[committed(10, "memory", 1), committed(20, "memory", 1)])
+    agents.post(
+        "n1",
+        progress=[
+            JobProgress(job_id=JOB, rank=0, world_size=2, step=25, ts=utcnow(), layout=LAYOUT)
+        ],
+        checkpoint_events=[
+            committed(10, "memory", 0),
+            committed(20, "memory", 0),
+            committed(10, "persistent", None),
+        ],
+    )
+    agents.post(
+        "n2",
+        progress=[JobProgress(job_id=JOB, rank=1, world_size=2, step=25, ts=utcnow())],
+        checkpoint_events=[committed(10, "memory", 1), committed(20, "memory", 1)],
+    )
 
 
 @pytest.fixture
@@ -98,13 +114,18 @@ def test_isolate_takes_effect_at_once_and_holds_until_release(client, make_token
     assert r.json()["node"]["released_at"] is not None
     entries = _audit(client, tokens, target="n1")
     assert [(e["action"], e["outcome"]) for e in entries] == [
-        ("release", "ok"), ("isolate", "noop"), ("isolate", "ok")]
+        ("release", "ok"),
+        ("isolate", "noop"),
+        ("isolate", "ok"),
+    ]
     assert entries[2]["reason"] == "XID 79 twice"
     assert entries[2]["role"] == "operator"
 
 
-@pytest.mark.parametrize("body", [{}, {"reason": ""}, {"reason": "   "}, {"reason": "x" * 1001},
-                                  {"reason": "ok", "extra": 1}])
+@pytest.mark.parametrize(
+    "body",
+    [{}, {"reason": ""}, {"reason": "   "}, {"reason": "x" * 1001}, {"reason": "ok", "extra": 1}],
+)
 def test_isolate_needs_a_reason(client, make_token, tokens, body):
     Agents(client, make_token).post("n1")
     r = client.post("/api/v1/nodes/n1/isolate", json=body, headers=auth(tokens["operator"]))
@@ -115,8 +136,9 @@ def test_isolate_needs_a_reason(client, make_token, tokens, body):
 
 
 def test_unknown_node_is_404_with_the_name(client, tokens):
-    r = client.post("/api/v1/nodes/nope-1/isolate", json={"reason": "x"},
-                    headers=auth(tokens["operator"]))
+    r = client.post(
+        "/api/v1/nodes/nope-1/isolate", json={"reason": "x"}, headers=auth(tokens["operator"])
+    )
     assert r.status_code == 404
     assert "nope-1" in r.json()["detail"]
 
@@ -124,8 +146,9 @@ def test_unknown_node_is_404_with_the_name(client, tokens):
 def test_sql_looking_reason_is_stored_literally(client, make_token, tokens):
     Agents(client, make_token).post("n1")
     reason = "'); DROP TABLE nodes; -- <script>alert(1)</script>"
-    r = client.post("/api/v1/nodes/n1/isolate", json={"reason": reason},
-                    headers=auth(tokens["operator"]))
+    r = client.post(
+        "/api/v1/nodes/n1/isolate", json={"reason": reason}, headers=auth(tokens["operator"])
+    )
     assert r.json()["node"]["isolation"]["reason"] == reason
     assert _audit(client, tokens, target="n1")[0]["reason"] == reason
 
@@ -140,8 +163,13 @@ def age_deliveries(client: TestClient, seconds: float) -> None:
 
 @pytest.fixture
 def command_settings(db_url: str) -> Settings:
-    return Settings(database_url=db_url, dev=True, prune_interval_s=0,
-                    isolation={"driver": "command"}, commands={"redeliver_s": 0.5})
+    return Settings(
+        database_url=db_url,
+        dev=True,
+        prune_interval_s=0,
+        isolation={"driver": "command"},
+        commands={"redeliver_s": 0.5},
+    )
 
 
 @pytest.fixture
@@ -156,8 +184,9 @@ def test_node_local_driver_command_is_delivered_once_and_results_recorded(
     client = command_client
     agents = Agents(client, make_token)
     agents.post("n1")
-    r = client.post("/api/v1/nodes/n1/isolate", json={"reason": "fan failure"},
-                    headers=auth(tokens["operator"]))
+    r = client.post(
+        "/api/v1/nodes/n1/isolate", json={"reason": "fan failure"}, headers=auth(tokens["operator"])
+    )
     cmd = r.json()["command"]
     assert cmd["executor"] == "agent"
     assert cmd["driver"] == "command"
@@ -172,19 +201,25 @@ def test_node_local_driver_command_is_delivered_once_and_results_recorded(
     age_deliveries(client, 1.0)
     again = agents.post("n1")
     assert [c["id"] for c in again] == [cmd["id"]]
-    agents.post("n1", command_results=[CommandResult(id=cmd["id"], state="running",
-                                                     ts=utcnow())])
-    agents.post("n1", command_results=[CommandResult(id=cmd["id"], state="succeeded",
-                                                     ts=utcnow(), exit_code=0,
-                                                     output="cordoned n1")])
+    agents.post("n1", command_results=[CommandResult(id=cmd["id"], state="running", ts=utcnow())])
+    agents.post(
+        "n1",
+        command_results=[
+            CommandResult(
+                id=cmd["id"], state="succeeded", ts=utcnow(), exit_code=0, output="cordoned n1"
+            )
+        ],
+    )
     # A late duplicate "running" and a "failed" for a finished command change nothing.
-    agents.post("n1", command_results=[
-        CommandResult(id=cmd["id"], state="running", ts=utcnow()),
-        CommandResult(id=cmd["id"], state="failed", ts=utcnow(), exit_code=3),
-    ])
+    agents.post(
+        "n1",
+        command_results=[
+            CommandResult(id=cmd["id"], state="running", ts=utcnow()),
+            CommandResult(id=cmd["id"], state="failed", ts=utcnow(), exit_code=3),
+        ],
+    )
     # n2 cannot report on n1's command.
-    agents.post("n2", command_results=[CommandResult(id=cmd["id"], state="failed",
-                                                     ts=utcnow())])
+    agents.post("n2", command_results=[CommandResult(id=cmd["id"], state="failed", ts=utcnow())])
     age_deliveries(client, 1.0)
     assert agents.post("n1") == []  # finished: never delivered again
     got = client.get(f"/api/v1/commands/{cmd['id']}", headers=auth(tokens["viewer"])).json()
@@ -196,13 +231,15 @@ def test_node_local_driver_command_is_delivered_once_and_results_recorded(
     assert outcomes == ["succeeded"]
 
 
-def test_commands_expire_when_the_agent_never_reports(command_client, make_token, tokens,
-                                                      command_settings):
+def test_commands_expire_when_the_agent_never_reports(
+    command_client, make_token, tokens, command_settings
+):
     client = command_client
     agents = Agents(client, make_token)
     agents.post("n1")
-    cmd = client.post("/api/v1/nodes/n1/isolate", json={"reason": "dead agent"},
-                      headers=auth(tokens["operator"])).json()["command"]
+    cmd = client.post(
+        "/api/v1/nodes/n1/isolate", json={"reason": "dead agent"}, headers=auth(tokens["operator"])
+    ).json()["command"]
     factory = client.app.state.sessionmaker
     with factory() as s:
         later = utcnow() + timedelta(seconds=command_settings.commands.ttl_s + 1)
@@ -219,13 +256,15 @@ def test_restore_refused_lists_restorable_steps(client, make_token, tokens):
     agents = Agents(client, make_token)
     run_job(agents)
     op = auth(tokens["operator"])
-    r = client.post(f"/api/v1/jobs/{JOB}/restore", json={"step": 15, "reason": "SDC"},
-                    headers=op)
+    r = client.post(f"/api/v1/jobs/{JOB}/restore", json={"step": 15, "reason": "SDC"}, headers=op)
     assert r.status_code == 409
     assert "20 (memory)" in r.json()["detail"]
     assert "10 (memory/persistent)" in r.json()["detail"]
-    r = client.post(f"/api/v1/jobs/{JOB}/restore",
-                    json={"step": 20, "tier": "persistent", "reason": "SDC"}, headers=op)
+    r = client.post(
+        f"/api/v1/jobs/{JOB}/restore",
+        json={"step": 20, "tier": "persistent", "reason": "SDC"},
+        headers=op,
+    )
     assert r.status_code == 409
     assert "persistent" in r.json()["detail"]
     r = client.post("/api/v1/jobs/nope/restore", json={"reason": "x"}, headers=op)
@@ -236,14 +275,19 @@ def test_restore_refused_lists_restorable_steps(client, make_token, tokens):
 def test_restore_request_follows_rank_progress(client, make_token, tokens):
     agents = Agents(client, make_token)
     run_job(agents)
-    r = client.post(f"/api/v1/jobs/{JOB}/restore", json={"reason": "loss spike"},
-                    headers=auth(tokens["operator"]))
+    r = client.post(
+        f"/api/v1/jobs/{JOB}/restore",
+        json={"reason": "loss spike"},
+        headers=auth(tokens["operator"]),
+    )
     assert r.status_code == 202, r.text
     req = r.json()
     assert req["step"] == 20
     assert req["state"] == "running"
     assert [(p["rank"], p["node"], p["phase"]) for p in req["ranks"]] == [
-        (0, "n1", "pending"), (1, "n2", "pending")]
+        (0, "n1", "pending"),
+        (1, "n2", "pending"),
+    ]
     c1, c2 = agents.post("n1"), agents.post("n2")
     assert c1[0]["kind"] == "restore"
     assert c1[0]["args"]["request_id"] == req["id"]
@@ -251,27 +295,45 @@ def test_restore_request_follows_rank_progress(client, make_token, tokens):
     assert c2[0]["args"]["step"] == 20
 
     def rep(rank, phase, **kw):
-        base = {"job_id": JOB, "rank": rank, "world_size": 2, "ts": utcnow(), "seconds": 0.0,
-                "request_id": req["id"], "phase": phase, "step": 20}
+        base = {
+            "job_id": JOB,
+            "rank": rank,
+            "world_size": 2,
+            "ts": utcnow(),
+            "seconds": 0.0,
+            "request_id": req["id"],
+            "phase": phase,
+            "step": 20,
+        }
         return RestoreReport(**{**base, **kw})
 
-    agents.post("n1", command_results=[CommandResult(id=c1[0]["id"], state="running",
-                                                     ts=utcnow())],
-                restores=[rep(0, "staging")])
+    agents.post(
+        "n1",
+        command_results=[CommandResult(id=c1[0]["id"], state="running", ts=utcnow())],
+        restores=[rep(0, "staging")],
+    )
     now = client.get(f"/api/v1/restores/{req['id']}", headers=auth(tokens["viewer"])).json()
     assert [p["phase"] for p in now["ranks"]] == ["staging", "pending"]
-    agents.post("n1", restores=[rep(0, "loaded", seconds=1.5, steps_lost=5,
-                                    files_by_tier={"memory": 3})])
-    agents.post("n2", restores=[rep(1, "loaded", seconds=2.5, steps_lost=5,
-                                    files_by_tier={"peer": 2, "memory": 1})])
+    agents.post(
+        "n1", restores=[rep(0, "loaded", seconds=1.5, steps_lost=5, files_by_tier={"memory": 3})]
+    )
+    agents.post(
+        "n2",
+        restores=[
+            rep(1, "loaded", seconds=2.5, steps_lost=5, files_by_tier={"peer": 2, "memory": 1})
+        ],
+    )
     done = client.get(f"/api/v1/restores/{req['id']}", headers=auth(tokens["viewer"])).json()
     assert done["state"] == "succeeded"
     assert done["seconds"] == 2.5
     assert done["steps_lost"] == 5
-    assert [(p["phase"], p["tier"]) for p in done["ranks"]] == [("loaded", "memory"),
-                                                                ("loaded", "peer")]
-    cmds = client.get("/api/v1/commands", params={"kind": "restore"},
-                      headers=auth(tokens["viewer"])).json()
+    assert [(p["phase"], p["tier"]) for p in done["ranks"]] == [
+        ("loaded", "memory"),
+        ("loaded", "peer"),
+    ]
+    cmds = client.get(
+        "/api/v1/commands", params={"kind": "restore"}, headers=auth(tokens["viewer"])
+    ).json()
     assert sorted(c["state"] for c in cmds) == ["succeeded", "succeeded"]
     # The staging notice is not a restore outcome in the job's restore history.
     job = client.get(f"/api/v1/jobs/{JOB}", headers=auth(tokens["viewer"])).json()
@@ -281,12 +343,27 @@ def test_restore_request_follows_rank_progress(client, make_token, tokens):
 def test_restore_failed_rank_fails_the_request(client, make_token, tokens, session):
     agents = Agents(client, make_token)
     run_job(agents)
-    req = client.post(f"/api/v1/jobs/{JOB}/restore", json={"step": 10, "tier": "persistent",
-                                                           "reason": "rack lost"},
-                      headers=auth(tokens["operator"])).json()
-    agents.post("n1", restores=[RestoreReport(
-        job_id=JOB, rank=0, world_size=2, ts=utcnow(), seconds=0.4, request_id=req["id"],
-        phase="failed", ok=False, message="__0_0.distcp: checksum mismatch in persistent")])
+    req = client.post(
+        f"/api/v1/jobs/{JOB}/restore",
+        json={"step": 10, "tier": "persistent", "reason": "rack lost"},
+        headers=auth(tokens["operator"]),
+    ).json()
+    agents.post(
+        "n1",
+        restores=[
+            RestoreReport(
+                job_id=JOB,
+                rank=0,
+                world_size=2,
+                ts=utcnow(),
+                seconds=0.4,
+                request_id=req["id"],
+                phase="failed",
+                ok=False,
+                message="__0_0.distcp: checksum mismatch in persistent",
+            )
+        ],
+    )
     done = client.get(f"/api/v1/restores/{req['id']}", headers=auth(tokens["viewer"])).json()
     assert done["state"] == "failed"
     assert "checksum mismatch" in done["message"]
@@ -307,8 +384,7 @@ def test_restore_resolve_step_is_pure():
 def test_metrics_show_the_queue_and_the_isolation(command_client, make_token, tokens):
     client = command_client
     Agents(client, make_token).post("n1")
-    client.post("/api/v1/nodes/n1/isolate", json={"reason": "x"},
-                headers=auth(tokens["operator"]))
+    client.post("/api/v1/nodes/n1/isolate", json={"reason": "x"}, headers=auth(tokens["operator"]))
     text = client.get("/metrics").text
     assert 'tierwatch_commands{kind="isolate",state="pending"} 1.0' in text
     assert 'tierwatch_commands{kind="release",state="pending"} 0.0' in text
@@ -324,8 +400,9 @@ def test_a_step_evicted_by_a_rollback_and_saved_again_is_restorable_again(
     op = auth(tokens["operator"])
 
     def evicted(rank):
-        return CheckpointEvent(job_id=JOB, step=20, tier="memory", kind="evicted", rank=rank,
-                               world_size=2, ts=utcnow())
+        return CheckpointEvent(
+            job_id=JOB, step=20, tier="memory", kind="evicted", rank=rank, world_size=2, ts=utcnow()
+        )
 
     agents.post("n1", checkpoint_events=[evicted(0)])
     r = client.post(f"/api/v1/jobs/{JOB}/restore", json={"step": 20, "reason": "x"}, headers=op)
@@ -347,11 +424,11 @@ def test_a_driver_run_the_agent_never_finished_is_sent_again_then_given_up(
     client = command_client
     agents = Agents(client, make_token)
     agents.post("n1")
-    cmd = client.post("/api/v1/nodes/n1/isolate", json={"reason": "x"},
-                      headers=auth(tokens["operator"])).json()["command"]
+    cmd = client.post(
+        "/api/v1/nodes/n1/isolate", json={"reason": "x"}, headers=auth(tokens["operator"])
+    ).json()["command"]
     assert [c["id"] for c in agents.post("n1")] == [cmd["id"]]
-    agents.post("n1", command_results=[CommandResult(id=cmd["id"], state="running",
-                                                     ts=utcnow())])
+    agents.post("n1", command_results=[CommandResult(id=cmd["id"], state="running", ts=utcnow())])
     age_deliveries(client, 1.0)  # past redeliver_s: the agent may have crashed mid-run
     assert [c["id"] for c in agents.post("n1")] == [cmd["id"]]
     got = client.get(f"/api/v1/commands/{cmd['id']}", headers=auth(tokens["viewer"])).json()

@@ -21,9 +21,13 @@ from tierwatch.server.main import create_app
 
 @pytest.fixture
 def policy_settings(db_url: str) -> Settings:
-    return Settings(database_url=db_url, dev=True, prune_interval_s=0, background_tick_s=0,
-                    policy={"enabled": True, "breaker_pct": 25, "restore_jobs": True,
-                            "unreachable_s": 3600})
+    return Settings(
+        database_url=db_url,
+        dev=True,
+        prune_interval_s=0,
+        background_tick_s=0,
+        policy={"enabled": True, "breaker_pct": 25, "restore_jobs": True, "unreachable_s": 3600},
+    )
 
 
 @pytest.fixture
@@ -84,8 +88,12 @@ def test_policy_isolates_with_the_rule_and_the_breaker_holds(env, make_token):
     later = run(at=utcnow() + timedelta(seconds=601))
     assert later.reset
     assert later.isolated == ["n2", "n3"]
-    actions = [e["action"] for e in client.get("/api/v1/audit", params={"actor": "policy"},
-                                                 headers=auth(make_token("viewer"))).json()]
+    actions = [
+        e["action"]
+        for e in client.get(
+            "/api/v1/audit", params={"actor": "policy"}, headers=auth(make_token("viewer"))
+        ).json()
+    ]
     assert actions.count("breaker_trip") == 1
     assert actions.count("breaker_reset") == 1
 
@@ -130,10 +138,27 @@ def test_policy_restores_the_jobs_of_an_isolated_node(env):
     _, report, run, app = env
     report("n1")
     report("n2")
-    ev = [CheckpointEvent(job_id="gpt", step=20, tier="memory", kind="committed", rank=r,
-                          world_size=2, ts=utcnow()) for r in (0, 1)]
-    report("n1", checkpoint_events=ev, progress=[JobProgress(
-        job_id="gpt", rank=0, world_size=2, step=25, ts=utcnow(), layout=["n1", "n2"])])
+    ev = [
+        CheckpointEvent(
+            job_id="gpt",
+            step=20,
+            tier="memory",
+            kind="committed",
+            rank=r,
+            world_size=2,
+            ts=utcnow(),
+        )
+        for r in (0, 1)
+    ]
+    report(
+        "n1",
+        checkpoint_events=ev,
+        progress=[
+            JobProgress(
+                job_id="gpt", rank=0, world_size=2, step=25, ts=utcnow(), layout=["n1", "n2"]
+            )
+        ],
+    )
     report("n1", xid=79)
     out = run()
     assert out.isolated == ["n1"]
@@ -148,22 +173,23 @@ def test_disabled_policy_does_nothing_and_admin_overrides_env(env, make_token):
     client, report, run, app = env
     report("n0")
     report("n1")
-    r = client.put("/api/v1/policy", json={"enabled": False},
-                   headers=auth(make_token("admin")))
+    r = client.put("/api/v1/policy", json={"enabled": False}, headers=auth(make_token("admin")))
     assert r.status_code == 200
     assert r.json()["source"]["enabled"] == "admin"
     report("n0", xid=79)
     assert run().isolated == []
-    r = client.put("/api/v1/policy", json={"enabled": None},
-                   headers=auth(make_token("admin")))
+    r = client.put("/api/v1/policy", json={"enabled": None}, headers=auth(make_token("admin")))
     assert r.json()["source"]["enabled"] == "env"
     assert run().isolated == ["n0"]
-    bad = client.put("/api/v1/policy", json={"breaker_pct": 0},
-                     headers=auth(make_token("admin")))
+    bad = client.put("/api/v1/policy", json={"breaker_pct": 0}, headers=auth(make_token("admin")))
     assert bad.status_code == 422
     assert "breaker_pct" in bad.text
-    assert client.put("/api/v1/policy", json={"enabled": True},
-                      headers=auth(make_token("operator"))).status_code == 403
+    assert (
+        client.put(
+            "/api/v1/policy", json={"enabled": True}, headers=auth(make_token("operator"))
+        ).status_code
+        == 403
+    )
 
 
 def test_allowed_isolations_is_at_least_one():

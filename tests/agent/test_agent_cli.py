@@ -21,9 +21,14 @@ runner = CliRunner()
 
 
 def _agent(receiver, tmp_path, collector):
-    settings = AgentSettings(node="node-a", server=receiver.url, token=TOKEN,
-                             spool_dir=tmp_path / "spool", listen="127.0.0.1:0",
-                             memory_dir=tmp_path / "memory")
+    settings = AgentSettings(
+        node="node-a",
+        server=receiver.url,
+        token=TOKEN,
+        spool_dir=tmp_path / "spool",
+        listen="127.0.0.1:0",
+        memory_dir=tmp_path / "memory",
+    )
     runtime = AgentRuntime(settings, collector=collector, flush_timeout_s=1.0)
     runtime.start(serve_api=True)
     return runtime
@@ -47,8 +52,11 @@ def test_inject_ok(sim_agent, receiver):
 
 @pytest.mark.parametrize(
     ("args", "needle"),
-    [(["meltdown"], "fault"), (["thermal", "--gpu", "9"], "out of range"),
-     (["xid"], "needs a value")],
+    [
+        (["meltdown"], "fault"),
+        (["thermal", "--gpu", "9"], "out of range"),
+        (["xid"], "needs a value"),
+    ],
 )
 def test_inject_refused_input(sim_agent, args, needle):
     result = runner.invoke(app, ["inject", "--agent", sim_agent, *args])
@@ -61,8 +69,9 @@ def test_inject_refused_on_real_collector(receiver, tmp_path):
     collector = NvmlCollector(nvml=make_fake_pynvml([FakeGpu(index=0)]), event_wait_ms=50)
     runtime = _agent(receiver, tmp_path, collector)
     try:
-        result = runner.invoke(app, ["inject", "--agent",
-                                     f"http://127.0.0.1:{runtime.api_port}", "thermal"])
+        result = runner.invoke(
+            app, ["inject", "--agent", f"http://127.0.0.1:{runtime.api_port}", "thermal"]
+        )
     finally:
         runtime.shutdown()
     assert result.exit_code == EXIT_REFUSED
@@ -92,8 +101,9 @@ def test_cli_import_is_light():
         "bad = [m for m in ('torch', 'tierwatch.server', 'uvicorn', 'fastapi') "
         "if m in sys.modules]; print(bad)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=30, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
+    )
     assert out.stdout.strip() == "[]"
 
 
@@ -101,11 +111,32 @@ def test_cli_import_is_light():
 def test_run_process_reports_and_exits_0_on_sigterm(receiver, tmp_path):
     env = {"PATH": "/usr/bin:/bin", "TIERWATCH_TOKEN": TOKEN, "TIERWATCH_SIM_SEED": "5"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tierwatch.agent.cli", "run", "--node", "node-a",
-         "--server", receiver.url, "--collector", "simulated", "--sim-gpus", "2",
-         "--interval", "0.1", "--listen", "127.0.0.1:0", "--spool-dir", str(tmp_path),
-         "--memory-dir", str(tmp_path / "memory")],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "tierwatch.agent.cli",
+            "run",
+            "--node",
+            "node-a",
+            "--server",
+            receiver.url,
+            "--collector",
+            "simulated",
+            "--sim-gpus",
+            "2",
+            "--interval",
+            "0.1",
+            "--listen",
+            "127.0.0.1:0",
+            "--spool-dir",
+            str(tmp_path),
+            "--memory-dir",
+            str(tmp_path / "memory"),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         wait_until(lambda: len(receiver.stored()) >= 2, timeout=20, what="agent reports")

@@ -48,8 +48,11 @@ class Results:
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
-                done = [r for r in self.items
-                        if r.id == command_id and r.state in ("succeeded", "failed")]
+                done = [
+                    r
+                    for r in self.items
+                    if r.id == command_id and r.state in ("succeeded", "failed")
+                ]
                 if done:
                     return done[-1]
                 left = deadline - time.monotonic()
@@ -59,22 +62,28 @@ class Results:
 
 def make(tmp_path: Path, exe: Path | None, *, sink=None, timeout_s: float = 10.0):
     results = Results()
-    ex = CommandExecutor(node="gpu-node-07", state_dir=tmp_path / "state",
-                         isolation_command=exe, isolation_timeout_s=timeout_s,
-                         restore_sink=sink, report=results)
+    ex = CommandExecutor(
+        node="gpu-node-07",
+        state_dir=tmp_path / "state",
+        isolation_command=exe,
+        isolation_timeout_s=timeout_s,
+        restore_sink=sink,
+        report=results,
+    )
     ex.start()
     return ex, results
 
 
 def cmd(cid: str, kind: str = "isolate", **kw) -> Command:
-    return Command(id=cid, kind=kind, args={"reason": kw.pop("reason", "XID 79"),
-                                            "actor": "token:3"}, **kw)
+    return Command(
+        id=cid, kind=kind, args={"reason": kw.pop("reason", "XID 79"), "actor": "token:3"}, **kw
+    )
 
 
 def test_isolation_command_gets_node_action_and_reason(tmp_path):
     exe = script(tmp_path, RECORDING)
     ex, results = make(tmp_path, exe)
-    reason = "fell off the bus; $(touch pwned) `id` \"quoted\""
+    reason = 'fell off the bus; $(touch pwned) `id` "quoted"'
     ex.submit([cmd("c1", reason=reason)])
     res = results.wait_final("c1")
     ex.stop()
@@ -82,7 +91,8 @@ def test_isolation_command_gets_node_action_and_reason(tmp_path):
     assert res.exit_code == 0
     assert res.output.strip() == "drained gpu-node-07"
     assert (tmp_path / "calls.txt").read_text() == (
-        f"isolate|gpu-node-07|gpu-node-07|isolate|{reason}\n")
+        f"isolate|gpu-node-07|gpu-node-07|isolate|{reason}\n"
+    )
     assert not (tmp_path / "pwned").exists()
     assert [r.state for r in results.items] == ["running", "succeeded"]
 
@@ -108,8 +118,9 @@ def test_a_command_cut_short_by_a_restart_is_reported_failed_not_rerun(tmp_path)
     exe = script(tmp_path, RECORDING)
     state = tmp_path / "state"
     state.mkdir()
-    (state / "commands.json").write_text(json.dumps(
-        {"commands": {"c9": {"state": "started", "exit_code": None, "output": ""}}}))
+    (state / "commands.json").write_text(
+        json.dumps({"commands": {"c9": {"state": "started", "exit_code": None, "output": ""}}})
+    )
     ex, results = make(tmp_path, exe)
     ex.submit([cmd("c9")])
     res = results.wait_final("c9")
@@ -166,8 +177,12 @@ def test_missing_executable_is_a_clear_failure(tmp_path):
 def test_expired_and_unknown_commands_are_not_run(tmp_path):
     exe = script(tmp_path, RECORDING)
     ex, results = make(tmp_path, exe)
-    ex.submit([cmd("old", expires_at=utcnow() - timedelta(seconds=1)),
-               Command(id="weird", kind="reboot", args={})])
+    ex.submit(
+        [
+            cmd("old", expires_at=utcnow() - timedelta(seconds=1)),
+            Command(id="weird", kind="reboot", args={}),
+        ]
+    )
     old, weird = results.wait_final("old"), results.wait_final("weird")
     ex.stop()
     assert old.state == "failed"
@@ -177,10 +192,14 @@ def test_expired_and_unknown_commands_are_not_run(tmp_path):
     assert not (tmp_path / "calls.txt").exists()
 
 
-@pytest.mark.parametrize(("error", "expect"), [
-    (None, "running"), (ValueError("args.step is missing"), "failed"),
-    (RuntimeError("no store"), "failed"),
-])
+@pytest.mark.parametrize(
+    ("error", "expect"),
+    [
+        (None, "running"),
+        (ValueError("args.step is missing"), "failed"),
+        (RuntimeError("no store"), "failed"),
+    ],
+)
 def test_restore_is_handed_to_the_checkpoint_store(tmp_path, error, expect):
     got: list[Command] = []
 
@@ -190,8 +209,7 @@ def test_restore_is_handed_to_the_checkpoint_store(tmp_path, error, expect):
             raise error
 
     ex, results = make(tmp_path, None, sink=sink)
-    ex.submit([Command(id="r1", kind="restore", args={"request_id": 1, "job_id": "j",
-                                                       "step": 20})])
+    ex.submit([Command(id="r1", kind="restore", args={"request_id": 1, "job_id": "j", "step": 20})])
     results.wait_count(1)
     ex.stop()
     assert [c.id for c in got] == ["r1"]
@@ -208,13 +226,31 @@ def test_agent_refuses_to_start_with_an_unusable_isolation_command(tmp_path):
     not_exec = tmp_path / "isolate.sh"
     not_exec.write_text("#!/bin/sh\n")
     not_exec.chmod(0o644)
-    for exe, message in ((tmp_path / "missing.sh", "no such file"),
-                         (not_exec, "is not executable")):
-        out = subprocess.run([str(agent), "run", "--node", "n1", "--server",
-                              "http://127.0.0.1:9", "--token", "t", "--isolation-command",
-                              str(exe), "--state-dir", str(tmp_path / "state"),
-                              "--spool-dir", str(tmp_path / "spool")],
-                             capture_output=True, text=True, timeout=60)
+    for exe, message in (
+        (tmp_path / "missing.sh", "no such file"),
+        (not_exec, "is not executable"),
+    ):
+        out = subprocess.run(
+            [
+                str(agent),
+                "run",
+                "--node",
+                "n1",
+                "--server",
+                "http://127.0.0.1:9",
+                "--token",
+                "t",
+                "--isolation-command",
+                str(exe),
+                "--state-dir",
+                str(tmp_path / "state"),
+                "--spool-dir",
+                str(tmp_path / "spool"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 2
         assert message in out.stderr
         assert "TIERWATCH_ISOLATION_COMMAND" in out.stderr

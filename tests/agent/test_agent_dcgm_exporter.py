@@ -71,10 +71,13 @@ def test_lowercase_total_suffix_and_clock_event_reasons():
 
 def _set_value(text: str, series_prefix: str, value: str) -> str:
     """Change the value of the series lines starting with ``series_prefix``."""
-    return "\n".join(
-        line.rsplit(" ", 1)[0] + " " + value if line.startswith(series_prefix) else line
-        for line in text.splitlines()
-    ) + "\n"
+    return (
+        "\n".join(
+            line.rsplit(" ", 1)[0] + " " + value if line.startswith(series_prefix) else line
+            for line in text.splitlines()
+        )
+        + "\n"
+    )
 
 
 class _Exporter:
@@ -99,8 +102,7 @@ class _Exporter:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,),
-                                        daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
@@ -123,8 +125,10 @@ def test_collector_scrapes_and_reports_xid_changes(exporter):
         assert collector.is_available()
         collector.start(xids.append)
         inv = collector.inventory()
-        assert [(g.index, g.name) for g in inv] == [(0, "NVIDIA H100 80GB HBM3"),
-                                                    (1, "NVIDIA H100 80GB HBM3")]
+        assert [(g.index, g.name) for g in inv] == [
+            (0, "NVIDIA H100 80GB HBM3"),
+            (1, "NVIDIA H100 80GB HBM3"),
+        ]
         # GPU 1 already showed XID 79 at start: an agent event, not a (timeless) XidEvent
         assert [(e.kind, e.gpu) for e in collector.drain_events()] == [("xid_seen_at_start", 1)]
         samples = collector.collect()

@@ -10,18 +10,30 @@ from tierwatch.agent.fsutil import atomic_write_bytes, atomic_write_json
 from tierwatch.agent.httputil import error_detail
 
 
-@pytest.mark.parametrize(("kwargs", "limit", "expected"), [
-    ({"json": {"detail": "job_id 'x y': use letters"}}, 1000, "job_id 'x y': use letters"),
-    ({"json": {"detail": [{"loc": ["body", "gpu"], "msg": "must be ≥ 0"},
-                          {"loc": ["body"], "msg": "bad"}]}}, 1000,
-     "gpu: must be ≥ 0; body: bad"),
-    ({"json": {"error": "other"}}, 1000, "{'error': 'other'}"),
-    ({"json": ["a", "b"]}, 1000, "['a', 'b']"),
-    ({"text": "plain failure"}, 1000, "plain failure"),
-    ({"text": ""}, 1000, "Service Unavailable"),
-    ({"json": {"detail": "x" * 50}}, 10, "x" * 10),
-    ({"text": "y" * 50}, 5, "y" * 5),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "limit", "expected"),
+    [
+        ({"json": {"detail": "job_id 'x y': use letters"}}, 1000, "job_id 'x y': use letters"),
+        (
+            {
+                "json": {
+                    "detail": [
+                        {"loc": ["body", "gpu"], "msg": "must be ≥ 0"},
+                        {"loc": ["body"], "msg": "bad"},
+                    ]
+                }
+            },
+            1000,
+            "gpu: must be ≥ 0; body: bad",
+        ),
+        ({"json": {"error": "other"}}, 1000, "{'error': 'other'}"),
+        ({"json": ["a", "b"]}, 1000, "['a', 'b']"),
+        ({"text": "plain failure"}, 1000, "plain failure"),
+        ({"text": ""}, 1000, "Service Unavailable"),
+        ({"json": {"detail": "x" * 50}}, 10, "x" * 10),
+        ({"text": "y" * 50}, 5, "y" * 5),
+    ],
+)
 def test_error_detail(kwargs, limit, expected):
     assert error_detail(httpx.Response(503, **kwargs), limit=limit) == expected
 

@@ -16,16 +16,23 @@ from tierwatch.agent.server import create_app
 
 
 def _settings(receiver, tmp_path, **kw) -> AgentSettings:
-    return AgentSettings(node="node-a", server=receiver.url, token=TOKEN,
-                         spool_dir=tmp_path / "spool", listen="127.0.0.1:0",
-                         memory_dir=tmp_path / "memory", **kw)
+    return AgentSettings(
+        node="node-a",
+        server=receiver.url,
+        token=TOKEN,
+        spool_dir=tmp_path / "spool",
+        listen="127.0.0.1:0",
+        memory_dir=tmp_path / "memory",
+        **kw,
+    )
 
 
 @pytest.fixture
 def sim_runtime(receiver, tmp_path):
     settings = _settings(receiver, tmp_path, interval=0.1)
-    runtime = AgentRuntime(settings, collector=SimulatedCollector("node-a", gpus=4, seed=1),
-                           flush_timeout_s=2.0)
+    runtime = AgentRuntime(
+        settings, collector=SimulatedCollector("node-a", gpus=4, seed=1), flush_timeout_s=2.0
+    )
     runtime.start(serve_api=False)
     yield runtime
     runtime.shutdown()
@@ -34,8 +41,7 @@ def sim_runtime(receiver, tmp_path):
 @pytest.fixture
 def nvml_runtime(receiver, tmp_path):
     collector = NvmlCollector(nvml=make_fake_pynvml([FakeGpu(index=0)]), event_wait_ms=50)
-    runtime = AgentRuntime(_settings(receiver, tmp_path), collector=collector,
-                           flush_timeout_s=1.0)
+    runtime = AgentRuntime(_settings(receiver, tmp_path), collector=collector, flush_timeout_s=1.0)
     runtime.start(serve_api=False)
     yield runtime
     runtime.shutdown()
@@ -94,20 +100,30 @@ def test_control_endpoints_need_token_from_other_hosts(sim_runtime):
         resp = remote.post("/v1/inject", json={"fault": "throttle"})
         assert resp.status_code == 403
         assert "Authorization: Bearer" in resp.json()["detail"]
-        wrong = remote.post("/v1/inject", json={"fault": "throttle"},
-                            headers={"Authorization": "Bearer nope"})
+        wrong = remote.post(
+            "/v1/inject", json={"fault": "throttle"}, headers={"Authorization": "Bearer nope"}
+        )
         assert wrong.status_code == 403
         assert remote.post("/v1/trainer/latency", json=[]).status_code == 403
-        ok = remote.post("/v1/inject", json={"fault": "throttle"},
-                         headers={"Authorization": f"Bearer {TOKEN}"})
+        ok = remote.post(
+            "/v1/inject", json={"fault": "throttle"}, headers={"Authorization": f"Bearer {TOKEN}"}
+        )
         assert ok.status_code == 200
     with TestClient(app, client=("::1", 5000)) as local6:
         assert local6.post("/v1/inject", json={"fault": "clear"}).status_code == 200
 
 
 def test_trainer_latency_goes_into_next_batch(sim_runtime, receiver):
-    samples = [{"job_id": "job-7", "rank": r, "world_size": 2, "ts": "2025-01-01T00:00:00Z",
-                "latency_ms": 2.5 + r} for r in range(2)]
+    samples = [
+        {
+            "job_id": "job-7",
+            "rank": r,
+            "world_size": 2,
+            "ts": "2025-01-01T00:00:00Z",
+            "latency_ms": 2.5 + r,
+        }
+        for r in range(2)
+    ]
     with TestClient(create_app(sim_runtime), client=("127.0.0.1", 5000)) as client:
         resp = client.post("/v1/trainer/latency", json=samples)
         assert resp.json() == {"queued": 2}
@@ -115,13 +131,18 @@ def test_trainer_latency_goes_into_next_batch(sim_runtime, receiver):
     sim_runtime.tick()
     batch = wait_until(lambda: [b for b in receiver.stored() if b.latency], what="latency")[0]
     assert [(s.job_id, s.rank, s.latency_ms) for s in batch.latency] == [
-        ("job-7", 0, 2.5), ("job-7", 1, 3.5)]
+        ("job-7", 0, 2.5),
+        ("job-7", 1, 3.5),
+    ]
 
 
 def test_run_loop_reports_each_interval_and_flushes_on_stop(receiver, tmp_path):
     settings = _settings(receiver, tmp_path, interval=0.05, sim_job="job-1", sim_rank=0)
-    runtime = AgentRuntime(settings, collector=SimulatedCollector(
-        "node-a", gpus=2, seed=3, job="job-1", rank=0), flush_timeout_s=2.0)
+    runtime = AgentRuntime(
+        settings,
+        collector=SimulatedCollector("node-a", gpus=2, seed=3, job="job-1", rank=0),
+        flush_timeout_s=2.0,
+    )
     runtime.start(serve_api=True)
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(runtime.run()))

@@ -16,7 +16,11 @@ from tierwatch.agent.protocol import THROTTLE_HW_SLOWDOWN, XidEvent
 
 def _gpus() -> list[FakeGpu]:
     g0 = FakeGpu(
-        index=0, temperature=61, power_mw=412_345, limit_mw=700_000, util=97,
+        index=0,
+        temperature=61,
+        power_mw=412_345,
+        limit_mw=700_000,
+        util=97,
         mem_used=40 * 1024**3,
         ecc={
             (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC): 2,
@@ -36,10 +40,13 @@ def _gpus() -> list[FakeGpu]:
         },
     )
     g1 = FakeGpu(
-        index=1, temperature=40,
+        index=1,
+        temperature=40,
         unsupported={
-            "nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRemappedRows",
-            "nvmlDeviceGetPcieReplayCounter", "nvmlDeviceGetTemperatureThreshold",
+            "nvmlDeviceGetTotalEccErrors",
+            "nvmlDeviceGetRemappedRows",
+            "nvmlDeviceGetPcieReplayCounter",
+            "nvmlDeviceGetTemperatureThreshold",
             "nvmlDeviceGetCurrentClocksEventReasons",
             "nvmlDeviceGetCurrentClocksThrottleReasons",
         },
@@ -86,8 +93,7 @@ def test_reads_every_field_with_units(started):
     assert s0.pcie_replay_count == 3
     assert s0.throttle_reasons == THROTTLE_HW_SLOWDOWN
     # summed over the two supported links; CRC = flit + data
-    assert (s0.nvlink_crc_errors, s0.nvlink_replay_errors, s0.nvlink_recovery_errors) == (
-        8, 7, 1)
+    assert (s0.nvlink_crc_errors, s0.nvlink_replay_errors, s0.nvlink_recovery_errors) == (8, 7, 1)
     assert nv.calls["nvmlInit"] == 1  # initialised once
 
 
@@ -97,9 +103,16 @@ def test_unsupported_fields_are_none_and_sample_kept(started):
     assert s1.index == 1
     assert s1.temperature_c == 40
     assert s1.power_w == 250.0
-    for name in ("ecc_sbe_volatile", "ecc_dbe_aggregate", "remapped_rows_correctable",
-                 "row_remap_failure", "pcie_replay_count", "slowdown_temp_c",
-                 "throttle_reasons", "nvlink_crc_errors"):
+    for name in (
+        "ecc_sbe_volatile",
+        "ecc_dbe_aggregate",
+        "remapped_rows_correctable",
+        "row_remap_failure",
+        "pcie_replay_count",
+        "slowdown_temp_c",
+        "throttle_reasons",
+        "nvlink_crc_errors",
+    ):
         assert getattr(s1, name) is None, name
     # "not supported" is normal, not an operator event
     assert collector.drain_events() == []

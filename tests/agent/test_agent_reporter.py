@@ -17,8 +17,17 @@ from tierwatch.agent.reporter import Reporter, Spool
 def _reporter(url: str, spool: Path, token: str = TOKEN, **kw) -> Reporter:
     kw.setdefault("backoff_initial_s", 0.02)
     kw.setdefault("backoff_max_s", 0.1)
-    return Reporter(node="node-a", server=url, token=token, spool_dir=spool,
-                    collector="simulated", simulated=True, interval_s=1.0, timeout_s=2.0, **kw)
+    return Reporter(
+        node="node-a",
+        server=url,
+        token=token,
+        spool_dir=spool,
+        collector="simulated",
+        simulated=True,
+        interval_s=1.0,
+        timeout_s=2.0,
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -128,7 +137,10 @@ def test_previous_epoch_batches_go_first(receiver, tmp_path, closing):
     new.start()
     wait_until(lambda: len(receiver.stored()) == 3, what="3 batches")
     assert [(b.epoch, b.seq) for b in receiver.stored()] == [
-        (old.epoch, 1), (old.epoch, 2), (new.epoch, 1)]
+        (old.epoch, 1),
+        (old.epoch, 2),
+        (new.epoch, 1),
+    ]
     wait_until(lambda: new.status().last_sent_seq == 1, what="status of this epoch")
 
 

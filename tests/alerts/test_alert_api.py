@@ -20,16 +20,34 @@ def seeded(app) -> dict[str, int]:  # type: ignore[no-untyped-def]
     settings = AlertSettings(webhooks=HOOKS)
     with app.state.sessionmaker() as s:
         node = raise_alert(
-            s, settings, kind="node_state", key="node_state:n1:unhealthy", severity="critical",
-            summary="n1 is unhealthy", labels={"node": "n1"}, details={"xid": 79}, now=T0,
+            s,
+            settings,
+            kind="node_state",
+            key="node_state:n1:unhealthy",
+            severity="critical",
+            summary="n1 is unhealthy",
+            labels={"node": "n1"},
+            details={"xid": 79},
+            now=T0,
         )
         breaker = raise_alert(
-            s, settings, kind="breaker", key="breaker:isolate", severity="warning",
-            summary="isolation breaker open", now=T0 + timedelta(seconds=1),
+            s,
+            settings,
+            kind="breaker",
+            key="breaker:isolate",
+            severity="warning",
+            summary="isolation breaker open",
+            now=T0 + timedelta(seconds=1),
         )
         resolved = raise_alert(
-            s, settings, kind="node_state", key="node_state:n1:unhealthy", severity="info",
-            summary="n1 is healthy again", labels={"node": "n1"}, status="resolved",
+            s,
+            settings,
+            kind="node_state",
+            key="node_state:n1:unhealthy",
+            severity="info",
+            summary="n1 is healthy again",
+            labels={"node": "n1"},
+            status="resolved",
             now=T0 + timedelta(seconds=2),
         )
         s.flush()
@@ -48,9 +66,7 @@ def seeded(app) -> dict[str, int]:  # type: ignore[no-untyped-def]
 
 
 def _get(client: TestClient, token: str, **params: str | int):  # type: ignore[no-untyped-def]
-    return client.get(
-        "/api/v1/alerts", params=params, headers={"Authorization": f"Bearer {token}"}
-    )
+    return client.get("/api/v1/alerts", params=params, headers={"Authorization": f"Bearer {token}"})
 
 
 def test_lists_newest_first_with_deliveries(client, make_token, seeded) -> None:  # type: ignore[no-untyped-def]
@@ -66,7 +82,9 @@ def test_lists_newest_first_with_deliveries(client, make_token, seeded) -> None:
     assert node["count"] == 1
     first, second = node["deliveries"]
     assert (first["webhook"], first["state"], first["url"]) == (
-        1, "delivered", "https://hooks.example/…"
+        1,
+        "delivered",
+        "https://hooks.example/…",
     )
     assert (second["webhook"], second["state"], second["last_status_code"]) == (2, "failed", 400)
     assert second["url"] == "http://am.example:9093/…"

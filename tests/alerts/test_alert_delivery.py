@@ -31,10 +31,16 @@ def _raise(
 ) -> Alert | None:
     with sm() as s:
         alert = raise_alert(
-            s, settings, kind="node_state", key=key, severity=severity,
+            s,
+            settings,
+            kind="node_state",
+            key=key,
+            severity=severity,
             summary="gpu-node-03 is unhealthy: XID 79 (GPU fell off the bus)",
-            labels={"node": "gpu-node-03"}, details={"xid": 79, "gpu_index": 2},
-            status=status, now=now,
+            labels={"node": "gpu-node-03"},
+            details={"xid": 79, "gpu_index": 2},
+            status=status,
+            now=now,
         )
         s.commit()
         return alert
@@ -85,7 +91,8 @@ def test_json_payload_is_delivered_with_the_bearer_token(sm, receiver: Receiver)
 
 def test_alertmanager_payload_for_firing_and_resolved(sm, receiver: Receiver) -> None:
     settings = AlertSettings(
-        webhooks=[receiver.url], format="alertmanager",
+        webhooks=[receiver.url],
+        format="alertmanager",
         external_url="https://tierwatch.example/",
     )
     _raise(sm, settings)
@@ -96,7 +103,10 @@ def test_alertmanager_payload_for_firing_and_resolved(sm, receiver: Receiver) ->
     firing, resolved = sorted(receiver.requests, key=lambda r: r.body["status"])
     key = "node_state:gpu-node-03:unhealthy"
     labels = {
-        "alertname": "node_state", "node": "gpu-node-03", "alertkey": key, "severity": "critical",
+        "alertname": "node_state",
+        "node": "gpu-node-03",
+        "alertkey": key,
+        "severity": "critical",
     }
     annotations = {
         "summary": "gpu-node-03 is unhealthy: XID 79 (GPU fell off the bus)",
@@ -294,10 +304,16 @@ def test_the_running_server_delivers(app, receiver: Receiver) -> None:  # type: 
     with TestClient(app):
         with app.state.sessionmaker() as s:
             raise_alert(
-                s, app.state.settings.alerts, kind="breaker", key="policy_breaker",
-                severity="critical", summary="breaker open", now=utcnow(),
+                s,
+                app.state.settings.alerts,
+                kind="breaker",
+                key="policy_breaker",
+                severity="critical",
+                summary="breaker open",
+                now=utcnow(),
             )
             s.commit()
+
         def delivered() -> bool:
             with app.state.sessionmaker() as s:
                 return s.scalar(select(AlertDelivery.state)) == "delivered"

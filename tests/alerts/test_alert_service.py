@@ -28,8 +28,14 @@ def _raise(
     s: Session, settings: AlertSettings, now: datetime, status: str = "firing"
 ) -> Alert | None:
     return raise_alert(
-        s, settings, kind="node_state", key=KEY, severity="critical",
-        summary="gpu-node-03 is unhealthy", labels={"node": "gpu-node-03"}, status=status,
+        s,
+        settings,
+        kind="node_state",
+        key=KEY,
+        severity="critical",
+        summary="gpu-node-03 is unhealthy",
+        labels={"node": "gpu-node-03"},
+        status=status,
         now=now,
     )
 
@@ -116,8 +122,12 @@ def test_rolled_back_caller_sends_nothing(sm: sessionmaker[Session]) -> None:
 )
 def test_bad_arguments_are_refused(sm, change, message) -> None:  # type: ignore[no-untyped-def]
     args = {
-        "kind": "breaker", "key": "breaker:isolate", "severity": "warning", "summary": "open",
-        "labels": {}, "status": "firing",
+        "kind": "breaker",
+        "key": "breaker:isolate",
+        "severity": "warning",
+        "summary": "open",
+        "labels": {},
+        "status": "firing",
     }
     with sm() as s, pytest.raises(ValueError, match=message):
         raise_alert(s, AlertSettings(), now=T0, **{**args, **change})
@@ -157,10 +167,25 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_list_filters(sm: sessionmaker[Session]) -> None:
     settings = AlertSettings(webhooks=[HOOK])
     with sm() as s:
-        a = raise_alert(s, settings, kind="breaker", key="breaker:1", severity="warning",
-                        summary="breaker open", now=T0)
-        b = raise_alert(s, settings, kind="node_state", key="n:1", severity="info",
-                        summary="healthy again", status="resolved", now=T0 + timedelta(seconds=1))
+        a = raise_alert(
+            s,
+            settings,
+            kind="breaker",
+            key="breaker:1",
+            severity="warning",
+            summary="breaker open",
+            now=T0,
+        )
+        b = raise_alert(
+            s,
+            settings,
+            kind="node_state",
+            key="n:1",
+            severity="info",
+            summary="healthy again",
+            status="resolved",
+            now=T0 + timedelta(seconds=1),
+        )
         s.flush()
         b.deliveries[0].state = "failed"
         s.commit()
@@ -177,12 +202,21 @@ def test_list_filters(sm: sessionmaker[Session]) -> None:
 def test_prune_keeps_pending_and_young_alerts(sm: sessionmaker[Session]) -> None:
     settings = AlertSettings(webhooks=[HOOK])
     with sm() as s:
-        old_done = raise_alert(s, settings, kind="breaker", key="b:1", severity="info",
-                               summary="x", now=T0)
-        old_pending = raise_alert(s, settings, kind="breaker", key="b:2", severity="info",
-                                  summary="x", now=T0)
-        young = raise_alert(s, AlertSettings(), kind="breaker", key="b:3", severity="info",
-                            summary="x", now=T0 + timedelta(days=2))
+        old_done = raise_alert(
+            s, settings, kind="breaker", key="b:1", severity="info", summary="x", now=T0
+        )
+        old_pending = raise_alert(
+            s, settings, kind="breaker", key="b:2", severity="info", summary="x", now=T0
+        )
+        young = raise_alert(
+            s,
+            AlertSettings(),
+            kind="breaker",
+            key="b:3",
+            severity="info",
+            summary="x",
+            now=T0 + timedelta(days=2),
+        )
         s.flush()
         old_done.deliveries[0].state = "delivered"
         s.commit()

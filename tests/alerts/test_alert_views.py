@@ -24,12 +24,23 @@ def alert_settings() -> AlertSettings:
 def seeded(app, alert_settings) -> dict[str, int]:  # type: ignore[no-untyped-def]
     with app.state.sessionmaker() as s:
         a = raise_alert(
-            s, alert_settings, kind="node_state", key="node_state:n1:unhealthy",
-            severity="critical", summary=f"n1 unhealthy {EVIL}", labels={"node": "n1"}, now=T0,
+            s,
+            alert_settings,
+            kind="node_state",
+            key="node_state:n1:unhealthy",
+            severity="critical",
+            summary=f"n1 unhealthy {EVIL}",
+            labels={"node": "n1"},
+            now=T0,
         )
         b = raise_alert(
-            s, alert_settings, kind="breaker", key="breaker:isolate", severity="warning",
-            summary="isolation breaker open", now=T0 + timedelta(seconds=1),
+            s,
+            alert_settings,
+            kind="breaker",
+            key="breaker:isolate",
+            severity="warning",
+            summary="isolation breaker open",
+            now=T0 + timedelta(seconds=1),
         )
         s.flush()
         a.deliveries[0].state = "delivered"
@@ -68,7 +79,7 @@ def test_page_shows_delivery_status(client, make_token, seeded) -> None:  # type
     assert "https://hooks.example/…" in html
     assert "SECRET" not in html
     assert 'href="/alerts"' in html  # nav link
-    assert "hx-trigger=\"every" in html
+    assert 'hx-trigger="every' in html
 
 
 def test_html_in_summaries_and_errors_is_inert(client, make_token, seeded) -> None:  # type: ignore[no-untyped-def]

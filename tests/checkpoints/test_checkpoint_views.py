@@ -28,23 +28,69 @@ def report(client, token, seq, **content):
 def scripted_job(client, token):
     t0 = utcnow() - timedelta(minutes=3)
     report(
-        client, token, 1,
-        progress=[JobProgress(job_id=JOB, rank=r, world_size=2, step=40, step_time_s=0.5,
-                              ts=t0, layout=["n1", "n1"] if r == 0 else None) for r in (0, 1)],
-        checkpoint_events=[
-            *(CheckpointEvent(job_id=JOB, step=40, tier="memory", kind=k, rank=r, world_size=2,
-                              ts=t0, bytes=3 * 1024**2, seconds=0.25, blocking_s=0.05)
-              for r in (0, 1) for k in ("staged", "committed")),
-            CheckpointEvent(job_id=JOB, step=40, tier="persistent", kind="failed", rank=1,
-                            world_size=2, ts=t0 + timedelta(seconds=1), message=HOSTILE),
+        client,
+        token,
+        1,
+        progress=[
+            JobProgress(
+                job_id=JOB,
+                rank=r,
+                world_size=2,
+                step=40,
+                step_time_s=0.5,
+                ts=t0,
+                layout=["n1", "n1"] if r == 0 else None,
+            )
+            for r in (0, 1)
         ],
-        restores=[RestoreReport(job_id=JOB, rank=0, world_size=2, ts=t0, seconds=2.0,
-                                ok=False, message=HOSTILE)],
+        checkpoint_events=[
+            *(
+                CheckpointEvent(
+                    job_id=JOB,
+                    step=40,
+                    tier="memory",
+                    kind=k,
+                    rank=r,
+                    world_size=2,
+                    ts=t0,
+                    bytes=3 * 1024**2,
+                    seconds=0.25,
+                    blocking_s=0.05,
+                )
+                for r in (0, 1)
+                for k in ("staged", "committed")
+            ),
+            CheckpointEvent(
+                job_id=JOB,
+                step=40,
+                tier="persistent",
+                kind="failed",
+                rank=1,
+                world_size=2,
+                ts=t0 + timedelta(seconds=1),
+                message=HOSTILE,
+            ),
+        ],
+        restores=[
+            RestoreReport(
+                job_id=JOB, rank=0, world_size=2, ts=t0, seconds=2.0, ok=False, message=HOSTILE
+            )
+        ],
     )
     report(
-        client, token, 2,
-        progress=[JobProgress(job_id=JOB, rank=0, world_size=2, step=52, step_time_s=0.5,
-                              ts=t0 + timedelta(seconds=6))],
+        client,
+        token,
+        2,
+        progress=[
+            JobProgress(
+                job_id=JOB,
+                rank=0,
+                world_size=2,
+                step=52,
+                step_time_s=0.5,
+                ts=t0 + timedelta(seconds=6),
+            )
+        ],
     )
 
 
@@ -63,8 +109,10 @@ def test_job_page_shows_tiers_side_by_side(viewer, agent_token):
     assert 'data-fact="world_size">2<' in html
     header = html[html.index('<table class="tiers">') :]
     header = header[: header.index("</thead>")]
-    assert header.index('data-tier="memory"') < header.index('data-tier="peer"') < header.index(
-        'data-tier="persistent"'
+    assert (
+        header.index('data-tier="memory"')
+        < header.index('data-tier="peer"')
+        < header.index('data-tier="persistent"')
     )
     newest = cells(html, "newest_step")
     assert '<td data-tier="memory" class="">40</td>' in newest

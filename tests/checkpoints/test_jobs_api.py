@@ -61,9 +61,7 @@ class Agents:
 
     def batch(self, node, **content) -> ReportBatch:
         self.seq[node] += 1
-        return ReportBatch(
-            node=node, epoch="e1", seq=self.seq[node], sent_at=utcnow(), **content
-        )
+        return ReportBatch(node=node, epoch="e1", seq=self.seq[node], sent_at=utcnow(), **content)
 
     def post(self, node, **content):
         r = post_batch(self.client, self.tokens[node], self.batch(node, **content))
@@ -80,27 +78,66 @@ class Agents:
 
 def ev(kind, step, tier, rank, t, **kw) -> CheckpointEvent:
     return CheckpointEvent(
-        job_id=JOB, step=step, tier=tier, kind=kind, rank=rank,
-        world_size=None if rank is None else WORLD, ts=at(t), **kw,
+        job_id=JOB,
+        step=step,
+        tier=tier,
+        kind=kind,
+        rank=rank,
+        world_size=None if rank is None else WORLD,
+        ts=at(t),
+        **kw,
     )
 
 
 def progress(step, rank) -> JobProgress:
     return JobProgress(
-        job_id=JOB, rank=rank, world_size=WORLD, step=step, step_time_s=STEP_TIMES[rank],
-        ts=at(TRAINED[step] + 0.1 * rank), layout=LAYOUT if rank == 0 else None,
+        job_id=JOB,
+        rank=rank,
+        world_size=WORLD,
+        step=step,
+        step_time_s=STEP_TIMES[rank],
+        ts=at(TRAINED[step] + 0.1 * rank),
+        layout=LAYOUT if rank == 0 else None,
     )
 
 
 # staged blocking_s per (step, rank) in the memory tier; committed seconds per tier
-BLOCKING = {(10, 0): 0.5, (10, 1): 0.7, (10, 2): 0.6, (10, 3): 0.4,
-            (20, 0): 0.5, (20, 1): 0.9, (20, 2): 0.3, (20, 3): 0.5,
-            (30, 0): 0.6, (30, 1): 0.6, (30, 2): 0.8, (30, 3): 1.2}
-MEMORY_COMMIT_S = {(10, 0): 1.0, (10, 1): 1.5, (10, 2): 2.0, (10, 3): 0.5,
-                   (20, 0): 1.0, (20, 1): 1.2, (20, 2): 1.1, (20, 3): 1.3,
-                   (30, 0): 1.0, (30, 1): 1.0, (30, 2): 1.4}
-PEER_COMMIT_S = {(10, 0): 3.0, (10, 1): 3.5, (10, 2): 2.5, (10, 3): 4.0,
-                 (20, 0): 3.0, (20, 1): 3.0, (20, 2): 3.2}
+BLOCKING = {
+    (10, 0): 0.5,
+    (10, 1): 0.7,
+    (10, 2): 0.6,
+    (10, 3): 0.4,
+    (20, 0): 0.5,
+    (20, 1): 0.9,
+    (20, 2): 0.3,
+    (20, 3): 0.5,
+    (30, 0): 0.6,
+    (30, 1): 0.6,
+    (30, 2): 0.8,
+    (30, 3): 1.2,
+}
+MEMORY_COMMIT_S = {
+    (10, 0): 1.0,
+    (10, 1): 1.5,
+    (10, 2): 2.0,
+    (10, 3): 0.5,
+    (20, 0): 1.0,
+    (20, 1): 1.2,
+    (20, 2): 1.1,
+    (20, 3): 1.3,
+    (30, 0): 1.0,
+    (30, 1): 1.0,
+    (30, 2): 1.4,
+}
+PEER_COMMIT_S = {
+    (10, 0): 3.0,
+    (10, 1): 3.5,
+    (10, 2): 2.5,
+    (10, 3): 4.0,
+    (20, 0): 3.0,
+    (20, 1): 3.0,
+    (20, 2): 3.2,
+}
 SHARD_BYTES = 1000
 
 
@@ -112,17 +149,44 @@ def node_events(node, step):
     for r in ranks:
         out.append(ev("staged", step, "memory", r, t + 0.5, blocking_s=BLOCKING[(step, r)]))
         if (step, r) in MEMORY_COMMIT_S:
-            out.append(ev("committed", step, "memory", r, t + 2, bytes=SHARD_BYTES,
-                          seconds=MEMORY_COMMIT_S[(step, r)]))
+            out.append(
+                ev(
+                    "committed",
+                    step,
+                    "memory",
+                    r,
+                    t + 2,
+                    bytes=SHARD_BYTES,
+                    seconds=MEMORY_COMMIT_S[(step, r)],
+                )
+            )
         elif step == 30:
-            out.append(ev("failed", step, "memory", r, t + 2,
-                          message="write __3_0.distcp: No space left on device"))
+            out.append(
+                ev(
+                    "failed",
+                    step,
+                    "memory",
+                    r,
+                    t + 2,
+                    message="write __3_0.distcp: No space left on device",
+                )
+            )
         if (step, r) in PEER_COMMIT_S:
-            out.append(ev("committed", step, "peer", r, t + 5, bytes=SHARD_BYTES,
-                          seconds=PEER_COMMIT_S[(step, r)]))
+            out.append(
+                ev(
+                    "committed",
+                    step,
+                    "peer",
+                    r,
+                    t + 5,
+                    bytes=SHARD_BYTES,
+                    seconds=PEER_COMMIT_S[(step, r)],
+                )
+            )
     if step == 10 and node == "n1":
-        out.append(ev("committed", 10, "persistent", None, t + 9, bytes=4 * SHARD_BYTES,
-                      seconds=8.0))
+        out.append(
+            ev("committed", 10, "persistent", None, t + 9, bytes=4 * SHARD_BYTES, seconds=8.0)
+        )
     return out
 
 
@@ -167,8 +231,12 @@ def test_tier_status_and_lag(client, scripted):
     assert memory["throughput_bytes_per_s"] == WORLD * SHARD_BYTES / 1.3
     assert memory["last_blocking_s"] == BLOCKING[(30, 3)]  # newest staged event
     assert memory["pending"] == {
-        "step": 30, "world_size": WORLD, "ranks_committed": 3, "missing_ranks": [3],
-        "missing_count": 1, "failures": 1,
+        "step": 30,
+        "world_size": WORLD,
+        "ranks_committed": 3,
+        "missing_ranks": [3],
+        "missing_count": 1,
+        "failures": 1,
     }
     assert memory["committed_at"] is not None
     # peer: step 20 lacks rank 3, so step 10 is the newest
@@ -227,9 +295,17 @@ def test_events_newest_first_with_failures(client, scripted):
     assert times == sorted(times, reverse=True)
     [failed] = [e for e in events if e["kind"] == "failed"]
     assert failed == {
-        "ts": failed["ts"], "kind": "failed", "tier": "memory", "step": 30, "rank": 3,
-        "world_size": WORLD, "node": "n2", "bytes": None, "seconds": None,
-        "blocking_s": None, "message": "write __3_0.distcp: No space left on device",
+        "ts": failed["ts"],
+        "kind": "failed",
+        "tier": "memory",
+        "step": 30,
+        "rank": 3,
+        "world_size": WORLD,
+        "node": "n2",
+        "bytes": None,
+        "seconds": None,
+        "blocking_s": None,
+        "message": "write __3_0.distcp: No space left on device",
     }
 
 
@@ -272,9 +348,12 @@ def test_job_list_shows_worst_lag(client, scripted):
 
 def test_job_with_no_committed_step_has_everything_at_risk(client, make_token):
     agents = Agents(client, make_token)
-    agents.post("n1", progress=[
-        JobProgress(job_id="fresh", rank=0, world_size=2, step=7, step_time_s=1.5, ts=at(1))
-    ])
+    agents.post(
+        "n1",
+        progress=[
+            JobProgress(job_id="fresh", rank=0, world_size=2, step=7, step_time_s=1.5, ts=at(1))
+        ],
+    )
     job = job_json(client, make_token("viewer"), "fresh")
     for tier in ("memory", "peer", "persistent"):
         t = job["tiers"][tier]
@@ -288,36 +367,69 @@ def test_world_size_learned_later_completes_the_step(client, make_token):
     agents = Agents(client, make_token)
     viewer = make_token("viewer")
     bare = [
-        CheckpointEvent(job_id="late-ws", step=4, tier="memory", kind="committed", rank=r,
-                        ts=at(5), bytes=10, seconds=0.1)
+        CheckpointEvent(
+            job_id="late-ws",
+            step=4,
+            tier="memory",
+            kind="committed",
+            rank=r,
+            ts=at(5),
+            bytes=10,
+            seconds=0.1,
+        )
         for r in (0, 1)
     ]
     agents.post("n1", checkpoint_events=bare)
     memory = job_json(client, viewer, "late-ws")["tiers"]["memory"]
     assert memory["newest_step"] is None
     assert memory["pending"]["missing_ranks"] is None  # world size unknown
-    agents.post("n1", progress=[
-        JobProgress(job_id="late-ws", rank=0, world_size=2, step=5, ts=at(6))
-    ])
+    agents.post(
+        "n1", progress=[JobProgress(job_id="late-ws", rank=0, world_size=2, step=5, ts=at(6))]
+    )
     memory = job_json(client, viewer, "late-ws")["tiers"]["memory"]
     assert (memory["newest_step"], memory["lag_steps"], memory["bytes"]) == (4, 1, 20)
 
 
 def test_restores_are_listed(client, scripted):
     agents, viewer = scripted
-    agents.post("n2", restores=[
-        RestoreReport(job_id=JOB, rank=2, world_size=WORLD, step=20, ts=at(80), seconds=4.5,
-                      steps_lost=15, files_by_tier={"memory": 1, "peer": 2},
-                      sources={"__2_0.distcp": "peer:n1"}),
-        RestoreReport(job_id=JOB, rank=3, world_size=WORLD, ts=at(81), seconds=1.0,
-                      ok=False, message="no step every rank can get"),
-    ])
+    agents.post(
+        "n2",
+        restores=[
+            RestoreReport(
+                job_id=JOB,
+                rank=2,
+                world_size=WORLD,
+                step=20,
+                ts=at(80),
+                seconds=4.5,
+                steps_lost=15,
+                files_by_tier={"memory": 1, "peer": 2},
+                sources={"__2_0.distcp": "peer:n1"},
+            ),
+            RestoreReport(
+                job_id=JOB,
+                rank=3,
+                world_size=WORLD,
+                ts=at(81),
+                seconds=1.0,
+                ok=False,
+                message="no step every rank can get",
+            ),
+        ],
+    )
     restores = job_json(client, viewer)["restores"]
     assert [r["rank"] for r in restores] == [3, 2]
     assert restores[1] == {
-        "ts": restores[1]["ts"], "rank": 2, "world_size": WORLD, "node": "n2", "step": 20,
-        "seconds": 4.5, "steps_lost": 15, "files_by_tier": {"memory": 1, "peer": 2},
-        "ok": True, "message": "",
+        "ts": restores[1]["ts"],
+        "rank": 2,
+        "world_size": WORLD,
+        "node": "n2",
+        "step": 20,
+        "seconds": 4.5,
+        "steps_lost": 15,
+        "files_by_tier": {"memory": 1, "peer": 2},
+        "ok": True,
+        "message": "",
     }
     assert (restores[0]["ok"], restores[0]["step"]) == (False, None)
 
@@ -325,8 +437,7 @@ def test_restores_are_listed(client, scripted):
 def test_history_for_the_chart(client, scripted):
     _, viewer = scripted
     since = at(0).isoformat()
-    r = client.get(f"/api/v1/jobs/{JOB}/history", params={"since": since},
-                   headers=auth(viewer))
+    r = client.get(f"/api/v1/jobs/{JOB}/history", params={"since": since}, headers=auth(viewer))
     assert r.status_code == 200, r.text
     body = r.json()
     assert [p["step"] for p in body["progress"]] == [10, 20, 30, 35]
@@ -334,8 +445,9 @@ def test_history_for_the_chart(client, scripted):
     assert [p["step"] for p in body["committed"]["memory"]] == [10, 20]
     assert [p["step"] for p in body["committed"]["peer"]] == [10]
     assert [p["step"] for p in body["committed"]["persistent"]] == [10]
-    later = client.get(f"/api/v1/jobs/{JOB}/history", params={"since": at(50).isoformat()},
-                       headers=auth(viewer)).json()
+    later = client.get(
+        f"/api/v1/jobs/{JOB}/history", params={"since": at(50).isoformat()}, headers=auth(viewer)
+    ).json()
     assert [p["step"] for p in later["progress"]] == [30, 35]
     assert [p["step"] for p in later["committed"]["memory"]] == [20]  # carried in from before
 
@@ -353,13 +465,19 @@ def test_metrics_values(client, scripted):
 
     assert values("tierwatch_job_step") == {(("job", JOB),): 35.0}
     assert values("tierwatch_checkpoint_newest_step") == {
-        key("memory"): 20.0, key("peer"): 10.0, key("persistent"): 10.0,
+        key("memory"): 20.0,
+        key("peer"): 10.0,
+        key("persistent"): 10.0,
     }
     assert values("tierwatch_checkpoint_lag_steps") == {
-        key("memory"): 15.0, key("peer"): 25.0, key("persistent"): 25.0,
+        key("memory"): 15.0,
+        key("peer"): 25.0,
+        key("persistent"): 25.0,
     }
     assert values("tierwatch_checkpoint_lag_seconds") == {
-        key("memory"): 30.0, key("peer"): 50.0, key("persistent"): 50.0,
+        key("memory"): 30.0,
+        key("peer"): 50.0,
+        key("persistent"): 50.0,
     }
 
 
@@ -386,20 +504,34 @@ def test_observed_failures_replace_the_table_mtbf(client, scripted, session):
     agents, viewer = scripted
     for t, tier in ((100, "memory"), (300, "memory"), (500, "memory"), (700, "peer")):
         for node in ("n1", "n2"):
-            agents.post(node, restores=[
-                RestoreReport(job_id=JOB, rank=r, world_size=WORLD, step=20, ts=at(t + r),
-                              seconds=1.0, files_by_tier={"memory": 1, tier: 1})
-                for r, n in NODE_OF.items() if n == node])
-    session.execute(update(Job).where(Job.job_id == JOB)
-                    .values(first_seen=utcnow() - timedelta(hours=1)))
+            agents.post(
+                node,
+                restores=[
+                    RestoreReport(
+                        job_id=JOB,
+                        rank=r,
+                        world_size=WORLD,
+                        step=20,
+                        ts=at(t + r),
+                        seconds=1.0,
+                        files_by_tier={"memory": 1, tier: 1},
+                    )
+                    for r, n in NODE_OF.items()
+                    if n == node
+                ],
+            )
+    session.execute(
+        update(Job).where(Job.job_id == JOB).values(first_seen=utcnow() - timedelta(hours=1))
+    )
     session.commit()
     tiers = job_json(client, viewer)["tiers"]
     memory, peer = tiers["memory"]["advice"], tiers["peer"]["advice"]
     assert memory["mtbf_source"] == "observed"
     assert 3500 / 3 < memory["mtbf_s"] <= 3600 / 3  # last report, minus first_seen
     blocking = statistics.median(BLOCKING.values())
-    expected = advise("memory", cost_s=blocking, commit_s=memory["commit_s"], gpus=WORLD,
-                      mtbf_s=memory["mtbf_s"])
+    expected = advise(
+        "memory", cost_s=blocking, commit_s=memory["commit_s"], gpus=WORLD, mtbf_s=memory["mtbf_s"]
+    )
     assert memory["recommended_s"] == expected.recommended_s
     assert peer["mtbf_source"] == "llama3_table"
     assert peer["mtbf_s"] == advise("peer", cost_s=0, commit_s=0, gpus=WORLD).mtbf_s

@@ -20,12 +20,33 @@ def at(seconds: float = 0.0) -> str:
 def good_batch(seq: int) -> ReportBatch:
     ts = utcnow() - timedelta(minutes=5)
     return ReportBatch(
-        node="n1", epoch="e1", seq=seq, sent_at=utcnow(),
-        progress=[JobProgress(job_id=JOB, rank=0, world_size=2, step=12, step_time_s=1.0,
-                              ts=ts, layout=["n1", "n1"])],
+        node="n1",
+        epoch="e1",
+        seq=seq,
+        sent_at=utcnow(),
+        progress=[
+            JobProgress(
+                job_id=JOB,
+                rank=0,
+                world_size=2,
+                step=12,
+                step_time_s=1.0,
+                ts=ts,
+                layout=["n1", "n1"],
+            )
+        ],
         checkpoint_events=[
-            CheckpointEvent(job_id=JOB, step=10, tier="memory", kind="committed", rank=r,
-                            world_size=2, ts=ts, bytes=100, seconds=0.5)
+            CheckpointEvent(
+                job_id=JOB,
+                step=10,
+                tier="memory",
+                kind="committed",
+                rank=r,
+                world_size=2,
+                ts=ts,
+                bytes=100,
+                seconds=0.5,
+            )
             for r in (0, 1)
         ],
     )
@@ -41,8 +62,17 @@ def stored(client, make_token):
 
 
 def event(**over) -> dict:
-    body = {"job_id": JOB, "step": 13, "tier": "memory", "kind": "committed", "rank": 0,
-            "world_size": 2, "ts": at(1), "bytes": 100, "seconds": 0.5}
+    body = {
+        "job_id": JOB,
+        "step": 13,
+        "tier": "memory",
+        "kind": "committed",
+        "rank": 0,
+        "world_size": 2,
+        "ts": at(1),
+        "bytes": 100,
+        "seconds": 0.5,
+    }
     return {**body, **over}
 
 
@@ -63,30 +93,52 @@ BAD = [
     ("bad job id", {"checkpoint_events": [event(job_id="../etc")]}, "checkpoint_events.0.job_id"),
     ("rank >= world_size", {"checkpoint_events": [event(rank=2)]}, "checkpoint_events.0.rank"),
     ("negative bytes", {"checkpoint_events": [event(bytes=-5)]}, "checkpoint_events.0.bytes"),
-    ("NaN seconds", {"checkpoint_events": [event(seconds="NaN")]},
-     "checkpoint_events.0.seconds"),
-    ("NUL in message", {"checkpoint_events": [event(message="a\x00b")]},
-     "checkpoint_events.0.message"),
-    ("future time", {"checkpoint_events": [event(ts=(utcnow() + timedelta(days=1)).isoformat())]},
-     "checkpoint_events.0.ts"),
+    ("NaN seconds", {"checkpoint_events": [event(seconds="NaN")]}, "checkpoint_events.0.seconds"),
+    (
+        "NUL in message",
+        {"checkpoint_events": [event(message="a\x00b")]},
+        "checkpoint_events.0.message",
+    ),
+    (
+        "future time",
+        {"checkpoint_events": [event(ts=(utcnow() + timedelta(days=1)).isoformat())]},
+        "checkpoint_events.0.ts",
+    ),
     ("unknown field", {"checkpoint_events": [event(extra=1)]}, "checkpoint_events.0.extra"),
     ("progress rank >= world_size", {"progress": [progress(rank=5)]}, "progress.0.rank"),
     ("layout of the wrong length", {"progress": [progress(layout=["n1"])]}, "progress.0.layout"),
-    ("bad node in layout", {"progress": [progress(layout=["n1", "bad node"])]},
-     "progress.0.layout.1"),
-    ("progress before 2000", {"progress": [progress(ts="1999-12-31T00:00:00Z")]},
-     "progress.0.ts"),
+    (
+        "bad node in layout",
+        {"progress": [progress(layout=["n1", "bad node"])]},
+        "progress.0.layout.1",
+    ),
+    ("progress before 2000", {"progress": [progress(ts="1999-12-31T00:00:00Z")]}, "progress.0.ts"),
     ("restore rank >= world_size", {"restores": [restore(rank=2)]}, "restores.0.rank"),
-    ("steps_lost beyond BIGINT", {"restores": [restore(steps_lost=2**63)]},
-     "restores.0.steps_lost"),
-    ("unknown tier in files_by_tier", {"restores": [restore(files_by_tier={"disk": 1})]},
-     "restores.0.files_by_tier.disk.[key]"),
-    ("file count beyond BIGINT", {"restores": [restore(files_by_tier={"peer": 2**63})]},
-     "restores.0.files_by_tier.peer"),
-    ("NUL in a restore source", {"restores": [restore(sources={"f": "peer:\x00"})]},
-     "restores.0.sources.f"),
-    ("restore without seconds", {"restores": [{k: v for k, v in restore().items()
-                                               if k != "seconds"}]}, "restores.0.seconds"),
+    (
+        "steps_lost beyond BIGINT",
+        {"restores": [restore(steps_lost=2**63)]},
+        "restores.0.steps_lost",
+    ),
+    (
+        "unknown tier in files_by_tier",
+        {"restores": [restore(files_by_tier={"disk": 1})]},
+        "restores.0.files_by_tier.disk.[key]",
+    ),
+    (
+        "file count beyond BIGINT",
+        {"restores": [restore(files_by_tier={"peer": 2**63})]},
+        "restores.0.files_by_tier.peer",
+    ),
+    (
+        "NUL in a restore source",
+        {"restores": [restore(sources={"f": "peer:\x00"})]},
+        "restores.0.sources.f",
+    ),
+    (
+        "restore without seconds",
+        {"restores": [{k: v for k, v in restore().items() if k != "seconds"}]},
+        "restores.0.seconds",
+    ),
 ]
 
 
@@ -129,8 +181,11 @@ def test_history_range_is_checked(client, stored):
     r = client.get(url, params={"since": at(10), "until": at(0)}, headers=auth(viewer))
     assert r.status_code == 422
     assert "since must not be after until" in r.json()["detail"]
-    r = client.get(url, params={"since": "2026-01-01T00:00:00Z", "until": "2026-03-01T00:00:00Z"},
-                   headers=auth(viewer))
+    r = client.get(
+        url,
+        params={"since": "2026-01-01T00:00:00Z", "until": "2026-03-01T00:00:00Z"},
+        headers=auth(viewer),
+    )
     assert r.status_code == 422
     assert "31 days" in r.json()["detail"]
     r = client.get(url, params={"since": "yesterday"}, headers=auth(viewer))

@@ -36,8 +36,15 @@ def test_completeness(world_size, ranks, whole, expected):
 
 @pytest.mark.parametrize(
     ("training", "newest", "expected"),
-    [(35, 20, 15), (35, 35, 0), (35, None, 36), (0, None, 1), (10, 12, 0), (None, 5, None),
-     (None, None, None)],
+    [
+        (35, 20, 15),
+        (35, 35, 0),
+        (35, None, 36),
+        (0, None, 1),
+        (10, 12, 0),
+        (None, 5, None),
+        (None, None, None),
+    ],
 )
 def test_lag_steps(training, newest, expected):
     assert lag_steps(training, newest) == expected
@@ -112,21 +119,33 @@ from tierwatch.server.checkpoints.ledger import (  # noqa: E402
 )
 
 
-@pytest.mark.parametrize(("restores", "classes"), [
-    ([], []),
-    # one restart: four ranks within seconds, all from memory
-    ([(0, {"memory": 2}), (1, {"memory": 2}), (2, {"memory": 1, "peer": 0}),
-      (3, {"memory": 2})], ["process"]),
-    # a rank that needed a peer replica makes the incident a node failure
-    ([(0, {"memory": 2}), (2, {"memory": 1, "peer": 1})], ["node"]),
-    # persistent wins over everything in its incident
-    ([(0, {"peer": 3}), (5, {"persistent": 3})], ["rack"]),
-    # incidents further apart than the window are separate, in time order
-    ([(1000, {"memory": 1}), (0, {"persistent": 1}), (500, {"peer": 1})],
-     ["rack", "node", "process"]),
-    # a restore that read nothing counts as process (the step was all local)
-    ([(0, {})], ["process"]),
-])
+@pytest.mark.parametrize(
+    ("restores", "classes"),
+    [
+        ([], []),
+        # one restart: four ranks within seconds, all from memory
+        (
+            [
+                (0, {"memory": 2}),
+                (1, {"memory": 2}),
+                (2, {"memory": 1, "peer": 0}),
+                (3, {"memory": 2}),
+            ],
+            ["process"],
+        ),
+        # a rank that needed a peer replica makes the incident a node failure
+        ([(0, {"memory": 2}), (2, {"memory": 1, "peer": 1})], ["node"]),
+        # persistent wins over everything in its incident
+        ([(0, {"peer": 3}), (5, {"persistent": 3})], ["rack"]),
+        # incidents further apart than the window are separate, in time order
+        (
+            [(1000, {"memory": 1}), (0, {"persistent": 1}), (500, {"peer": 1})],
+            ["rack", "node", "process"],
+        ),
+        # a restore that read nothing counts as process (the step was all local)
+        ([(0, {})], ["process"]),
+    ],
+)
 def test_failure_incidents(restores, classes) -> None:
     assert failure_incidents(restores) == classes
 

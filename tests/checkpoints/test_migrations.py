@@ -12,8 +12,12 @@ from tierwatch.server.fleet import models as _fleet_models  # noqa: F401
 from tierwatch.server.migrate import alembic_config, upgrade
 
 CHECKPOINT_TABLES = {
-    "jobs", "checkpoint_ledger", "checkpoint_rank_commits", "checkpoint_events",
-    "job_progress", "job_restores",
+    "jobs",
+    "checkpoint_ledger",
+    "checkpoint_rank_commits",
+    "checkpoint_events",
+    "job_progress",
+    "job_restores",
 }
 
 

@@ -17,15 +17,29 @@ def test_prune_keeps_the_newest_committed_step(client, make_token, session):
     ts = utcnow() - timedelta(hours=2)
     for seq, step in enumerate((10, 20), start=1):
         batch = ReportBatch(
-            node="n1", epoch="e1", seq=seq, sent_at=utcnow(),
+            node="n1",
+            epoch="e1",
+            seq=seq,
+            sent_at=utcnow(),
             progress=[JobProgress(job_id="j", rank=0, world_size=1, step=step, ts=ts)],
-            checkpoint_events=[CheckpointEvent(job_id="j", step=step, tier="memory",
-                                               kind="committed", rank=0, world_size=1, ts=ts)],
+            checkpoint_events=[
+                CheckpointEvent(
+                    job_id="j",
+                    step=step,
+                    tier="memory",
+                    kind="committed",
+                    rank=0,
+                    world_size=1,
+                    ts=ts,
+                )
+            ],
         )
         assert post_batch(client, agent, batch).status_code == 200
     # both ledger rows were written "now"; prune as if a day had passed
     deleted = fleet_service.prune(
-        session, now=utcnow() + timedelta(days=1), sample_retention_s=3600,
+        session,
+        now=utcnow() + timedelta(days=1),
+        sample_retention_s=3600,
         event_retention_s=3600,
     )
     assert deleted["job_progress"] == 2

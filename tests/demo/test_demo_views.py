@@ -33,8 +33,14 @@ REPORT: dict[str, Any] = {
     "duration_s": 123.4,
     "effective_training_time": 0.9312,
     "baseline_persistent_only": 0.6123,
-    "baseline": {"interval_s": 60.0, "checkpoint_s": 4.0, "restart_s": 8.0, "restore_s": 6.0,
-                 "mtbf_s": 30.0, "formula": "1 - δ/τ - (τ/2 + R)/M"},
+    "baseline": {
+        "interval_s": 60.0,
+        "checkpoint_s": 4.0,
+        "restart_s": 8.0,
+        "restore_s": 6.0,
+        "mtbf_s": 30.0,
+        "formula": "1 - δ/τ - (τ/2 + R)/M",
+    },
     "loss_start": 10.8123,
     "loss_end": 3.2071,
     "steps": {"final": 812, "useful": 790, "lost": 22},
@@ -43,18 +49,44 @@ REPORT: dict[str, Any] = {
     "loss_curve": [[0, 10.8123], [100, 6.5], [200, 4.25], [812, 3.2071]],
     "nodes": {"in_use": ["sim-1", "sim-3"], "spare": [], "isolated": ["sim-2"]},
     "failures": [
-        {"at_s": 31.5, "component": "gpu", "category": "xid", "failure_class": "node",
-         "node": "sim-2", "rank": 1, "injected": "XID 79 on GPU 0",
-         "detected_after_s": 1.75, "isolated": True, "replaced_by": "sim-3",
-         "restored_step": 290, "restore_tier": "peer",
-         "rank_tiers": {"0": "memory", "1": "peer"}, "steps_lost": 12, "downtime_s": 9.5,
-         "recovered": True, "note": None},
-        {"at_s": 77.0, "component": "trainer", "category": "crash",
-         "failure_class": "process", "node": "sim-1", "rank": 0,
-         "injected": "SIGKILL rank 0", "detected_after_s": None, "isolated": False,
-         "replaced_by": None, "restored_step": None, "restore_tier": None,
-         "rank_tiers": {}, "steps_lost": None, "downtime_s": None, "recovered": False,
-         "note": "still down"},
+        {
+            "at_s": 31.5,
+            "component": "gpu",
+            "category": "xid",
+            "failure_class": "node",
+            "node": "sim-2",
+            "rank": 1,
+            "injected": "XID 79 on GPU 0",
+            "detected_after_s": 1.75,
+            "isolated": True,
+            "replaced_by": "sim-3",
+            "restored_step": 290,
+            "restore_tier": "peer",
+            "rank_tiers": {"0": "memory", "1": "peer"},
+            "steps_lost": 12,
+            "downtime_s": 9.5,
+            "recovered": True,
+            "note": None,
+        },
+        {
+            "at_s": 77.0,
+            "component": "trainer",
+            "category": "crash",
+            "failure_class": "process",
+            "node": "sim-1",
+            "rank": 0,
+            "injected": "SIGKILL rank 0",
+            "detected_after_s": None,
+            "isolated": False,
+            "replaced_by": None,
+            "restored_step": None,
+            "restore_tier": None,
+            "rank_tiers": {},
+            "steps_lost": None,
+            "downtime_s": None,
+            "recovered": False,
+            "note": "still down",
+        },
     ],
     "future_field": {"added": "by a newer demo"},
 }
@@ -207,16 +239,20 @@ def test_running_report_shows_the_numbers_and_polls(viewer, report_file):
     assert 'data-status="running"' in html
     assert POLL.search(html), "a running report must refresh every 5 s"
     assert "data-stale" not in html
-    facts = dict(re.findall(r'<div class="demo-big[^"]*" data-fact="(\w+)">.*?<b>([^<]*)</b>',
-                            html, re.S))
+    facts = dict(
+        re.findall(r'<div class="demo-big[^"]*" data-fact="(\w+)">.*?<b>([^<]*)</b>', html, re.S)
+    )
     assert facts == {"effective_training_time": "93.1 %", "baseline_persistent_only": "61.2 %"}
     assert re.search(r'data-fact="duration_s">2\.1 min<', html)
     assert re.search(r'data-fact="loss">10\.812 → 3\.207<', html)
     assert re.search(r'data-fact="steps">812 · 790 · 22<', html)
     assert re.findall(r'<span class="badge" data-tier="(\w+)"', html) == ["memory", "peer"]
     costs = dict(re.findall(r'<tr data-cost="(\w+)"><td>\w+</td><td>([^<]*)</td>', html))
-    assert costs == {"persistent_write_s": "3.25 s", "restart_s": "2.50 s",
-                     "save_stall_s": "0.01 s"}
+    assert costs == {
+        "persistent_write_s": "3.25 s",
+        "restart_s": "2.50 s",
+        "save_stall_s": "0.01 s",
+    }
     assert "1 - δ/τ - (τ/2 + R)/M" in html
 
 
@@ -225,13 +261,28 @@ def test_failure_table_has_a_row_per_failure(viewer, report_file):
     html = viewer.get("/demo").text
     rows = re.findall(r'<tr data-failure="(\d+)" data-class="(\w+)" data-recovered="(\w+)"', html)
     assert rows == [("0", "node", "true"), ("1", "process", "false")]
-    first = html[html.index('<tr data-failure="0"'):html.index('<tr data-failure="1"')]
-    cells = [re.sub(r"<[^>]+>", "", c).strip()
-             for c in re.findall(r"<td[^>]*>(.*?)</td>", first, re.S)]
-    assert cells == ["31.5 s", "gpu xid", "node", "sim-2", "1", "XID 79 on GPU 0", "1.75 s",
-                     "isolated → sim-3", "290", "peer (mixed)", "12", "9.50 s", "yes", ""]
-    second = html[html.index('<tr data-failure="1"'):]
-    second = second[:second.index("</tr>")]
+    first = html[html.index('<tr data-failure="0"') : html.index('<tr data-failure="1"')]
+    cells = [
+        re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", first, re.S)
+    ]
+    assert cells == [
+        "31.5 s",
+        "gpu xid",
+        "node",
+        "sim-2",
+        "1",
+        "XID 79 on GPU 0",
+        "1.75 s",
+        "isolated → sim-3",
+        "290",
+        "peer (mixed)",
+        "12",
+        "9.50 s",
+        "yes",
+        "",
+    ]
+    second = html[html.index('<tr data-failure="1"') :]
+    second = second[: second.index("</tr>")]
     assert "not detected" in second
     assert "still down" in second
     assert 'data-fact="failures">2 <span class="bad">(1 not recovered)' in html
@@ -274,8 +325,9 @@ def test_running_report_not_rewritten_for_a_while_is_flagged(viewer, report_file
 def test_loss_curve_is_embedded_for_the_chart(viewer, report_file):
     write(report_file, REPORT)
     html = viewer.get("/demo").text
-    data = re.search(r'<script type="application/json" id="demo-loss-data">(.*?)</script>',
-                     html, re.S)
+    data = re.search(
+        r'<script type="application/json" id="demo-loss-data">(.*?)</script>', html, re.S
+    )
     assert data, "the live block must carry the chart's points"
     assert json.loads(data.group(1)) == REPORT["loss_curve"]
     assert 'id="loss-chart"' in html
@@ -335,8 +387,7 @@ def test_api_needs_a_viewer(client, make_token, report_file):
     r = client.get("/api/v1/demo/report", headers=auth(make_token("agent", "n1")))
     assert r.status_code == 403
     for role in ("operator", "admin"):
-        assert client.get("/api/v1/demo/report",
-                          headers=auth(make_token(role))).status_code == 200
+        assert client.get("/api/v1/demo/report", headers=auth(make_token(role))).status_code == 200
 
 
 def test_api_is_in_the_openapi_schema(client):
@@ -360,8 +411,20 @@ def test_read_report_errors(tmp_path):
 
 
 def test_optional_fields_may_be_left_out(tmp_path):
-    minimal = {k: REPORT[k] for k in ("version", "status", "seed", "mtbf_s", "seconds",
-                                      "started_at", "updated_at", "duration_s", "steps")}
+    minimal = {
+        k: REPORT[k]
+        for k in (
+            "version",
+            "status",
+            "seed",
+            "mtbf_s",
+            "seconds",
+            "started_at",
+            "updated_at",
+            "duration_s",
+            "steps",
+        )
+    }
     path = tmp_path / "r.json"
     write(path, minimal)
     report = read_report(path)

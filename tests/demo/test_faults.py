@@ -22,19 +22,32 @@ def test_table_is_the_llama3_mix():
     assert {r.failure_class for r in rows} == set(faults.FAILURE_CLASSES)
 
 
-@pytest.mark.parametrize(("seconds", "mtbf", "n"), [(180, 60, 3), (60, 60, 1), (59, 60, 0),
-                                                     (300, 45, 6)])
+@pytest.mark.parametrize(
+    ("seconds", "mtbf", "n"), [(180, 60, 3), (60, 60, 1), (59, 60, 0), (300, 45, 6)]
+)
 def test_a_run_of_a_given_length_gets_seconds_over_mtbf_failures(seconds, mtbf, n):
     for seed in range(20):
-        got = list(faults.schedule(catalog(), seconds=seconds, mtbf_s=mtbf, seed=seed,
-                                   world_size=4, warmup_s=15, tail_s=25))
+        got = list(
+            faults.schedule(
+                catalog(),
+                seconds=seconds,
+                mtbf_s=mtbf,
+                seed=seed,
+                world_size=4,
+                warmup_s=15,
+                tail_s=25,
+            )
+        )
         assert len(got) == n
 
 
 def test_each_failure_lands_in_its_own_slot_after_warmup_and_before_the_tail():
     for seed in range(50):
-        got = list(faults.schedule(catalog(), seconds=180, mtbf_s=60, seed=seed, world_size=4,
-                                   warmup_s=15, tail_s=25))
+        got = list(
+            faults.schedule(
+                catalog(), seconds=180, mtbf_s=60, seed=seed, world_size=4, warmup_s=15, tail_s=25
+            )
+        )
         slot = (180 - 25 - 15) / 3
         for f in got:
             assert 15 + slot * f.index <= f.at_s < 15 + slot * (f.index + 1)
@@ -44,9 +57,12 @@ def test_each_failure_lands_in_its_own_slot_after_warmup_and_before_the_tail():
 
 def test_same_seed_replays_and_another_seed_differs():
     def run(seed):
-        return [(f.at_s, f.kind.component, f.rank) for f in faults.schedule(
-            catalog(), seconds=600, mtbf_s=60, seed=seed, world_size=4, warmup_s=15,
-            tail_s=25)]
+        return [
+            (f.at_s, f.kind.component, f.rank)
+            for f in faults.schedule(
+                catalog(), seconds=600, mtbf_s=60, seed=seed, world_size=4, warmup_s=15, tail_s=25
+            )
+        ]
 
     assert run(7) == run(7)
     assert run(7) != run(8)
@@ -55,8 +71,9 @@ def test_same_seed_replays_and_another_seed_differs():
 def test_draw_follows_the_interruption_counts():
     counts = Counter()
     for seed in range(200):
-        for f in faults.schedule(catalog(), seconds=1500, mtbf_s=60, seed=seed, world_size=4,
-                                 warmup_s=0, tail_s=0):
+        for f in faults.schedule(
+            catalog(), seconds=1500, mtbf_s=60, seed=seed, world_size=4, warmup_s=0, tail_s=0
+        ):
             counts[f.kind.component] += 1
     total = sum(counts.values())
     share = counts["Faulty GPU"] / total
@@ -65,27 +82,32 @@ def test_draw_follows_the_interruption_counts():
 
 
 def test_endless_schedule_for_a_run_until_ctrl_c():
-    it = faults.schedule(catalog(), seconds=0, mtbf_s=30, seed=1, world_size=4, warmup_s=10,
-                         tail_s=25)
+    it = faults.schedule(
+        catalog(), seconds=0, mtbf_s=30, seed=1, world_size=4, warmup_s=10, tail_s=25
+    )
     first = [next(it) for _ in range(5)]
     for f in first:
         assert 10 + 30 * f.index <= f.at_s < 10 + 30 * (f.index + 1)
 
 
-@pytest.mark.parametrize(("component", "category", "klass", "action", "fault"), [
-    ("Faulty GPU", "GPU", "node", "gpu", "xid"),
-    ("GPU HBM3 Memory", "GPU", "node", "gpu", "ecc-dbe"),
-    ("GPU Thermal Interface + Sensor", "GPU", "node", "gpu", "temp"),
-    ("Some new GPU part", "GPU", "node", "gpu", "xid"),
-    ("Host Maintenance", "Unplanned Maintenance", "node", "host", None),
-    ("NIC", "Host", "node", "host", None),
-    ("Software Bug", "Dependency", "process", "process", None),
-    ("NCCL Watchdog Timeouts", "Unknown", "process", "process", None),
-    ("Network Switch/Cable", "Network", "rack", "network", None),
-    ("Silent Data Corruption", "GPU", "rollback", "sdc", None),
-])
-def test_every_kind_of_failure_is_made_real_by_its_effect(component, category, klass, action,
-                                                          fault):
+@pytest.mark.parametrize(
+    ("component", "category", "klass", "action", "fault"),
+    [
+        ("Faulty GPU", "GPU", "node", "gpu", "xid"),
+        ("GPU HBM3 Memory", "GPU", "node", "gpu", "ecc-dbe"),
+        ("GPU Thermal Interface + Sensor", "GPU", "node", "gpu", "temp"),
+        ("Some new GPU part", "GPU", "node", "gpu", "xid"),
+        ("Host Maintenance", "Unplanned Maintenance", "node", "host", None),
+        ("NIC", "Host", "node", "host", None),
+        ("Software Bug", "Dependency", "process", "process", None),
+        ("NCCL Watchdog Timeouts", "Unknown", "process", "process", None),
+        ("Network Switch/Cable", "Network", "rack", "network", None),
+        ("Silent Data Corruption", "GPU", "rollback", "sdc", None),
+    ],
+)
+def test_every_kind_of_failure_is_made_real_by_its_effect(
+    component, category, klass, action, fault
+):
     e = faults.effect_of(faults.FailureKind(component, category, 1, klass))
     assert (e.action, e.fault) == (action, fault)
     assert e.describe()
@@ -96,8 +118,12 @@ ROW_EFFECTS = {
     "Faulty GPU": ("gpu", "xid", 79, "XID 79 + rank killed"),
     "GPU HBM3 Memory": ("gpu", "ecc-dbe", None, "uncorrectable ECC error (XID 48) + rank killed"),
     "Software Bug": ("process", None, None, "rank killed"),
-    "Network Switch/Cable": ("network", None, None,
-                             "rank killed + the node's peer replicas dropped"),
+    "Network Switch/Cable": (
+        "network",
+        None,
+        None,
+        "rank killed + the node's peer replicas dropped",
+    ),
     "Host Maintenance": ("host", None, None, "agent killed + memory tier wiped + rank killed"),
     "GPU SRAM Memory": ("gpu", "xid", 95, "XID 95 + rank killed"),
     "GPU System Processor": ("gpu", "xid", 119, "XID 119 + rank killed"),
@@ -123,17 +149,28 @@ def test_every_row_of_the_table_has_an_effect():
         assert (e.action, e.fault, e.value, e.describe()) == ROW_EFFECTS[row.component], row
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("component,category,percent,failure_class\nA,GPU,1,node\n", "missing column(s) interrupt"),
-    ("component,category,interruptions,percent,failure_class\nA,GPU,x,1,node\n",
-     "line 2: interruptions must be a whole number"),
-    ("component,category,interruptions,percent,failure_class\nA,GPU,-3,1,node\n",
-     "line 2: interruptions must be a whole number"),
-    ("component,category,interruptions,percent,failure_class\nA,GPU,3,1,cosmic\n",
-     "failure_class 'cosmic' is not one of"),
-    ("component,category,interruptions,percent,failure_class\nA,GPU,0,1,node\n",
-     "no row has any interruptions"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("component,category,percent,failure_class\nA,GPU,1,node\n", "missing column(s) interrupt"),
+        (
+            "component,category,interruptions,percent,failure_class\nA,GPU,x,1,node\n",
+            "line 2: interruptions must be a whole number",
+        ),
+        (
+            "component,category,interruptions,percent,failure_class\nA,GPU,-3,1,node\n",
+            "line 2: interruptions must be a whole number",
+        ),
+        (
+            "component,category,interruptions,percent,failure_class\nA,GPU,3,1,cosmic\n",
+            "failure_class 'cosmic' is not one of",
+        ),
+        (
+            "component,category,interruptions,percent,failure_class\nA,GPU,0,1,node\n",
+            "no row has any interruptions",
+        ),
+    ],
+)
 def test_bad_table_is_refused_with_what_to_fix(tmp_path, text, message):
     path = tmp_path / "t.csv"
     path.write_text(text)
@@ -146,14 +183,24 @@ def test_missing_table_names_the_file(tmp_path):
         faults.load_catalog(tmp_path / "nope.csv")
 
 
-@pytest.mark.parametrize(("kw", "message"), [
-    ({"mtbf_s": 0}, "DEMO_MTBF must be > 0"),
-    ({"seconds": -1}, "DEMO_SECONDS must be ≥ 0"),
-    ({"world_size": 0}, "world_size must be ≥ 1"),
-    ({"seconds": 40, "mtbf_s": 20}, "leaves no time"),
-])
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"mtbf_s": 0}, "DEMO_MTBF must be > 0"),
+        ({"seconds": -1}, "DEMO_SECONDS must be ≥ 0"),
+        ({"world_size": 0}, "world_size must be ≥ 1"),
+        ({"seconds": 40, "mtbf_s": 20}, "leaves no time"),
+    ],
+)
 def test_bad_run_parameters_are_refused(kw, message):
-    args = {"seconds": 180, "mtbf_s": 60, "seed": 1, "world_size": 4, "warmup_s": 15,
-            "tail_s": 25, **kw}
+    args = {
+        "seconds": 180,
+        "mtbf_s": 60,
+        "seed": 1,
+        "world_size": 4,
+        "warmup_s": 15,
+        "tail_s": 25,
+        **kw,
+    }
     with pytest.raises(ValueError, match=message):
         list(faults.schedule(catalog(), **args))

@@ -14,8 +14,9 @@ def test_nvml_with_gpus_is_detected():
 
 
 def test_no_driver_means_simulated():
-    assert nvml_gpus(make_fake_pynvml([FakeGpu(index=0)],
-                                      init_error="NVMLError_DriverNotLoaded")) == 0
+    assert (
+        nvml_gpus(make_fake_pynvml([FakeGpu(index=0)], init_error="NVMLError_DriverNotLoaded")) == 0
+    )
     assert nvml_gpus(make_fake_pynvml([])) == 0
 
 

@@ -49,8 +49,9 @@ def test_baseline_without_failures_pays_only_its_checkpoints():
 def test_a_failure_loses_the_work_since_the_last_checkpoint_and_its_downtime():
     # τ = √(2·2·100) = 20 s, δ = 2 s: checkpoints end at 22, 44, 66 …; a failure at 60
     # loses 60 − 44 = 16 s of work and is down 10 s.
-    frac, _ = report.persistent_only([BaselineFailure(60.0, 10.0)], wall_s=100,
-                                     checkpoint_s=2.0, mtbf_s=100)
+    frac, _ = report.persistent_only(
+        [BaselineFailure(60.0, 10.0)], wall_s=100, checkpoint_s=2.0, mtbf_s=100
+    )
     # work: 0–20, 22–42 committed (40); 44–60 lost; down 60–70; then 70–90, ckpt 90–92,
     # 92–100 (8): 40 + 20 + 8 = 68
     assert frac == pytest.approx(0.68)
@@ -59,31 +60,35 @@ def test_a_failure_loses_the_work_since_the_last_checkpoint_and_its_downtime():
 def test_a_failure_during_a_checkpoint_loses_that_checkpoint():
     # the second checkpoint (42–44) is cut at 43: only the first (work 20) counts, then
     # 43–50 is new work
-    frac, _ = report.persistent_only([BaselineFailure(43.0, 0.0)], wall_s=50.0,
-                                     checkpoint_s=2.0, mtbf_s=100)
+    frac, _ = report.persistent_only(
+        [BaselineFailure(43.0, 0.0)], wall_s=50.0, checkpoint_s=2.0, mtbf_s=100
+    )
     assert frac == pytest.approx((20 + 7) / 50)
 
 
 def test_a_failure_while_down_extends_the_outage():
-    one, _ = report.persistent_only([BaselineFailure(30, 10)], wall_s=100, checkpoint_s=2,
-                                    mtbf_s=100)
-    two, _ = report.persistent_only([BaselineFailure(30, 10), BaselineFailure(35, 10)],
-                                    wall_s=100, checkpoint_s=2, mtbf_s=100)
+    one, _ = report.persistent_only(
+        [BaselineFailure(30, 10)], wall_s=100, checkpoint_s=2, mtbf_s=100
+    )
+    two, _ = report.persistent_only(
+        [BaselineFailure(30, 10), BaselineFailure(35, 10)], wall_s=100, checkpoint_s=2, mtbf_s=100
+    )
     assert two < one
 
 
 def test_the_compute_share_scales_the_baseline():
     full, _ = report.persistent_only([], wall_s=100, checkpoint_s=1, mtbf_s=50)
-    part, _ = report.persistent_only([], wall_s=100, checkpoint_s=1, mtbf_s=50,
-                                     compute_share=0.8)
+    part, _ = report.persistent_only([], wall_s=100, checkpoint_s=1, mtbf_s=50, compute_share=0.8)
     assert part == pytest.approx(0.8 * full)
 
 
 def test_compute_share_ignores_saves_and_restarts():
-    log = [{"step": 0, "t": 0.0, "compute_s": 0.4, "save_s": 0.0},
-           {"step": 1, "t": 1.0, "compute_s": 0.4, "save_s": 0.5},  # Δt 1, save 0.5
-           {"step": 2, "t": 1.5, "compute_s": 0.4, "save_s": 0.0},  # Δt 0.5
-           {"step": 1, "t": 30.0, "compute_s": 0.4, "save_s": 0.0}]  # a restart: skipped
+    log = [
+        {"step": 0, "t": 0.0, "compute_s": 0.4, "save_s": 0.0},
+        {"step": 1, "t": 1.0, "compute_s": 0.4, "save_s": 0.5},  # Δt 1, save 0.5
+        {"step": 2, "t": 1.5, "compute_s": 0.4, "save_s": 0.0},  # Δt 0.5
+        {"step": 1, "t": 30.0, "compute_s": 0.4, "save_s": 0.0},
+    ]  # a restart: skipped
     assert report.compute_share(log) == pytest.approx(0.8 / 1.0)
     assert report.compute_share([]) == 1.0
 

@@ -9,17 +9,20 @@ import pytest
 from demo import run
 
 
-@pytest.mark.parametrize(("env", "argv", "message"), [
-    ({"DEMO_SECONDS": "three"}, [], "DEMO_SECONDS='three' is not a number"),
-    ({"DEMO_SEED": "1.5"}, [], "DEMO_SEED='1.5' is not a whole number"),
-    ({"DEMO_MTBF": "0"}, [], "DEMO_MTBF / --mtbf must be > 0"),
-    ({"DEMO_SECONDS": "-5"}, [], "DEMO_SECONDS / --seconds must be ≥ 0"),
-    ({"DEMO_SECONDS": "30", "DEMO_MTBF": "20"}, [], "leaves no room for 1 failure"),
-    ({}, ["--failure", "Cosmic Rays"], "unknown component(s) 'Cosmic Rays'"),
-    ({"DEMO_MTBF": "nan"}, [], "DEMO_MTBF='nan' is not a number"),
-    ({"DEMO_SECONDS": "inf"}, [], "DEMO_SECONDS='inf' is not a number"),
-    ({}, ["--seconds", "inf"], "must be finite numbers"),
-])
+@pytest.mark.parametrize(
+    ("env", "argv", "message"),
+    [
+        ({"DEMO_SECONDS": "three"}, [], "DEMO_SECONDS='three' is not a number"),
+        ({"DEMO_SEED": "1.5"}, [], "DEMO_SEED='1.5' is not a whole number"),
+        ({"DEMO_MTBF": "0"}, [], "DEMO_MTBF / --mtbf must be > 0"),
+        ({"DEMO_SECONDS": "-5"}, [], "DEMO_SECONDS / --seconds must be ≥ 0"),
+        ({"DEMO_SECONDS": "30", "DEMO_MTBF": "20"}, [], "leaves no room for 1 failure"),
+        ({}, ["--failure", "Cosmic Rays"], "unknown component(s) 'Cosmic Rays'"),
+        ({"DEMO_MTBF": "nan"}, [], "DEMO_MTBF='nan' is not a number"),
+        ({"DEMO_SECONDS": "inf"}, [], "DEMO_SECONDS='inf' is not a number"),
+        ({}, ["--seconds", "inf"], "must be finite numbers"),
+    ],
+)
 def test_bad_input_is_refused_with_what_to_fix(monkeypatch, capsys, env, argv, message):
     for k in ("DEMO_SECONDS", "DEMO_MTBF", "DEMO_SEED"):
         monkeypatch.delenv(k, raising=False)
@@ -52,8 +55,16 @@ def test_a_busy_port_is_named_and_nothing_starts(tmp_path, capsys):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        code = run.main(["--port", str(port), "--var-dir", str(tmp_path / "v"),
-                         "--report", str(tmp_path / "r.json")])
+        code = run.main(
+            [
+                "--port",
+                str(port),
+                "--var-dir",
+                str(tmp_path / "v"),
+                "--report",
+                str(tmp_path / "r.json"),
+            ]
+        )
     assert code == 2
     assert f"[{port}]" in capsys.readouterr().err
     assert not (tmp_path / "v").exists()

@@ -49,8 +49,9 @@ COMPOSE_ENV = {
 def help_text(argv: tuple[str, ...]) -> tuple[int, str]:
     """``argv + ("--help",)``: exit code and output (wide, so no option name is cut)."""
     env = dict(os.environ, COLUMNS="250", NO_COLOR="1", TERM="dumb")
-    proc = subprocess.run([*argv, "--help"], capture_output=True, text=True, env=env,
-                          timeout=120, cwd=REPO)
+    proc = subprocess.run(
+        [*argv, "--help"], capture_output=True, text=True, env=env, timeout=120, cwd=REPO
+    )
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -80,10 +81,11 @@ def check_cli(argv: list[str], where: str) -> list[str]:
     if code != 0:
         return [f"{where}: `{' '.join([argv[0], *path[1:]])} --help` exited {code}"]
     known = options_of(text)
-    return [f"{where}: {' '.join([argv[0], *path[1:]])} has no option {opt} "
-            f"(in {shlex.join(argv)})"
-            for opt in (w.split("=", 1)[0] for w in rest if w.startswith("--"))
-            if opt not in known]
+    return [
+        f"{where}: {' '.join([argv[0], *path[1:]])} has no option {opt} (in {shlex.join(argv)})"
+        for opt in (w.split("=", 1)[0] for w in rest if w.startswith("--"))
+        if opt not in known
+    ]
 
 
 def check_python_script(argv: list[str], where: str, workdir: str) -> list[str]:
@@ -97,14 +99,16 @@ def check_python_script(argv: list[str], where: str, workdir: str) -> list[str]:
     inner: list[str] = []
     if "--" in args:  # launch.py ... -- SCRIPT ARGS
         cut = args.index("--")
-        args, inner = args[:cut], args[cut + 1:]
+        args, inner = args[:cut], args[cut + 1 :]
     code, text = help_text((sys.executable, str(local)))
     if code != 0:
         return [f"{where}: `python {rel} --help` exited {code}"]
     known = options_of(text)
-    problems = [f"{where}: {rel} has no option {opt}"
-                for opt in (w.split("=", 1)[0] for w in args if w.startswith("--"))
-                if opt not in known]
+    problems = [
+        f"{where}: {rel} has no option {opt}"
+        for opt in (w.split("=", 1)[0] for w in args if w.startswith("--"))
+        if opt not in known
+    ]
     if inner:
         problems += check_python_script(["python", *inner], where, workdir)
     return problems
@@ -153,8 +157,16 @@ def parse_stages(path: Path = DOCKERFILE) -> dict[str, dict[str, Any]]:
             assert m, f"cannot parse FROM {rest}"
             image = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda g: args[g[1] or g[2]], m[1])
             name = m[2] or f"stage-{len(stages)}"
-            current = {"name": name, "from": image, "copies": [], "runs": [], "user": None,
-                       "cmd": None, "entrypoint": None, "workdir": None}
+            current = {
+                "name": name,
+                "from": image,
+                "copies": [],
+                "runs": [],
+                "user": None,
+                "cmd": None,
+                "entrypoint": None,
+                "workdir": None,
+            }
             stages[name] = current
             continue
         assert current is not None, f"{word} before FROM"
@@ -227,8 +239,7 @@ def shell_invocations(script: Path) -> list[list[str]]:
     return found
 
 
-def check_command(argv: list[str], where: str, scripts: dict[str, Path],
-                  workdir: str) -> list[str]:
+def check_command(argv: list[str], where: str, scripts: dict[str, Path], workdir: str) -> list[str]:
     """A container command is a real entry point: tierwatch-server/-agent with a real
     subcommand and options, ``python examples/...py`` with real options, or a script from the
     repository (whose own tierwatch-* calls are checked the same way)."""
@@ -251,8 +262,10 @@ def check_command(argv: list[str], where: str, scripts: dict[str, Path],
         for call in shell_invocations(script):
             problems += check_cli(call, f"{where} ({script.relative_to(REPO)})")
         return problems
-    return [f"{where}: {argv[0]!r} is neither a tierwatch entry point, python examples/..., "
-            "nor a script the image copies from the repository"]
+    return [
+        f"{where}: {argv[0]!r} is neither a tierwatch entry point, python examples/..., "
+        "nor a script the image copies from the repository"
+    ]
 
 
 def test_dockerfile_stages_copies_and_images():
@@ -260,8 +273,11 @@ def test_dockerfile_stages_copies_and_images():
     names = list(stages)
     for target in IMAGE_TARGETS:
         assert target in stages, f"docker/Dockerfile has no stage {target!r}"
-    ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}
+    ignored = {
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     for i, (name, stage) in enumerate(stages.items()):
         base = stage["from"]
         if base in stages:
@@ -273,14 +289,18 @@ def test_dockerfile_stages_copies_and_images():
         for c in stage["copies"]:
             if c["from"] is not None:
                 assert c["from"] in names[:i], (
-                    f"stage {name}: COPY --from={c['from']} names no earlier stage")
+                    f"stage {name}: COPY --from={c['from']} names no earlier stage"
+                )
                 continue
             for src in c["src"]:
                 assert list(REPO.glob(src)), f"stage {name}: COPY {src}: not in the repository"
                 parts = Path(src).parts
                 for prefix in ("/".join(parts[:i]) for i in range(1, len(parts) + 1)):
-                    hit = [p for p in ignored
-                           if fnmatch.fnmatch(prefix, p.removeprefix("**/").strip("/"))]
+                    hit = [
+                        p
+                        for p in ignored
+                        if fnmatch.fnmatch(prefix, p.removeprefix("**/").strip("/"))
+                    ]
                     assert not hit, f"stage {name}: COPY {src}, but .dockerignore has {hit}"
     assert stages["assets"]["from"].startswith("node:20-slim")
     assert any("npm ci" in r for r in stages["assets"]["runs"])
@@ -351,8 +371,11 @@ def test_dockerfile_target_runs_a_real_entry_point_as_non_root(target):
     workdir = resolved(stages, target, "workdir") or "/"
     problems = []
     for word in entrypoint:  # an entrypoint wrapper must itself come from the repository
-        problems += check_command([word], f"{target} ENTRYPOINT", scripts, workdir) \
-            if word in scripts else [f"{target}: ENTRYPOINT {word} is not from the repository"]
+        problems += (
+            check_command([word], f"{target} ENTRYPOINT", scripts, workdir)
+            if word in scripts
+            else [f"{target}: ENTRYPOINT {word} is not from the repository"]
+        )
     problems += check_command(cmd, f"{target} CMD", scripts, workdir)
     assert not problems, "\n".join(problems)
 
@@ -365,8 +388,11 @@ def compose_bin() -> str:
     found = shutil.which("docker-compose")
     if found:
         return found
-    required = [v for v in ("TIERWATCH_REQUIRE_COMPOSE", "TIERWATCH_REQUIRE_BROWSER")
-                if os.environ.get(v) == "1"]
+    required = [
+        v
+        for v in ("TIERWATCH_REQUIRE_COMPOSE", "TIERWATCH_REQUIRE_BROWSER")
+        if os.environ.get(v) == "1"
+    ]
     why = "docker-compose is not installed (Debian: apt-get install docker-compose)"
     if required:
         pytest.fail(f"{why}, and {required[0]}=1 requires it")
@@ -375,10 +401,14 @@ def compose_bin() -> str:
 
 def run_compose(compose_bin: str, *args: str, env: dict[str, str] | None = None):
     base = {k: v for k, v in os.environ.items() if not k.startswith("TIERWATCH_")}
-    return subprocess.run([compose_bin, "--project-directory", str(REPO), "-f",
-                           str(COMPOSE_FILE), *args], capture_output=True, text=True,
-                          env={**base, **(COMPOSE_ENV if env is None else env)},
-                          timeout=120, cwd=REPO)
+    return subprocess.run(
+        [compose_bin, "--project-directory", str(REPO), "-f", str(COMPOSE_FILE), *args],
+        capture_output=True,
+        text=True,
+        env={**base, **(COMPOSE_ENV if env is None else env)},
+        timeout=120,
+        cwd=REPO,
+    )
 
 
 @functools.cache
@@ -393,8 +423,17 @@ def _config(compose_bin: str, profile: str | None) -> dict[str, Any]:
 def test_compose_config_validates(compose_bin, profile):
     config = _config(compose_bin, profile)
     services = config["services"]
-    for name in ("postgres", "server", "bootstrap", "agent-1", "agent-2", "agent-3",
-                 "trainer-1", "trainer-2", "trainer-3"):
+    for name in (
+        "postgres",
+        "server",
+        "bootstrap",
+        "agent-1",
+        "agent-2",
+        "agent-3",
+        "trainer-1",
+        "trainer-2",
+        "trainer-3",
+    ):
         assert name in services, f"no service {name}"
     assert services["agent-gpu"]["profiles"] == ["gpu"]
     if profile == "gpu":
@@ -462,8 +501,7 @@ def test_compose_wiring(compose_bin):
     assert boot["depends_on"]["server"]["condition"] == "service_healthy"
     token_dir = boot["command"][1]
     boot_nodes = set(boot["command"][2:])
-    token_volume = next(v.split(":")[0] for v in boot["volumes"]
-                        if v.split(":")[1] == token_dir)
+    token_volume = next(v.split(":")[0] for v in boot["volumes"] if v.split(":")[1] == token_dir)
 
     agents = {n: s for n, s in services.items() if n.startswith("agent-") and n != "agent-gpu"}
     assert len(agents) == 3
@@ -518,39 +556,65 @@ def test_entrypoint_reads_secret_files(tmp_path):
     token.write_text("tok-123\n")
     env = dict(os.environ, TIERWATCH_TOKEN_FILE=str(token))
     env.pop("TIERWATCH_TOKEN", None)
-    ok = subprocess.run([str(script), "sh", "-c", 'printf %s "$TIERWATCH_TOKEN"'],
-                        capture_output=True, text=True, env=env, timeout=30)
+    ok = subprocess.run(
+        [str(script), "sh", "-c", 'printf %s "$TIERWATCH_TOKEN"'],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
     assert (ok.returncode, ok.stdout) == (0, "tok-123")
     env["TIERWATCH_TOKEN_FILE"] = str(tmp_path / "missing")
-    bad = subprocess.run([str(script), "true"], capture_output=True, text=True, env=env,
-                         timeout=30)
+    bad = subprocess.run([str(script), "true"], capture_output=True, text=True, env=env, timeout=30)
     assert bad.returncode == 78
     assert "TIERWATCH_TOKEN_FILE" in bad.stderr
 
 
 def test_bootstrap_creates_agent_tokens_once(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERWATCH_")}
-    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
-               TIERWATCH_DATABASE_URL=f"sqlite:///{tmp_path / 'tw.db'}")
-    migrate = subprocess.run([str(BIN / "tierwatch-server"), "migrate"], env=env,
-                             capture_output=True, text=True, timeout=120)
+    env.update(
+        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+        TIERWATCH_DATABASE_URL=f"sqlite:///{tmp_path / 'tw.db'}",
+    )
+    migrate = subprocess.run(
+        [str(BIN / "tierwatch-server"), "migrate"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert migrate.returncode == 0, migrate.stderr
     script = str(REPO / "docker" / "bootstrap-tokens.sh")
     tokens = tmp_path / "tokens"
-    first = subprocess.run([script, str(tokens), "node-1", "node-2"], env=env,
-                           capture_output=True, text=True, timeout=120)
+    first = subprocess.run(
+        [script, str(tokens), "node-1", "node-2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert first.returncode == 0, first.stderr
     made = {p.name: p.read_text().strip() for p in tokens.iterdir()}
     assert set(made) == {"node-1.token", "node-2.token"}
     assert all(made.values())
     assert stat.S_IMODE((tokens / "node-1.token").stat().st_mode) == 0o600
-    again = subprocess.run([script, str(tokens), "node-1", "node-2"], env=env,
-                           capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        [script, str(tokens), "node-1", "node-2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 0
     assert "kept" in again.stderr
     assert {p.name: p.read_text().strip() for p in tokens.iterdir()} == made
-    listed = subprocess.run([str(BIN / "tierwatch-server"), "token", "list"], env=env,
-                            capture_output=True, text=True, timeout=120)
+    listed = subprocess.run(
+        [str(BIN / "tierwatch-server"), "token", "list"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.count("agent") >= 2, listed.stdout
 
@@ -571,8 +635,10 @@ def test_kubernetes_agent_daemonset():
         assert {"apiVersion", "kind", "metadata"} <= set(obj), obj
     ds = next(o for o in objects if o["kind"] == "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
-    assert ds["spec"]["selector"]["matchLabels"].items() <= \
-        ds["spec"]["template"]["metadata"]["labels"].items()
+    assert (
+        ds["spec"]["selector"]["matchLabels"].items()
+        <= ds["spec"]["template"]["metadata"]["labels"].items()
+    )
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
     assert pod["runtimeClassName"] == "nvidia"
@@ -589,10 +655,12 @@ def test_kubernetes_agent_daemonset():
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
     for section in ("limits", "requests"):
         assert "nvidia.com/gpu" not in agent.get("resources", {}).get(section, {}), (
-            "an agent that only reads NVML must not request a GPU")
+            "an agent that only reads NVML must not request a GPU"
+        )
     stages = parse_stages()
-    problems = check_command(agent["args"], "DaemonSet agent", installed_scripts(
-        stages, "agent"), "/")
+    problems = check_command(
+        agent["args"], "DaemonSet agent", installed_scripts(stages, "agent"), "/"
+    )
     assert not problems, "\n".join(problems)
     args = agent["args"]
     assert _opt(args, "--collector") == "nvml"
@@ -617,8 +685,13 @@ def test_kubernetes_agent_daemonset():
 def test_kubernetes_server_rbac_matches_the_isolation_driver():
     source = (REPO / "app" / "actions" / "drivers.py").read_text()
     calls = set(re.findall(r"self\._core\.(\w+)\(", source))
-    verb_of = {"read_node": "get", "patch_node": "patch", "replace_node": "update",
-               "list_node": "list", "create_namespaced_pod_eviction": "create"}
+    verb_of = {
+        "read_node": "get",
+        "patch_node": "patch",
+        "replace_node": "update",
+        "list_node": "list",
+        "create_namespaced_pod_eviction": "create",
+    }
     assert calls <= verb_of.keys(), f"unknown API calls in the driver: {calls - verb_of.keys()}"
     needed = {verb_of[c] for c in calls}
     objects = k8s_objects()
@@ -626,8 +699,11 @@ def test_kubernetes_server_rbac_matches_the_isolation_driver():
     granted = {v for r in role["rules"] if "nodes" in r["resources"] for v in r["verbs"]}
     assert granted == needed, f"the driver needs {needed} on nodes, the role grants {granted}"
     binding = next(o for o in objects if o["kind"] == "ClusterRoleBinding")
-    sa = next(o for o in objects if o["kind"] == "ServiceAccount"
-              and o["metadata"]["name"] == binding["subjects"][0]["name"])
+    sa = next(
+        o
+        for o in objects
+        if o["kind"] == "ServiceAccount" and o["metadata"]["name"] == binding["subjects"][0]["name"]
+    )
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert sa["metadata"]["namespace"] == binding["subjects"][0]["namespace"]
 
@@ -667,10 +743,12 @@ def test_systemd_unit(tmp_path):
     if analyze:  # verify the unit itself, with the binary where this checkout has it
         copy = tmp_path / unit.name
         copy.write_text(unit.read_text().replace(argv[0], str(BIN / "tierwatch-agent")))
-        proc = subprocess.run([analyze, "verify", str(copy)], capture_output=True, text=True,
-                              timeout=60)
-        output = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines()
-                           if line.strip())
+        proc = subprocess.run(
+            [analyze, "verify", str(copy)], capture_output=True, text=True, timeout=60
+        )
+        output = "\n".join(
+            line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()
+        )
         assert proc.returncode == 0, output
         assert not output, output
 
@@ -724,12 +802,14 @@ def test_sbatch_runs_train_gpt_one_rank_per_gpu():
     directives = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, re.MULTILINE))
     assert directives["ntasks-per-node"] == directives["gpus-per-node"]
     assert "srun " in text
-    assert re.search(r"^export TIERWATCH_AGENT_URL=http://127\.0\.0\.1:9470$", text,
-                     re.MULTILINE)
+    assert re.search(r"^export TIERWATCH_AGENT_URL=http://127\.0\.0\.1:9470$", text, re.MULTILINE)
     joined = re.sub(r"\\\n\s*", " ", text)
-    line = next(ln for ln in joined.splitlines()
-                if "examples/train_gpt.py" in ln and not ln.lstrip().startswith("#"))
-    words = shlex.split(line[line.index("examples/train_gpt.py"):])
+    line = next(
+        ln
+        for ln in joined.splitlines()
+        if "examples/train_gpt.py" in ln and not ln.lstrip().startswith("#")
+    )
+    words = shlex.split(line[line.index("examples/train_gpt.py") :])
     problems = check_python_script(["python", *words], "train.sbatch", "/")
     assert not problems, "\n".join(problems)
     assert _opt(words, "--device") == "cuda"

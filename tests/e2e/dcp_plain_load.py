@@ -29,8 +29,11 @@ from examples.train_gpt import GPT, digest  # the repo root is on the ranks' PYT
 def main() -> int:
     step_dir, out = sys.argv[1], Path(sys.argv[2])
     opts = dict(zip(sys.argv[3::2], sys.argv[4::2], strict=False))
-    kw = {"block": int(opts.get("--block", 64)), "d": int(opts.get("--width", 128)),
-          "layers": int(opts.get("--layers", 2))}
+    kw = {
+        "block": int(opts.get("--block", 64)),
+        "d": int(opts.get("--width", 128)),
+        "layers": int(opts.get("--layers", 2)),
+    }
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     plain = GPT(**kw)
@@ -50,8 +53,9 @@ def main() -> int:
     sharded.load_state_dict(ssd["model"])
     sharded_digest = digest(sharded.state_dict())
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_name(f"plain-{rank}.json").write_text(json.dumps(
-        {"model": plain_digest, "fsdp_matches": sharded_digest == plain_digest}))
+    out.with_name(f"plain-{rank}.json").write_text(
+        json.dumps({"model": plain_digest, "fsdp_matches": sharded_digest == plain_digest})
+    )
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -18,8 +18,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def api(server, token, method, path, **kw):
-    r = httpx.request(method, f"{server.url}{path}", headers={"Authorization": f"Bearer {token}"},
-                      timeout=10, **kw)
+    r = httpx.request(
+        method,
+        f"{server.url}{path}",
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=10,
+        **kw,
+    )
     return r
 
 
@@ -45,9 +50,21 @@ def calls(log: Path) -> list[dict]:
 
 
 def inject_xid(agent, xid: int = 79, gpu: int = 3) -> None:
-    out = subprocess.run([str(BIN / "tierwatch-agent"), "inject", "--agent", agent.url, "xid",
-                          str(xid), "--gpu", str(gpu)], capture_output=True, text=True,
-                         timeout=30)
+    out = subprocess.run(
+        [
+            str(BIN / "tierwatch-agent"),
+            "inject",
+            "--agent",
+            agent.url,
+            "xid",
+            str(xid),
+            "--gpu",
+            str(gpu),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
 
 
@@ -57,8 +74,12 @@ def command_state(server, token, cid):
 
 def test_command_driver_runs_on_the_agent_and_waits_for_a_dead_one(tmp_path, db_url):
     exe, log = recorder(tmp_path, "isolate-node")
-    server = make_server(tmp_path / "server", db_url, TIERWATCH_ISOLATION__DRIVER="command",
-                         TIERWATCH_COMMANDS__REDELIVER_S="2")
+    server = make_server(
+        tmp_path / "server",
+        db_url,
+        TIERWATCH_ISOLATION__DRIVER="command",
+        TIERWATCH_COMMANDS__REDELIVER_S="2",
+    )
     server.start()
     agent = None
     try:
@@ -66,28 +87,51 @@ def test_command_driver_runs_on_the_agent_and_waits_for_a_dead_one(tmp_path, db_
         token = server.token("agent", "gpu-a")
 
         def start():
-            a = make_agent(tmp_path / "agents", node="gpu-a", server_url=server.url,
-                           token=token, interval=0.5,
-                           extra_args=["--isolation-command", str(exe)])
+            a = make_agent(
+                tmp_path / "agents",
+                node="gpu-a",
+                server_url=server.url,
+                token=token,
+                interval=0.5,
+                extra_args=["--isolation-command", str(exe)],
+            )
             a.proc.start()
             return a
 
         agent = start()
-        wait_for(lambda: api(server, viewer, "GET", "/api/v1/nodes/gpu-a").status_code == 200,
-                 timeout=30, what="gpu-a reported")
-        r = api(server, op, "POST", "/api/v1/nodes/gpu-a/isolate",
-                json={"reason": "XID 79; fell off the bus"})
+        wait_for(
+            lambda: api(server, viewer, "GET", "/api/v1/nodes/gpu-a").status_code == 200,
+            timeout=30,
+            what="gpu-a reported",
+        )
+        r = api(
+            server,
+            op,
+            "POST",
+            "/api/v1/nodes/gpu-a/isolate",
+            json={"reason": "XID 79; fell off the bus"},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["node"]["isolated"] is True
         cid = r.json()["command"]["id"]
-        wait_for(lambda: command_state(server, viewer, cid)["state"] == "succeeded",
-                 timeout=30, what="isolate command succeeded on the agent")
+        wait_for(
+            lambda: command_state(server, viewer, cid)["state"] == "succeeded",
+            timeout=30,
+            what="isolate command succeeded on the agent",
+        )
         got = command_state(server, viewer, cid)
         assert got["exit_code"] == 0
         assert "recorded isolate gpu-a" in got["output"]
-        assert calls(log) == [{"argv": ["isolate", "gpu-a"],
-                               "env": {"TIERWATCH_NODE": "gpu-a", "TIERWATCH_ACTION": "isolate",
-                                       "TIERWATCH_REASON": "XID 79; fell off the bus"}}]
+        assert calls(log) == [
+            {
+                "argv": ["isolate", "gpu-a"],
+                "env": {
+                    "TIERWATCH_NODE": "gpu-a",
+                    "TIERWATCH_ACTION": "isolate",
+                    "TIERWATCH_REASON": "XID 79; fell off the bus",
+                },
+            }
+        ]
         # The agent dies: a release waits in the queue and runs once it is back.
         agent.stop()
         r = api(server, op, "POST", "/api/v1/nodes/gpu-a/release", json={"reason": "repaired"})
@@ -95,14 +139,19 @@ def test_command_driver_runs_on_the_agent_and_waits_for_a_dead_one(tmp_path, db_
         assert r.json()["node"]["isolated"] is False  # the overlay changes at once
         assert command_state(server, viewer, rid)["state"] == "pending"
         agent = start()
-        wait_for(lambda: command_state(server, viewer, rid)["state"] == "succeeded",
-                 timeout=30, what="release ran after the agent came back")
+        wait_for(
+            lambda: command_state(server, viewer, rid)["state"] == "succeeded",
+            timeout=30,
+            what="release ran after the agent came back",
+        )
         assert [c["argv"] for c in calls(log)] == [["isolate", "gpu-a"], ["release", "gpu-a"]]
-        audit = api(server, viewer, "GET", "/api/v1/audit",
-                    params={"target": "gpu-a"}).json()
+        audit = api(server, viewer, "GET", "/api/v1/audit", params={"target": "gpu-a"}).json()
         assert [(e["action"], e["outcome"]) for e in audit] == [
-            ("command", "succeeded"), ("release", "ok"), ("command", "succeeded"),
-            ("isolate", "ok")]
+            ("command", "succeeded"),
+            ("release", "ok"),
+            ("command", "succeeded"),
+            ("isolate", "ok"),
+        ]
     finally:
         if agent is not None:
             agent.stop()
@@ -112,27 +161,46 @@ def test_command_driver_runs_on_the_agent_and_waits_for_a_dead_one(tmp_path, db_
 def test_slurm_driver_drains_a_node_whose_agent_is_dead(tmp_path, own_db):
     db_url = own_db
     scontrol, log = recorder(tmp_path, "scontrol")
-    server = make_server(tmp_path / "server", db_url, TIERWATCH_ISOLATION__DRIVER="slurm",
-                         TIERWATCH_ISOLATION__SCONTROL=str(scontrol))
+    server = make_server(
+        tmp_path / "server",
+        db_url,
+        TIERWATCH_ISOLATION__DRIVER="slurm",
+        TIERWATCH_ISOLATION__SCONTROL=str(scontrol),
+    )
     server.start()
     try:
         op, viewer = server.token("operator"), server.token("viewer")
-        agent = make_agent(tmp_path / "agents", node="gpu-b", server_url=server.url,
-                           token=server.token("agent", "gpu-b"), interval=0.5)
+        agent = make_agent(
+            tmp_path / "agents",
+            node="gpu-b",
+            server_url=server.url,
+            token=server.token("agent", "gpu-b"),
+            interval=0.5,
+        )
         agent.proc.start()
-        wait_for(lambda: api(server, viewer, "GET", "/api/v1/nodes/gpu-b").status_code == 200,
-                 timeout=30, what="gpu-b reported")
+        wait_for(
+            lambda: api(server, viewer, "GET", "/api/v1/nodes/gpu-b").status_code == 200,
+            timeout=30,
+            what="gpu-b reported",
+        )
         agent.stop(sig=9)
-        r = api(server, op, "POST", "/api/v1/nodes/gpu-b/isolate",
-                json={"reason": 'PSU "B" failed'})
+        r = api(
+            server, op, "POST", "/api/v1/nodes/gpu-b/isolate", json={"reason": 'PSU "B" failed'}
+        )
         cid = r.json()["command"]["id"]
         assert r.json()["command"]["executor"] == "server"
-        wait_for(lambda: command_state(server, viewer, cid)["state"] == "succeeded",
-                 timeout=30, what="scontrol drain ran on the server")
+        wait_for(
+            lambda: command_state(server, viewer, cid)["state"] == "succeeded",
+            timeout=30,
+            what="scontrol drain ran on the server",
+        )
         r = api(server, op, "POST", "/api/v1/nodes/gpu-b/release", json={"reason": "PSU swapped"})
         rid = r.json()["command"]["id"]
-        wait_for(lambda: command_state(server, viewer, rid)["state"] == "succeeded",
-                 timeout=30, what="scontrol resume ran on the server")
+        wait_for(
+            lambda: command_state(server, viewer, rid)["state"] == "succeeded",
+            timeout=30,
+            what="scontrol resume ran on the server",
+        )
         assert [c["argv"] for c in calls(log)] == [
             ["update", "nodename=gpu-b", "state=drain", 'reason=PSU "B" failed'],
             ["update", "nodename=gpu-b", "state=resume"],
@@ -143,8 +211,12 @@ def test_slurm_driver_drains_a_node_whose_agent_is_dead(tmp_path, own_db):
 
 
 def _policy_env(**extra: str) -> dict[str, str]:
-    return {"TIERWATCH_POLICY__ENABLED": "true", "TIERWATCH_POLICY__BREAKER_PCT": "10",
-            "TIERWATCH_POLICY__UNREACHABLE_S": "600", **extra}
+    return {
+        "TIERWATCH_POLICY__ENABLED": "true",
+        "TIERWATCH_POLICY__BREAKER_PCT": "10",
+        "TIERWATCH_POLICY__UNREACHABLE_S": "600",
+        **extra,
+    }
 
 
 def test_policy_isolates_on_xid_79_and_the_breaker_holds(tmp_path, own_db):
@@ -155,12 +227,20 @@ def test_policy_isolates_on_xid_79_and_the_breaker_holds(tmp_path, own_db):
     try:
         viewer = server.token("viewer")
         for name in ("gpu-1", "gpu-2", "gpu-3"):
-            a = make_agent(tmp_path / "agents", node=name, server_url=server.url,
-                           token=server.token("agent", name), interval=0.5)
+            a = make_agent(
+                tmp_path / "agents",
+                node=name,
+                server_url=server.url,
+                token=server.token("agent", name),
+                interval=0.5,
+            )
             a.proc.start()
             agents.append(a)
-        wait_for(lambda: len(api(server, viewer, "GET", "/api/v1/nodes").json()["nodes"]) == 3,
-                 timeout=30, what="3 nodes reported")
+        wait_for(
+            lambda: len(api(server, viewer, "GET", "/api/v1/nodes").json()["nodes"]) == 3,
+            timeout=30,
+            what="3 nodes reported",
+        )
         inject_xid(agents[0])
 
         def isolated(name):
@@ -182,8 +262,10 @@ def test_policy_isolates_on_xid_79_and_the_breaker_holds(tmp_path, own_db):
         wait_for(holding_both, timeout=30, what="breaker tripped, holding gpu-2 and gpu-3")
         assert not isolated("gpu-2")
         assert not isolated("gpu-3")
-        actions = [(e["action"], e["target"]) for e in
-                   api(server, viewer, "GET", "/api/v1/audit", params={"actor": "policy"}).json()]
+        actions = [
+            (e["action"], e["target"])
+            for e in api(server, viewer, "GET", "/api/v1/audit", params={"actor": "policy"}).json()
+        ]
         assert actions == [("breaker_trip", "auto-isolation"), ("isolate", "gpu-1")]
         alerts = api(server, viewer, "GET", "/api/v1/alerts", params={"kind": "breaker"}).json()
         assert len(alerts["alerts"]) == 1
@@ -213,8 +295,11 @@ def _fresh_pg_schema(prefix: str):
     admin = make_engine(base)
     with admin.begin() as conn:
         conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    url = (make_url(base).update_query_dict({"options": f"-csearch_path={schema}"})
-           .render_as_string(hide_password=False))
+    url = (
+        make_url(base)
+        .update_query_dict({"options": f"-csearch_path={schema}"})
+        .render_as_string(hide_password=False)
+    )
     upgrade(url)
     yield url
     with admin.begin() as conn:
@@ -243,8 +328,9 @@ def own_db(db_url):
 def test_two_servers_on_one_database_act_once(tmp_path, pg_url):
     db_url = pg_url
     scontrol, log = recorder(tmp_path, "scontrol")
-    env = _policy_env(TIERWATCH_ISOLATION__DRIVER="slurm",
-                      TIERWATCH_ISOLATION__SCONTROL=str(scontrol))
+    env = _policy_env(
+        TIERWATCH_ISOLATION__DRIVER="slurm", TIERWATCH_ISOLATION__SCONTROL=str(scontrol)
+    )
     one = make_server(tmp_path / "one", db_url, **env)
     two = make_server(tmp_path / "two", db_url, **env)
     one.start()
@@ -253,13 +339,22 @@ def test_two_servers_on_one_database_act_once(tmp_path, pg_url):
     try:
         viewer = one.token("viewer")
         # The agent reports to the second replica; either may hold the lock.
-        agent = make_agent(tmp_path / "agents", node="gpu-9", server_url=two.url,
-                           token=two.token("agent", "gpu-9"), interval=0.5)
+        agent = make_agent(
+            tmp_path / "agents",
+            node="gpu-9",
+            server_url=two.url,
+            token=two.token("agent", "gpu-9"),
+            interval=0.5,
+        )
         agent.proc.start()
-        wait_for(lambda: api(one, viewer, "GET", "/api/v1/nodes/gpu-9").status_code == 200,
-                 timeout=30, what="gpu-9 reported")
+        wait_for(
+            lambda: api(one, viewer, "GET", "/api/v1/nodes/gpu-9").status_code == 200,
+            timeout=30,
+            what="gpu-9 reported",
+        )
         inject_xid(agent)
         wait_for(lambda: len(calls(log)) >= 1, timeout=30, what="scontrol drain ran")
+
         # Give the follower several ticks in which it could (wrongly) act too: 8 more
         # reports at 0.5 s (the background ticks every second).
         def seq():
@@ -270,10 +365,13 @@ def test_two_servers_on_one_database_act_once(tmp_path, pg_url):
         assert [c["argv"][2] for c in calls(log)] == ["state=drain"]
         entries = api(one, viewer, "GET", "/api/v1/audit", params={"actor": "policy"}).json()
         assert [(e["action"], e["outcome"]) for e in entries] == [
-            ("command", "succeeded"), ("isolate", "ok")]
+            ("command", "succeeded"),
+            ("isolate", "ok"),
+        ]
         cmds = api(one, viewer, "GET", "/api/v1/commands").json()
         assert len(cmds) == 1
         assert cmds[0]["attempts"] == 1
+
         # The leader goes away: the other replica takes over the background work.
         def leads(s):
             return "now the leader" in (s.workdir / "server.log").read_text()
@@ -286,12 +384,14 @@ def test_two_servers_on_one_database_act_once(tmp_path, pg_url):
         op = other.token("operator")
         r = api(other, op, "POST", "/api/v1/nodes/gpu-9/release", json={"reason": "swapped"})
         rid = r.json()["command"]["id"]
-        wait_for(lambda: command_state(other, viewer, rid)["state"] == "succeeded",
-                 timeout=30, what="release ran on the new leader")
+        wait_for(
+            lambda: command_state(other, viewer, rid)["state"] == "succeeded",
+            timeout=30,
+            what="release ran on the new leader",
+        )
         assert [c["argv"][2] for c in calls(log)] == ["state=drain", "state=resume"]
     finally:
         if agent is not None:
             agent.stop()
         for s in (one, two):
             s.stop()
-

@@ -19,9 +19,7 @@ def nodes(server, token):
 
 
 def node(server, token, name):
-    r = httpx.get(
-        f"{server.url}/api/v1/nodes/{name}", headers={"Authorization": f"Bearer {token}"}
-    )
+    r = httpx.get(f"{server.url}/api/v1/nodes/{name}", headers={"Authorization": f"Bearer {token}"})
     r.raise_for_status()
     return r.json()
 
@@ -38,7 +36,9 @@ def test_inject_xid_79_turns_node_unhealthy_with_catalog_action(server, start_ag
     def both_healthy():
         ns = nodes(server, viewer)
         return all(
-            n in ns and ns[n]["state"] == "healthy" and len(ns[n]["gpus"]) == 8
+            n in ns
+            and ns[n]["state"] == "healthy"
+            and len(ns[n]["gpus"]) == 8
             and all(g["ts"] for g in ns[n]["gpus"])
             for n in ("node-a", "node-b")
         )
@@ -94,8 +94,10 @@ def test_server_outage_loses_no_batch(server, start_agent, tmp_path):
     down_at = time.monotonic()
     # Agents keep collecting while the server is down: wait for 20 s of spooled batches.
     wait_for(
-        lambda: time.monotonic() - down_at >= 20
-        and all(agent_status(a)["spool_depth"] >= 15 for a in agents),
+        lambda: (
+            time.monotonic() - down_at >= 20
+            and all(agent_status(a)["spool_depth"] >= 15 for a in agents)
+        ),
         timeout=40,
         interval=0.5,
         what="20 s of outage with batches spooled",

@@ -21,9 +21,12 @@ NODES = ("node-a", "node-b")
 
 def inject(agent_url: str, *fault: str) -> None:
     """``tierwatch-agent inject`` into a simulated agent, as an operator would."""
-    subprocess.run([str(BIN / "tierwatch-agent"), "inject", "--agent", agent_url, *fault],
-                   check=True, capture_output=True, timeout=30)
-
+    subprocess.run(
+        [str(BIN / "tierwatch-agent"), "inject", "--agent", agent_url, *fault],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
 
 
 def test_dashboard_shows_live_nodes_and_charts(browser, server, start_agent, tmp_path):
@@ -106,10 +109,12 @@ def test_dashboard_shows_live_nodes_and_charts(browser, server, start_agent, tmp
     inject(agents["node-a"].url, "xid", "79", "--gpu", "3")
     inject(agents["node-b"].url, "temp", "87", "--gpu", "5")
     expect(page.locator('.tile[data-node="node-a"]')).to_have_attribute(
-        "data-state", "unhealthy", timeout=LIVE_TIMEOUT_MS)
+        "data-state", "unhealthy", timeout=LIVE_TIMEOUT_MS
+    )
     expect(page.locator('.tile[data-node="node-a"]')).to_contain_text("XID 79")
     expect(page.locator('.tile[data-node="node-b"]')).to_have_attribute(
-        "data-state", "degraded", timeout=LIVE_TIMEOUT_MS)
+        "data-state", "degraded", timeout=LIVE_TIMEOUT_MS
+    )
     expect(page.locator('[data-count="unhealthy"]')).to_have_text("1")
     expect(page.locator('[data-count="degraded"]')).to_have_text("1")
     assert page.evaluate("window.__no_reload") is True

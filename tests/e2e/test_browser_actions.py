@@ -21,17 +21,36 @@ from training import Gate, committed_steps, read_log, run_in_thread, runs_of, st
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow]
 
-SMALL = ["--width", "32", "--layers", "1", "--block", "32", "--corpus-bytes", "200000",
-         "--batch-size", "4", "--warmup", "4", "--keep-memory", "40", "--persist-every", "5",
-         "--latency-every", "0"]
+SMALL = [
+    "--width",
+    "32",
+    "--layers",
+    "1",
+    "--block",
+    "32",
+    "--corpus-bytes",
+    "200000",
+    "--batch-size",
+    "4",
+    "--warmup",
+    "4",
+    "--keep-memory",
+    "40",
+    "--persist-every",
+    "5",
+    "--latency-every",
+    "0",
+]
 JOB = "browser-rollback"
 
 
 def recorder(tmp_path: Path) -> tuple[Path, Path]:
     log = tmp_path / "isolation-calls.txt"
     exe = tmp_path / "isolate-node.sh"
-    exe.write_text(f'#!/bin/sh\necho "$TIERWATCH_ACTION $TIERWATCH_NODE: $TIERWATCH_REASON" '
-                   f'>> {log}\necho "cordoned $TIERWATCH_NODE"\n')
+    exe.write_text(
+        f'#!/bin/sh\necho "$TIERWATCH_ACTION $TIERWATCH_NODE: $TIERWATCH_REASON" '
+        f'>> {log}\necho "cordoned $TIERWATCH_NODE"\n'
+    )
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
     return exe, log
 
@@ -39,9 +58,14 @@ def recorder(tmp_path: Path) -> tuple[Path, Path]:
 @pytest.fixture
 def cluster(tmp_path: Path):
     exe, log = recorder(tmp_path)
-    c = start_cluster(tmp_path / "cluster", with_server=True,
-                      server_env={"TIERWATCH_ISOLATION__DRIVER": "command",
-                                  "TIERWATCH_DASHBOARD_REFRESH_S": "0.5"})
+    c = start_cluster(
+        tmp_path / "cluster",
+        with_server=True,
+        server_env={
+            "TIERWATCH_ISOLATION__DRIVER": "command",
+            "TIERWATCH_DASHBOARD_REFRESH_S": "0.5",
+        },
+    )
     for name in ("node-a", "node-b"):
         c.add_node(name, extra_args=["--isolation-command", str(exe)])
     c.isolation_log = log  # type: ignore[attr-defined]
@@ -61,8 +85,7 @@ def sign_in(browser, url: str, token: str):
     return page, errors
 
 
-def test_operator_isolates_releases_and_rolls_back_from_the_dashboard(browser, cluster,
-                                                                      tmp_path):
+def test_operator_isolates_releases_and_rolls_back_from_the_dashboard(browser, cluster, tmp_path):
     from playwright.sync_api import expect
 
     server = cluster.server
@@ -70,9 +93,21 @@ def test_operator_isolates_releases_and_rolls_back_from_the_dashboard(browser, c
     log_dir = tmp_path / "run"
     gate = Gate(tmp_path / "gate")
     gate.open(6)  # steps 0 … 5 run; the job then waits at the gate while the operator acts
-    procs = cluster.launch(["--job-id", JOB, "--steps", "40", "--log-dir", str(log_dir),
-                            "--gate", str(gate.path), *SMALL], placement=["node-a", "node-b"],
-                           log_dir=log_dir)
+    procs = cluster.launch(
+        [
+            "--job-id",
+            JOB,
+            "--steps",
+            "40",
+            "--log-dir",
+            str(log_dir),
+            "--gate",
+            str(gate.path),
+            *SMALL,
+        ],
+        placement=["node-a", "node-b"],
+        log_dir=log_dir,
+    )
     page, errors = sign_in(browser, url, server.token("operator"))
 
     # Isolate node-a: confirm step, required reason; the agent runs the configured command.
@@ -82,7 +117,7 @@ def test_operator_isolates_releases_and_rolls_back_from_the_dashboard(browser, c
     page.click('details[data-action="isolate"] button[type=submit]')
     expect(page.locator(".flash")).to_contain_text("node-a isolated")
     expect(page.locator("p.isolation q.reason")).to_have_text("XID 79 <b>twice</b>")
-    run = page.locator('table.commands tr[data-command]').first
+    run = page.locator("table.commands tr[data-command]").first
     expect(run).to_have_attribute("data-state", "succeeded", timeout=30_000)
     expect(run).to_contain_text("cordoned node-a")
     assert cluster.isolation_log.read_text() == "isolate node-a: XID 79 <b>twice</b>\n"
@@ -97,12 +132,18 @@ def test_operator_isolates_releases_and_rolls_back_from_the_dashboard(browser, c
     page.click('details[data-action="release"] button[type=submit]')
     expect(page.locator(".flash")).to_contain_text("node-a released")
     expect(page.locator("p.isolation")).to_have_count(0)
-    wait_for(lambda: cluster.isolation_log.read_text().count("\n") == 2, timeout=30,
-             what="release ran on the agent")
+    wait_for(
+        lambda: cluster.isolation_log.read_text().count("\n") == 2,
+        timeout=30,
+        what="release ran on the agent",
+    )
 
     # Roll the running job back to an older committed step.
-    wait_for(lambda: len(committed_steps(cluster.nodes["node-b"], JOB, 1)) >= 3, timeout=180,
-             what="three committed steps")
+    wait_for(
+        lambda: len(committed_steps(cluster.nodes["node-b"], JOB, 1)) >= 3,
+        timeout=180,
+        what="three committed steps",
+    )
     page.goto(f"{url}/jobs/{JOB}")
     options = page.locator('details[data-action="restore"] select[name="step"] option')
 
@@ -118,15 +159,17 @@ def test_operator_isolates_releases_and_rolls_back_from_the_dashboard(browser, c
     page.click('details[data-action="restore"] button[type=submit]')
     expect(page.locator(".flash")).to_contain_text(f"to step {target} requested")
     # The job runs on, one step at a time, until its ranks roll back at a step boundary.
-    stepping = run_in_thread(lambda: gate.step_until(
-        7, 40, lambda: len(runs_of(read_log(log_dir))) > 1, log_dir=log_dir))
+    stepping = run_in_thread(
+        lambda: gate.step_until(7, 40, lambda: len(runs_of(read_log(log_dir))) > 1, log_dir=log_dir)
+    )
     request = page.locator(".restore-request").first
     # Watch it live (the page refreshes its live block; no reload).
     seen: set[str] = set()
 
     def both_loaded() -> bool:
         phases = request.locator("tr[data-rank]").evaluate_all(
-            "rows => rows.map(r => r.dataset.phase)")
+            "rows => rows.map(r => r.dataset.phase)"
+        )
         seen.update(phases)
         return phases == ["loaded", "loaded"]
 
@@ -153,10 +196,12 @@ def test_operator_isolates_releases_and_rolls_back_from_the_dashboard(browser, c
     expect(vpage.locator(".restore-request").first).to_be_visible()
     expect(vpage.locator("#job-actions")).to_have_count(0)
     headers = {"Authorization": f"Bearer {viewer_token}"}
-    r = httpx.post(f"{url}/api/v1/nodes/node-a/isolate", json={"reason": "x"},
-                   headers=headers, timeout=10)
+    r = httpx.post(
+        f"{url}/api/v1/nodes/node-a/isolate", json={"reason": "x"}, headers=headers, timeout=10
+    )
     assert r.status_code == 403
-    r = httpx.post(f"{url}/api/v1/jobs/{JOB}/restore", json={"reason": "x"}, headers=headers,
-                   timeout=10)
+    r = httpx.post(
+        f"{url}/api/v1/jobs/{JOB}/restore", json={"reason": "x"}, headers=headers, timeout=10
+    )
     assert r.status_code == 403
     assert verrors == []

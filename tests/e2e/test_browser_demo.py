@@ -23,23 +23,46 @@ POLL_WAIT_MS = 15_000  # the page polls every 5 s
 
 def failure(at_s: float, node: str, **change: Any) -> dict[str, Any]:
     return {
-        "at_s": at_s, "component": "gpu", "category": "xid", "failure_class": "node",
-        "node": node, "rank": 1, "injected": f"XID 79 on {node}", "detected_after_s": 1.5,
-        "isolated": True, "replaced_by": "sim-9", "restored_step": 40, "restore_tier": "peer",
-        "rank_tiers": {"0": "memory", "1": "peer"}, "steps_lost": 6, "downtime_s": 8.0,
-        "recovered": True, "note": None, **change,
+        "at_s": at_s,
+        "component": "gpu",
+        "category": "xid",
+        "failure_class": "node",
+        "node": node,
+        "rank": 1,
+        "injected": f"XID 79 on {node}",
+        "detected_after_s": 1.5,
+        "isolated": True,
+        "replaced_by": "sim-9",
+        "restored_step": 40,
+        "restore_tier": "peer",
+        "rank_tiers": {"0": "memory", "1": "peer"},
+        "steps_lost": 6,
+        "downtime_s": 8.0,
+        "recovered": True,
+        "note": None,
+        **change,
     }
 
 
 def report(status: str, failures: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     now = datetime.now(UTC).isoformat()
     return {
-        "version": 1, "status": status, "seed": 3, "mtbf_s": 20.0, "seconds": 60.0,
-        "started_at": now, "updated_at": now, "duration_s": 42.0,
-        "effective_training_time": 0.91, "baseline_persistent_only": 0.58, "baseline": None,
-        "loss_start": 10.5, "loss_end": 4.0,
+        "version": 1,
+        "status": status,
+        "seed": 3,
+        "mtbf_s": 20.0,
+        "seconds": 60.0,
+        "started_at": now,
+        "updated_at": now,
+        "duration_s": 42.0,
+        "effective_training_time": 0.91,
+        "baseline_persistent_only": 0.58,
+        "baseline": None,
+        "loss_start": 10.5,
+        "loss_end": 4.0,
         "steps": {"final": steps, "useful": steps - 6, "lost": 6},
-        "tiers_used": ["memory", "peer"], "costs": {"restart_s": 2.0, "save_stall_s": 0.02},
+        "tiers_used": ["memory", "peer"],
+        "costs": {"restart_s": 2.0, "save_stall_s": 0.02},
         "loss_curve": [[s, 10.5 - s * 0.1] for s in range(0, steps + 1, 5)],
         "nodes": {"in_use": ["sim-1", "sim-9"], "spare": [], "isolated": ["sim-2"]},
         "failures": failures,
@@ -95,9 +118,14 @@ def test_demo_page_follows_the_report_from_waiting_to_finished(browser, tmp_path
         expect(live).to_contain_text("not valid JSON")
 
         # It finishes with a second failure: shown, and the page stops polling.
-        write(report_file, report("finished", [failure(12.0, "sim-2"),
-                                               failure(30.0, "sim-1", recovered=False)],
-                                  steps=90))
+        write(
+            report_file,
+            report(
+                "finished",
+                [failure(12.0, "sim-2"), failure(30.0, "sim-1", recovered=False)],
+                steps=90,
+            ),
+        )
         expect(live).to_have_attribute("data-status", "finished", timeout=POLL_WAIT_MS)
         expect(live).to_have_attribute("data-state", "ok")
         expect(rows).to_have_count(2)

@@ -21,25 +21,48 @@ pytestmark = [pytest.mark.e2e, pytest.mark.browser]
 JOB = "browser-job"
 
 
-
 def post_reports(server) -> None:
     token = server.token("agent", "gpu-a")
     t0 = utcnow() - timedelta(minutes=2)
     for seq, step in enumerate((10, 20, 30), start=1):
         ts = t0 + timedelta(seconds=10 * seq)
         batch = ReportBatch(
-            node="gpu-a", epoch="e1", seq=seq, sent_at=utcnow(),
-            progress=[JobProgress(job_id=JOB, rank=0, world_size=1, step=step, step_time_s=1.0,
-                                  ts=ts, layout=["gpu-a"])],
+            node="gpu-a",
+            epoch="e1",
+            seq=seq,
+            sent_at=utcnow(),
+            progress=[
+                JobProgress(
+                    job_id=JOB,
+                    rank=0,
+                    world_size=1,
+                    step=step,
+                    step_time_s=1.0,
+                    ts=ts,
+                    layout=["gpu-a"],
+                )
+            ],
             checkpoint_events=[
-                CheckpointEvent(job_id=JOB, step=step - 5, tier=tier, kind="committed", rank=0,
-                                world_size=1, ts=ts, bytes=2048, seconds=0.5)
+                CheckpointEvent(
+                    job_id=JOB,
+                    step=step - 5,
+                    tier=tier,
+                    kind="committed",
+                    rank=0,
+                    world_size=1,
+                    ts=ts,
+                    bytes=2048,
+                    seconds=0.5,
+                )
                 for tier in ("memory", "peer")
             ],
         )
-        r = httpx.post(f"{server.url}/api/v1/ingest/report", content=batch.model_dump_json(),
-                       headers={"Authorization": f"Bearer {token}",
-                                "Content-Type": "application/json"}, timeout=10)
+        r = httpx.post(
+            f"{server.url}/api/v1/ingest/report",
+            content=batch.model_dump_json(),
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+            timeout=10,
+        )
         assert r.status_code == 200, r.text
 
 

@@ -38,8 +38,12 @@ LIVE_TIMEOUT_MS = 30_000
 
 
 def _inject(agent_url: str, *fault: str) -> None:
-    subprocess.run([str(BIN / "tierwatch-agent"), "inject", "--agent", agent_url, *fault],
-                   check=True, capture_output=True, timeout=30)
+    subprocess.run(
+        [str(BIN / "tierwatch-agent"), "inject", "--agent", agent_url, *fault],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
 
 
 def _report_job(server_url: str, token: str) -> None:
@@ -47,20 +51,47 @@ def _report_job(server_url: str, token: str) -> None:
     every tier (whole-step events, ``rank`` None), as an agent forwards them."""
     now = utcnow()
     events = [
-        CheckpointEvent(job_id=JOB, step=step, tier=tier, kind="committed", rank=None,
-                        world_size=4, ts=now - timedelta(seconds=(300 - step) * 0.5),
-                        bytes=420_000_000, seconds=seconds, blocking_s=0.03)
-        for tier, steps, seconds in (("memory", (298, 299), 0.4), ("peer", (298,), 1.1),
-                                     ("persistent", (280, 290), 3.6))
+        CheckpointEvent(
+            job_id=JOB,
+            step=step,
+            tier=tier,
+            kind="committed",
+            rank=None,
+            world_size=4,
+            ts=now - timedelta(seconds=(300 - step) * 0.5),
+            bytes=420_000_000,
+            seconds=seconds,
+            blocking_s=0.03,
+        )
+        for tier, steps, seconds in (
+            ("memory", (298, 299), 0.4),
+            ("peer", (298,), 1.1),
+            ("persistent", (280, 290), 3.6),
+        )
         for step in steps
     ]
-    progress = [JobProgress(job_id=JOB, rank=r, world_size=4, step=300, step_time_s=0.5,
-                            ts=now, layout=list(NODES) if r == 0 else None) for r in range(4)]
+    progress = [
+        JobProgress(
+            job_id=JOB,
+            rank=r,
+            world_size=4,
+            step=300,
+            step_time_s=0.5,
+            ts=now,
+            layout=list(NODES) if r == 0 else None,
+        )
+        for r in range(4)
+    ]
     # interval_s: this node reports once, and must not turn unreachable while the page loads
     batch = make_batch(SPARE, 1, gpus=8, interval_s=600).model_copy(
-        update={"progress": progress, "checkpoint_events": events})
-    r = httpx.post(f"{server_url}/api/v1/ingest/report", content=batch.model_dump_json(),
-                   headers={**auth(token), "Content-Type": "application/json"}, timeout=10)
+        update={"progress": progress, "checkpoint_events": events}
+    )
+    r = httpx.post(
+        f"{server_url}/api/v1/ingest/report",
+        content=batch.model_dump_json(),
+        headers={**auth(token), "Content-Type": "application/json"},
+        timeout=10,
+    )
     assert r.status_code == 200, r.text
 
 
@@ -87,16 +118,20 @@ def test_cluster_overview_screenshot(browser, server, start_agent, tmp_path: Pat
     page.click("main form button[type=submit]")
     expect(page).to_have_url(f"{server.url}/")
     expect(page.locator('.tile[data-node="gpu-node-03"]')).to_have_attribute(
-        "data-state", "unhealthy", timeout=LIVE_TIMEOUT_MS)
+        "data-state", "unhealthy", timeout=LIVE_TIMEOUT_MS
+    )
     expect(page.locator('.tile[data-node="gpu-node-02"]')).to_have_attribute(
-        "data-state", "degraded", timeout=LIVE_TIMEOUT_MS)
+        "data-state", "degraded", timeout=LIVE_TIMEOUT_MS
+    )
     for node in ("gpu-node-01", "gpu-node-04", SPARE):
         expect(page.locator(f'.tile[data-node="{node}"]')).to_have_attribute(
-            "data-state", "healthy", timeout=LIVE_TIMEOUT_MS)
+            "data-state", "healthy", timeout=LIVE_TIMEOUT_MS
+        )
     expect(page.locator("table.jobs")).to_contain_text(JOB, timeout=LIVE_TIMEOUT_MS)
     expect(page.locator('[data-count="all"]')).to_have_text("5")
     expect(page.locator('.tile[data-node="gpu-node-03"]')).to_contain_text(
-        re.compile(r"XID 79|unhealthy"))
+        re.compile(r"XID 79|unhealthy")
+    )
 
     png = page.screenshot(type="png", full_page=False)
     assert png[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"

@@ -30,8 +30,11 @@ def cluster(tmp_path: Path):
 
 def job(c: Cluster, token: str, job_id: str) -> dict:
     assert c.server is not None
-    r = httpx.get(f"{c.server.url}/api/v1/jobs/{job_id}",
-                  headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    r = httpx.get(
+        f"{c.server.url}/api/v1/jobs/{job_id}",
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=10,
+    )
     r.raise_for_status()
     return r.json()
 
@@ -40,22 +43,28 @@ def args(job_id: str, steps: int, log: Path, *extra: str) -> list[str]:
     return ["--job-id", job_id, "--steps", str(steps), "--log-dir", str(log), *SMALL, *extra]
 
 
-def test_server_shows_all_three_tiers_of_a_training_job(cluster: Cluster, tmp_path: Path
-                                                        ) -> None:
+def test_server_shows_all_three_tiers_of_a_training_job(cluster: Cluster, tmp_path: Path) -> None:
     cluster.add_node("node-a")
     cluster.add_node("node-b")
     viewer = cluster.server.token("viewer")  # type: ignore[union-attr]
     log = tmp_path / "log"
-    procs = cluster.launch(args("tiers", 12, log, "--persist-every", "5", "--latency-every",
-                                "3"), placement=FOUR_ON_TWO, log_dir=log)
+    procs = cluster.launch(
+        args("tiers", 12, log, "--persist-every", "5", "--latency-every", "3"),
+        placement=FOUR_ON_TWO,
+        log_dir=log,
+    )
     assert cluster.wait_ranks(procs, 240) == [0, 0, 0, 0]
 
     def settled() -> dict | None:
         j = job(cluster, viewer, "tiers")
         t = j["tiers"]
         # persist_every 5 → steps 0, 5, 10; the run's last step (11) is persisted too
-        ok = (j["step"] == 11 and t["memory"]["newest_step"] == 11
-              and t["peer"]["newest_step"] == 11 and t["persistent"]["newest_step"] == 11)
+        ok = (
+            j["step"] == 11
+            and t["memory"]["newest_step"] == 11
+            and t["peer"]["newest_step"] == 11
+            and t["persistent"]["newest_step"] == 11
+        )
         return j if ok else None
 
     j = wait_for(settled, timeout=60, what="memory, peer and persistent at 11 on the server")
@@ -66,15 +75,22 @@ def test_server_shows_all_three_tiers_of_a_training_job(cluster: Cluster, tmp_pa
     assert j["tiers"]["memory"]["last_blocking_s"] is not None
     assert j["tiers"]["persistent"]["advice"]["recommended_s"] > 0
     kinds = {(e["tier"], e["kind"]) for e in j["events"]}
-    assert {("memory", "committed"), ("peer", "committed"), ("persistent", "committed"),
-            ("memory", "staged")} <= kinds
+    assert {
+        ("memory", "committed"),
+        ("peer", "committed"),
+        ("persistent", "committed"),
+        ("memory", "staged"),
+    } <= kinds
     assert j["restores"][0]["message"] == "no complete step in any tier"
     # the dashboard's job page shows the tiers for a signed-in viewer
     with httpx.Client(base_url=cluster.server.url) as web:  # type: ignore[union-attr]
         form = web.get("/login").text
         csrf = re.search(r'name="csrf_token" value="([^"]+)"', form).group(1)  # type: ignore[union-attr]
-        r = web.post("/login", data={"token": viewer, "csrf_token": csrf, "next": "/jobs/tiers"},
-                     follow_redirects=True)
+        r = web.post(
+            "/login",
+            data={"token": viewer, "csrf_token": csrf, "next": "/jobs/tiers"},
+            follow_redirects=True,
+        )
         assert r.status_code == 200
         row = re.search(r'<tr data-row="newest_step">(.*?)</tr>', r.text).group(1)  # type: ignore[union-attr]
         cells = dict(re.findall(r'<td data-tier="(\w+)"[^>]*>([^<]*)</td>', row))
@@ -89,12 +105,16 @@ def test_server_shows_all_three_tiers_of_a_training_job(cluster: Cluster, tmp_pa
 
     def latency_ranks() -> set[int]:
         with engine.connect() as conn:
-            rows = conn.execute(text("SELECT rank, latency_ms FROM latency_samples "
-                                     "WHERE job_id = 'tiers'")).all()
+            rows = conn.execute(
+                text("SELECT rank, latency_ms FROM latency_samples WHERE job_id = 'tiers'")
+            ).all()
         return {r for r, ms in rows if ms >= 0}
 
-    assert wait_for(lambda: latency_ranks() == {0, 1, 2, 3}, timeout=30,
-                    what="collective latency of all 4 ranks on the server")
+    assert wait_for(
+        lambda: latency_ranks() == {0, 1, 2, 3},
+        timeout=30,
+        what="collective latency of all 4 ranks on the server",
+    )
     engine.dispose()
 
 
@@ -102,14 +122,19 @@ def _tiny_tmpfs(path: Path) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         return False
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return out.returncode == 0
 
 
 @pytest.mark.parametrize("how", ["unwritable", "full"])
-def test_broken_persistent_tier_never_stops_training(cluster: Cluster, tmp_path: Path,
-                                                     how: str) -> None:
+def test_broken_persistent_tier_never_stops_training(
+    cluster: Cluster, tmp_path: Path, how: str
+) -> None:
     if how == "unwritable":
         blocker = tmp_path / "not-a-dir"
         blocker.write_text("a regular file where the persistent folder should be\n")
@@ -125,8 +150,11 @@ def test_broken_persistent_tier_never_stops_training(cluster: Cluster, tmp_path:
             cluster.add_node(name, extra_args=["--persistent-url", url])
         viewer = cluster.server.token("viewer")  # type: ignore[union-attr]
         log = tmp_path / "log"
-        procs = cluster.launch(args("broken-persist", 10, log, "--persist-every", "2"),
-                               placement=["node-a", "node-b"], log_dir=log)
+        procs = cluster.launch(
+            args("broken-persist", 10, log, "--persist-every", "2"),
+            placement=["node-a", "node-b"],
+            log_dir=log,
+        )
         assert cluster.wait_ranks(procs, 240) == [0, 0]
         assert sorted(read_losses(log)) == list(range(10))
 
@@ -141,9 +169,10 @@ def test_broken_persistent_tier_never_stops_training(cluster: Cluster, tmp_path:
             j = wait_for(reported, timeout=60, what="persistent failure + memory/peer at step 9")
         except TimeoutError:
             j = job(cluster, viewer, "broken-persist")
-            raise AssertionError({t: v["newest_step"] for t, v in j["tiers"].items()},
-                                 [(e["tier"], e["kind"], e["step"], e["message"][:80])
-                                  for e in j["failures"]]) from None
+            raise AssertionError(
+                {t: v["newest_step"] for t, v in j["tiers"].items()},
+                [(e["tier"], e["kind"], e["step"], e["message"][:80]) for e in j["failures"]],
+            ) from None
         assert j["tiers"]["persistent"]["newest_step"] is None
         messages = " ".join(e["message"] for e in j["failures"])
         assert "distcp" in messages or "manifest" in messages, messages
@@ -154,7 +183,8 @@ def test_broken_persistent_tier_never_stops_training(cluster: Cluster, tmp_path:
 
 
 def test_memory_budget_refuses_a_step_with_a_clear_error_and_training_goes_on(
-        cluster: Cluster, tmp_path: Path) -> None:
+    cluster: Cluster, tmp_path: Path
+) -> None:
     node = cluster.add_node("node-a", extra_args=["--memory-budget", "64KiB"])
     viewer = cluster.server.token("viewer")  # type: ignore[union-attr]
     log = tmp_path / "log"

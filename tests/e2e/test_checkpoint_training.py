@@ -27,8 +27,21 @@ from tierwatch.agent.checkpoint.format.manifest import load_manifest, verify_fil
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-SMALL = ["--width", "32", "--layers", "1", "--block", "32", "--corpus-bytes", "200000",
-         "--batch-size", "4", "--warmup", "4", "--exact-resume"]
+SMALL = [
+    "--width",
+    "32",
+    "--layers",
+    "1",
+    "--block",
+    "32",
+    "--corpus-bytes",
+    "200000",
+    "--batch-size",
+    "4",
+    "--warmup",
+    "4",
+    "--exact-resume",
+]
 FOUR_ON_TWO = ["node-a", "node-a", "node-b", "node-b"]
 
 
@@ -49,9 +62,15 @@ def restores(log_dir: Path, rank: int = 0) -> list[dict]:
 
 
 def wait_committed(node, job: str, rank: int, step: int, timeout: float = 180) -> int:
-    return wait_for(lambda: max(committed_steps(node, job, rank) or [-1]) >= step and
-                    max(committed_steps(node, job, rank)), timeout=timeout, interval=0.05,
-                    what=f"{job} step {step} committed by rank {rank} on {node.name}")
+    return wait_for(
+        lambda: (
+            max(committed_steps(node, job, rank) or [-1]) >= step
+            and max(committed_steps(node, job, rank))
+        ),
+        timeout=timeout,
+        interval=0.05,
+        what=f"{job} step {step} committed by rank {rank} on {node.name}",
+    )
 
 
 def wait_replicated(holder, src: str, job: str, step: int, timeout: float = 60) -> None:
@@ -60,8 +79,7 @@ def wait_replicated(holder, src: str, job: str, step: int, timeout: float = 60) 
     def done() -> bool:
         return any(int(p.parent.name.split("-")[1]) >= step for p in d.glob("step-*/commit-*.json"))
 
-    wait_for(done, timeout=timeout, what=f"replicas of {src}'s {job} step ≥{step} on "
-             f"{holder.name}")
+    wait_for(done, timeout=timeout, what=f"replicas of {src}'s {job} step ≥{step} on {holder.name}")
 
 
 def complete_steps_are_valid(c: Cluster, job: str, world: int) -> list[int]:
@@ -88,17 +106,22 @@ def test_resume_is_bit_exact(cluster: Cluster, tmp_path: Path) -> None:
     _a, b = cluster.add_node("node-a"), cluster.add_node("node-b")
     total = 16
     base_log, run_log = tmp_path / "base", tmp_path / "run"
-    base = cluster.launch(train_args("exact-base", total, base_log, "--final"),
-                          placement=FOUR_ON_TWO, log_dir=base_log)
+    base = cluster.launch(
+        train_args("exact-base", total, base_log, "--final"),
+        placement=FOUR_ON_TWO,
+        log_dir=base_log,
+    )
     assert cluster.wait_ranks(base, 300) == [0, 0, 0, 0]
 
-    first = cluster.launch(train_args("exact-run", total, run_log, "--final"),
-                           placement=FOUR_ON_TWO, log_dir=run_log)
+    first = cluster.launch(
+        train_args("exact-run", total, run_log, "--final"), placement=FOUR_ON_TWO, log_dir=run_log
+    )
     wait_committed(b, "exact-run", 3, total // 2 - 1)
     cluster.kill_ranks(first)  # kill -9 every rank mid-run
     assert not (run_log / "final-0.json").exists()
-    second = cluster.launch(train_args("exact-run", total, run_log, "--final"),
-                            placement=FOUR_ON_TWO, log_dir=run_log)
+    second = cluster.launch(
+        train_args("exact-run", total, run_log, "--final"), placement=FOUR_ON_TWO, log_dir=run_log
+    )
     assert cluster.wait_ranks(second, 300) == [0, 0, 0, 0]
 
     resumed_from = read_restores(run_log)[-1]
@@ -116,16 +139,18 @@ def test_resume_is_bit_exact(cluster: Cluster, tmp_path: Path) -> None:
     for rank in range(4):
         want, got = read_losses(base_log, rank), read_losses(run_log, rank)
         assert [want[s] for s in range(total)] == [got[s] for s in range(total)], rank
-        assert json.loads((base_log / f"final-{rank}.json").read_text()) == \
-            json.loads((run_log / f"final-{rank}.json").read_text()), rank
+        assert json.loads((base_log / f"final-{rank}.json").read_text()) == json.loads(
+            (run_log / f"final-{rank}.json").read_text()
+        ), rank
     losses = read_losses(run_log)
     assert losses[total - 1] < losses[0]
 
 
 # -- kill -9 during saves ------------------------------------------------------------------
 @pytest.mark.parametrize("trials", [5, pytest.param(20, marks=pytest.mark.soak)])
-def test_kill_during_save_never_restores_a_torn_step(cluster: Cluster, tmp_path: Path,
-                                                      trials: int) -> None:
+def test_kill_during_save_never_restores_a_torn_step(
+    cluster: Cluster, tmp_path: Path, trials: int
+) -> None:
     """kill -9 of a rank at a random moment of back-to-back saves, ``trials`` times: every
     step with all manifests verifies, and each relaunch restores the newest complete step.
     ``make test`` runs 5 trials, ``make soak`` 20."""
@@ -137,8 +162,11 @@ def test_kill_during_save_never_restores_a_torn_step(cluster: Cluster, tmp_path:
     restored: list[int] = []
     for trial in range(trials):
         before = complete_steps_are_valid(cluster, job, 2)
-        procs = cluster.launch(train_args(job, 100_000, log, "--persist-every", "1000"),
-                               placement=["node-a", "node-b"], log_dir=log)
+        procs = cluster.launch(
+            train_args(job, 100_000, log, "--persist-every", "1000"),
+            placement=["node-a", "node-b"],
+            log_dir=log,
+        )
         floor = max(committed_steps(b, job, 1) or [-1]) + 1
         wait_committed(b, job, 1, floor)
         time.sleep(rng.uniform(0.0, 0.6))  # saves run back to back: a random moment
@@ -158,12 +186,14 @@ def test_kill_during_save_never_restores_a_torn_step(cluster: Cluster, tmp_path:
 
 # -- node loss, all memory lost, agent restart ----------------------------------------------
 def test_node_loss_restores_from_peer_then_all_memory_lost_from_persistent(
-        cluster: Cluster, tmp_path: Path) -> None:
+    cluster: Cluster, tmp_path: Path
+) -> None:
     a, b = cluster.add_node("node-a"), cluster.add_node("node-b")
     log = tmp_path / "log"
     job = "loss"
-    procs = cluster.launch(train_args(job, 100_000, log, "--persist-every", "4"),
-                           placement=FOUR_ON_TWO, log_dir=log)
+    procs = cluster.launch(
+        train_args(job, 100_000, log, "--persist-every", "4"), placement=FOUR_ON_TWO, log_dir=log
+    )
     wait_committed(b, job, 3, 9)
     wait_replicated(a, "node-b", job, 9)
     cluster.kill_ranks(procs)
@@ -171,8 +201,9 @@ def test_node_loss_restores_from_peer_then_all_memory_lost_from_persistent(
     b.stop(9)
     b.wipe_memory()
     b.start()
-    procs = cluster.launch(train_args(job, 100_000, log, "--persist-every", "4"),
-                           placement=FOUR_ON_TWO, log_dir=log)
+    procs = cluster.launch(
+        train_args(job, 100_000, log, "--persist-every", "4"), placement=FOUR_ON_TWO, log_dir=log
+    )
     wait_for(lambda: len(restores(log, 2)) == 2, timeout=120, what="rank 2 restored")
     rep = restores(log, 2)[-1]
     assert rep["ok"]
@@ -183,15 +214,20 @@ def test_node_loss_restores_from_peer_then_all_memory_lost_from_persistent(
     cluster.kill_ranks(procs)
 
     # every node's memory is lost: the persistent tier brings the job back
-    persisted = sorted(int(p.parent.name.split("-")[1])
-                       for p in (cluster.persistent_dir / job).glob("step-*/.metadata"))
+    persisted = sorted(
+        int(p.parent.name.split("-")[1])
+        for p in (cluster.persistent_dir / job).glob("step-*/.metadata")
+    )
     assert persisted
     for node in (a, b):
         node.stop(9)
         node.wipe_memory()
         node.start()
-    procs = cluster.launch(train_args(job, persisted[-1] + 4, log, "--persist-every", "4"),
-                           placement=FOUR_ON_TWO, log_dir=log)
+    procs = cluster.launch(
+        train_args(job, persisted[-1] + 4, log, "--persist-every", "4"),
+        placement=FOUR_ON_TWO,
+        log_dir=log,
+    )
     assert cluster.wait_ranks(procs, 300) == [0, 0, 0, 0]
     rep = restores(log, 0)[-1]
     assert rep["step"] in persisted
@@ -200,13 +236,15 @@ def test_node_loss_restores_from_peer_then_all_memory_lost_from_persistent(
     assert losses[max(losses)] < losses[0]
 
 
-def test_training_never_stops_while_its_agent_restarts(cluster: Cluster, tmp_path: Path
-                                                       ) -> None:
+def test_training_never_stops_while_its_agent_restarts(cluster: Cluster, tmp_path: Path) -> None:
     a, b = cluster.add_node("node-a"), cluster.add_node("node-b")
     log = tmp_path / "log"
     job = "agent-restart"
-    procs = cluster.launch(train_args(job, 100_000, log, "--step-sleep", "0.05"),
-                           placement=["node-a", "node-b"], log_dir=log)
+    procs = cluster.launch(
+        train_args(job, 100_000, log, "--step-sleep", "0.05"),
+        placement=["node-a", "node-b"],
+        log_dir=log,
+    )
     wait_committed(b, job, 1, 3)
     b.stop(9)
     down_at = max(committed_steps(b, job, 1))
@@ -236,12 +274,16 @@ def test_same_job_id_with_another_model_is_refused(cluster: Cluster, tmp_path: P
 
 
 def test_restart_at_another_world_size_is_refused_not_started_from_scratch(
-        cluster: Cluster, tmp_path: Path) -> None:
+    cluster: Cluster, tmp_path: Path
+) -> None:
     cluster.add_node("node-a")
     cluster.add_node("node-b")
     log = tmp_path / "log"
-    procs = cluster.launch(train_args("resized", 4, log, "--persist-every", "1"),
-                           placement=["node-a", "node-b"], log_dir=log)
+    procs = cluster.launch(
+        train_args("resized", 4, log, "--persist-every", "1"),
+        placement=["node-a", "node-b"],
+        log_dir=log,
+    )
     assert cluster.wait_ranks(procs, 120) == [0, 0]
     before = sorted(p.name for p in cluster.persistent_dir.rglob("*") if p.is_file())
     job_file = cluster.nodes["node-a"].memory_dir / "jobs" / "resized" / "job.json"
@@ -264,15 +306,26 @@ def test_launcher_stops_the_job_when_a_rank_dies(cluster: Cluster, tmp_path: Pat
     a, b = cluster.add_node("node-a"), cluster.add_node("node-b")
     log = tmp_path / "log"
     launcher = subprocess.Popen(
-        [sys.executable, str(REPO_ROOT / "examples" / "launch.py"), "--node",
-         f"node-a={a.url}", "--node", f"node-b={b.url}", "--", str(REPO_ROOT / "examples" /
-         "train_gpt.py"), *train_args("launched", 100_000, log)],
+        [
+            sys.executable,
+            str(REPO_ROOT / "examples" / "launch.py"),
+            "--node",
+            f"node-a={a.url}",
+            "--node",
+            f"node-b={b.url}",
+            "--",
+            str(REPO_ROOT / "examples" / "train_gpt.py"),
+            *train_args("launched", 100_000, log),
+        ],
         env=base_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"),
-        stderr=subprocess.PIPE, text=True)
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_committed(b, "launched", 1, 2)
-        ranks = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
-                               text=True, check=False).stdout.split()
+        ranks = subprocess.run(
+            ["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True, check=False
+        ).stdout.split()
         assert len(ranks) == 2
         subprocess.run(["kill", "-9", ranks[-1]], check=True)
         # 137 = 128 + SIGKILL; the surviving rank may abort first when gloo sees its peer go
@@ -280,9 +333,14 @@ def test_launcher_stops_the_job_when_a_rank_dies(cluster: Cluster, tmp_path: Pat
         assert launcher.wait(60) in (134, 137, 143)
         assert "stopping the others" in launcher.stderr.read()
         for pid in ranks:
-            wait_for(lambda p=pid: not Path(f"/proc/{p}").exists()
-                     or "Z" in Path(f"/proc/{p}/stat").read_text().split()[2],
-                     timeout=30, what=f"rank process {pid} gone")
+            wait_for(
+                lambda p=pid: (
+                    not Path(f"/proc/{p}").exists()
+                    or "Z" in Path(f"/proc/{p}/stat").read_text().split()[2]
+                ),
+                timeout=30,
+                what=f"rank process {pid} gone",
+            )
     finally:
         if launcher.poll() is None:
             launcher.kill()  # its ranks get SIGTERM (PR_SET_PDEATHSIG)
@@ -297,34 +355,54 @@ def test_ranks_do_not_outlive_a_killed_launcher(cluster: Cluster, tmp_path: Path
     a = cluster.add_node("node-a")
     log = tmp_path / "log"
     launcher = subprocess.Popen(
-        [sys.executable, str(REPO_ROOT / "examples" / "launch.py"), "--node",
-         f"node-a={a.url}", "--ranks-per-node", "2", "--", str(REPO_ROOT / "examples" /
-         "train_gpt.py"), *train_args("orphans", 100_000, log)],
-        env=base_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"))
+        [
+            sys.executable,
+            str(REPO_ROOT / "examples" / "launch.py"),
+            "--node",
+            f"node-a={a.url}",
+            "--ranks-per-node",
+            "2",
+            "--",
+            str(REPO_ROOT / "examples" / "train_gpt.py"),
+            *train_args("orphans", 100_000, log),
+        ],
+        env=base_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"),
+    )
     wait_committed(a, "orphans", 1, 1)
-    ranks = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
-                           text=True, check=False).stdout.split()
+    ranks = subprocess.run(
+        ["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True, check=False
+    ).stdout.split()
     assert len(ranks) == 2
     launcher.kill()
     launcher.wait(10)
     for pid in ranks:
-        wait_for(lambda p=pid: not Path(f"/proc/{p}").exists()
-                 or "Z" in Path(f"/proc/{p}/stat").read_text().split()[2],
-                 timeout=30, what=f"rank {pid} gone after its launcher was killed")
+        wait_for(
+            lambda p=pid: (
+                not Path(f"/proc/{p}").exists()
+                or "Z" in Path(f"/proc/{p}/stat").read_text().split()[2]
+            ),
+            timeout=30,
+            what=f"rank {pid} gone after its launcher was killed",
+        )
 
 
 def test_corrupt_file_in_each_tier_is_detected_and_another_source_used(
-        cluster: Cluster, tmp_path: Path) -> None:
+    cluster: Cluster, tmp_path: Path
+) -> None:
     a, b = cluster.add_node("node-a"), cluster.add_node("node-b")
     log = tmp_path / "log"
     job = "corrupt"
     args = train_args(job, 8, log, "--persist-every", "1")
-    assert cluster.wait_ranks(cluster.launch(args, placement=["node-a", "node-b"],
-                                             log_dir=log), 180) == [0, 0]
+    assert cluster.wait_ranks(
+        cluster.launch(args, placement=["node-a", "node-b"], log_dir=log), 180
+    ) == [0, 0]
     newest = 7
     wait_replicated(a, "node-b", job, newest)
-    wait_for(lambda: (cluster.persistent_dir / job / f"step-{newest}" / ".metadata").exists(),
-             timeout=60, what="persistent step 7")
+    wait_for(
+        lambda: (cluster.persistent_dir / job / f"step-{newest}" / ".metadata").exists(),
+        timeout=60,
+        what="persistent step 7",
+    )
     shard = "__1_0.distcp"
     mem = b.memory_dir / "jobs" / job / f"step-{newest}" / shard
     rep_copy = a.memory_dir / "replicas" / "node-b" / job / f"step-{newest}" / shard
@@ -342,8 +420,9 @@ def test_corrupt_file_in_each_tier_is_detected_and_another_source_used(
 
     # 1. memory copy corrupted → the peer replica is used, same step
     flip(mem)
-    procs = cluster.launch(train_args(job, 8, log, "--persist-every", "1"),
-                           placement=["node-a", "node-b"], log_dir=log)
+    procs = cluster.launch(
+        train_args(job, 8, log, "--persist-every", "1"), placement=["node-a", "node-b"], log_dir=log
+    )
     assert cluster.wait_ranks(procs, 180) == [0, 0]
     rep = restores(log, 1)[-1]
     assert rep["step"] == newest
@@ -352,16 +431,18 @@ def test_corrupt_file_in_each_tier_is_detected_and_another_source_used(
     forget_staged()
     mem.write_bytes(b"")
     rep_copy.write_bytes(b"")
-    procs = cluster.launch(train_args(job, 8, log, "--persist-every", "1"),
-                           placement=["node-a", "node-b"], log_dir=log)
+    procs = cluster.launch(
+        train_args(job, 8, log, "--persist-every", "1"), placement=["node-a", "node-b"], log_dir=log
+    )
     assert cluster.wait_ranks(procs, 180) == [0, 0]
     rep = restores(log, 1)[-1]
     assert rep["step"] == newest
     assert rep["sources"][shard].startswith("persistent:")
     # 3. every copy of step 7's shard bad → the ranks agree on an older step
     flip(per)
-    procs = cluster.launch(train_args(job, 8, log, "--persist-every", "1"),
-                           placement=["node-a", "node-b"], log_dir=log)
+    procs = cluster.launch(
+        train_args(job, 8, log, "--persist-every", "1"), placement=["node-a", "node-b"], log_dir=log
+    )
     assert cluster.wait_ranks(procs, 180) == [0, 0]
     rep0, rep1 = restores(log, 0)[-1], restores(log, 1)[-1]
     assert rep0["step"] == rep1["step"] < newest
@@ -370,7 +451,8 @@ def test_corrupt_file_in_each_tier_is_detected_and_another_source_used(
 
 
 def test_persistent_copy_loads_with_plain_dcp_at_another_world_size(
-        cluster: Cluster, tmp_path: Path) -> None:
+    cluster: Cluster, tmp_path: Path
+) -> None:
     """DDP (replicated tensors) and FSDP2 (DTensor shards) jobs saved at world size 4 load
     with plain torch.distributed.checkpoint at world size 2, unsharded and FSDP2-sharded."""
     cluster.add_node("node-a")
@@ -378,16 +460,25 @@ def test_persistent_copy_loads_with_plain_dcp_at_another_world_size(
     script = Path(__file__).with_name("dcp_plain_load.py")
     for job, extra in (("reshard-ddp", []), ("reshard-fsdp", ["--fsdp"])):
         log = tmp_path / job
-        procs = cluster.launch(train_args(job, 5, log, "--persist-every", "1", "--final",
-                                          *extra), placement=FOUR_ON_TWO, log_dir=log)
+        procs = cluster.launch(
+            train_args(job, 5, log, "--persist-every", "1", "--final", *extra),
+            placement=FOUR_ON_TWO,
+            log_dir=log,
+        )
         assert cluster.wait_ranks(procs, 240) == [0, 0, 0, 0]
         step_dir = cluster.persistent_dir / job / "step-4"
-        wait_for(lambda d=step_dir: (d / ".metadata").exists(), timeout=60,
-                 what=f"persistent step 4 of {job}")
+        wait_for(
+            lambda d=step_dir: (d / ".metadata").exists(),
+            timeout=60,
+            what=f"persistent step 4 of {job}",
+        )
         out = tmp_path / f"{job}-plain" / "out"
-        procs = cluster.launch([str(step_dir), str(out), *SMALL],
-                               placement=["node-a", "node-a"], log_dir=tmp_path / "plain-log",
-                               script=script)
+        procs = cluster.launch(
+            [str(step_dir), str(out), *SMALL],
+            placement=["node-a", "node-a"],
+            log_dir=tmp_path / "plain-log",
+            script=script,
+        )
         assert cluster.wait_ranks(procs, 180) == [0, 0], procs[0].log_tail()
         final = json.loads((log / "final-0.json").read_text())
         for rank in range(2):

@@ -26,33 +26,59 @@ SEED, SECONDS = 1, 60
 
 
 def test_short_demo_recovers_from_its_failure_and_reports_it(tmp_path):
-    planned = list(faults.schedule(faults.load_catalog(), seconds=SECONDS, mtbf_s=60, seed=SEED,
-                                   world_size=4, warmup_s=15, tail_s=25))
+    planned = list(
+        faults.schedule(
+            faults.load_catalog(),
+            seconds=SECONDS,
+            mtbf_s=60,
+            seed=SEED,
+            world_size=4,
+            warmup_s=15,
+            tail_s=25,
+        )
+    )
     assert [(p.kind.component, p.rank) for p in planned] == [("GPU SRAM Memory", 0)]
     port, agent_port = free_port(), port_block(5)
     report_path = tmp_path / "demo-report.json"
     proc = subprocess.Popen(
-        [sys.executable, str(REPO_ROOT / "scripts" / "demo.py"), "--port", str(port),
-         "--agent-port", str(agent_port), "--var-dir", str(tmp_path / "demo"),
-         "--report", str(report_path), "--collector", "simulated"],
-        env={**os.environ, "DEMO_SECONDS": str(SECONDS), "DEMO_MTBF": "60",
-             "DEMO_SEED": str(SEED)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            str(REPO_ROOT / "scripts" / "demo.py"),
+            "--port",
+            str(port),
+            "--agent-port",
+            str(agent_port),
+            "--var-dir",
+            str(tmp_path / "demo"),
+            "--report",
+            str(report_path),
+            "--collector",
+            "simulated",
+        ],
+        env={**os.environ, "DEMO_SECONDS": str(SECONDS), "DEMO_MTBF": "60", "DEMO_SEED": str(SEED)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     page = None
     try:
         url = f"http://127.0.0.1:{port}"
+
         # while it runs: the dashboard serves the live report to the printed token
         def live_report():
             assert proc.poll() is None, "".join(lines)
-            token = next((ln.split(":", 1)[1].strip() for ln in lines
-                          if ln.strip().startswith("sign in")), None)
+            token = next(
+                (ln.split(":", 1)[1].strip() for ln in lines if ln.strip().startswith("sign in")),
+                None,
+            )
             if not token or not report_path.exists():
                 return None
-            r = httpx.get(f"{url}/api/v1/demo/report",
-                          headers={"Authorization": f"Bearer {token}"}, timeout=5)
+            r = httpx.get(
+                f"{url}/api/v1/demo/report", headers={"Authorization": f"Bearer {token}"}, timeout=5
+            )
             return r.json() if r.status_code == 200 else None
 
         page = wait_for(live_report, timeout=120, interval=0.5, what="the live demo report")

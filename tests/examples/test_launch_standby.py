@@ -33,13 +33,25 @@ def script(tmp_path: Path) -> Path:
 
 def test_standby_ranks_take_their_nodes_from_the_go_file(tmp_path):
     go, ranks = tmp_path / "go.json", tmp_path / "ranks.json"
-    proc = subprocess.Popen([sys.executable, str(LAUNCH), "--standby", str(go), "--nnodes", "2",
-                             "--ranks-file", str(ranks), "--",
-                             str(script(tmp_path))])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(LAUNCH),
+            "--standby",
+            str(go),
+            "--nnodes",
+            "2",
+            "--ranks-file",
+            str(ranks),
+            "--",
+            str(script(tmp_path)),
+        ]
+    )
     try:
         assert not ranks.exists()  # no layout before the go file
-        go.write_text(json.dumps({"nodes": [["n1", "http://127.0.0.1:1"],
-                                            ["n2", "http://127.0.0.1:2"]]}))
+        go.write_text(
+            json.dumps({"nodes": [["n1", "http://127.0.0.1:1"], ["n2", "http://127.0.0.1:2"]]})
+        )
         assert proc.wait(120) == 0
     finally:
         proc.kill()
@@ -53,8 +65,20 @@ def test_standby_ranks_take_their_nodes_from_the_go_file(tmp_path):
 
 def test_a_malformed_go_file_stops_the_standby_with_the_reason(tmp_path):
     go = tmp_path / "go.json"
-    proc = subprocess.Popen([sys.executable, str(LAUNCH), "--standby", str(go), "--nnodes", "2",
-                             "--", str(script(tmp_path))], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(LAUNCH),
+            "--standby",
+            str(go),
+            "--nnodes",
+            "2",
+            "--",
+            str(script(tmp_path)),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     go.write_text(json.dumps({"nodes": [["only-one", "http://127.0.0.1:1"]]}))
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
@@ -62,12 +86,30 @@ def test_a_malformed_go_file_stops_the_standby_with_the_reason(tmp_path):
 
 
 def test_nodes_and_standby_together_are_refused(tmp_path):
-    r = subprocess.run([sys.executable, str(LAUNCH), "--node", "a=http://127.0.0.1:1",
-                        "--standby", str(tmp_path / "go.json"), "--nnodes", "1", "--",
-                        "x.py"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(LAUNCH),
+            "--node",
+            "a=http://127.0.0.1:1",
+            "--standby",
+            str(tmp_path / "go.json"),
+            "--nnodes",
+            "1",
+            "--",
+            "x.py",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2
     assert "not both" in r.stderr
-    r = subprocess.run([sys.executable, str(LAUNCH), "--standby", str(tmp_path / "go.json"),
-                        "--", "x.py"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(LAUNCH), "--standby", str(tmp_path / "go.json"), "--", "x.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2
     assert "--standby needs --nnodes" in r.stderr

@@ -14,9 +14,17 @@ AT = datetime(2024, 5, 1, 12, tzinfo=UTC)
 
 
 def _row(gpu_index: int) -> SimpleNamespace:
-    return SimpleNamespace(rule="straggler", severity="degraded", gpu_index=gpu_index,
-                           key="job:1", message="rank 1 is slow", action="INVESTIGATE_STRAGGLER",
-                           evidence=None, first_seen=AT, last_seen=AT)
+    return SimpleNamespace(
+        rule="straggler",
+        severity="degraded",
+        gpu_index=gpu_index,
+        key="job:1",
+        message="rank 1 is slow",
+        action="INVESTIGATE_STRAGGLER",
+        evidence=None,
+        first_seen=AT,
+        last_seen=AT,
+    )
 
 
 def test_a_node_level_reason_has_no_gpu():
@@ -33,7 +41,10 @@ def test_reason_fields_fit_the_api_and_the_rules_engine():
 
 def test_gpu_fields_name_the_throttle_bits_and_count_xids():
     values = dict.fromkeys(GPU_COLUMNS) | {
-        "index": 1, "uuid": "GPU-x", "name": "H100", "ts": AT,
+        "index": 1,
+        "uuid": "GPU-x",
+        "name": "H100",
+        "ts": AT,
         "throttle_reasons": THROTTLE_HW_SLOWDOWN | THROTTLE_HW_THERMAL_SLOWDOWN,
     }
     fields = gpu_fields([values[c] for c in GPU_COLUMNS], xid_count=4)

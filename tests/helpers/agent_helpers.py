@@ -188,8 +188,9 @@ def make_fake_pynvml(
 
     @api
     def nvmlDeviceGetMemoryInfo(gpu, version=None):
-        return types.SimpleNamespace(total=gpu.mem_total, used=gpu.mem_used,
-                                     free=gpu.mem_total - gpu.mem_used)
+        return types.SimpleNamespace(
+            total=gpu.mem_total, used=gpu.mem_used, free=gpu.mem_total - gpu.mem_used
+        )
 
     @api
     def nvmlDeviceGetTotalEccErrors(gpu, error_type, counter_type):
@@ -204,6 +205,7 @@ def make_fake_pynvml(
         return gpu.pcie_replay
 
     if clocks_event_reasons:
+
         @api
         def nvmlDeviceGetCurrentClocksEventReasons(gpu):
             return gpu.reasons
@@ -303,16 +305,16 @@ class Receiver:
                         receiver.batches.append(batch)
                     acked = max(s for e, s in receiver.keys if e == batch.epoch)
                     commands, receiver.commands = receiver.commands, []
-                ack = ReportAck(epoch=batch.epoch, acked_seq=acked, stored=stored,
-                                commands=commands)
+                ack = ReportAck(
+                    epoch=batch.epoch, acked_seq=acked, stored=stored, commands=commands
+                )
                 return self._answer(200, ack.model_dump(mode="json"))
 
         self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,),
-                                        daemon=True)
+        self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self._thread.start()
 
     def stored(self) -> list[ReportBatch]:

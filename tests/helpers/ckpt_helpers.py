@@ -45,14 +45,26 @@ def write_job(memory_dir: Path, job_id: str, layout: list[str], **extra: Any) ->
     """Write ``jobs/<job>/job.json`` as rank 0 would (world_size, layout, signature)."""
     ml = MemoryLayout(memory_dir)
     ml.job_dir(job_id).mkdir(parents=True, exist_ok=True)
-    atomic_write_json(ml.job_file(job_id), {"world_size": len(layout), "layout": layout,
-                                             "signature": SIGNATURE, **extra})
+    atomic_write_json(
+        ml.job_file(job_id),
+        {"world_size": len(layout), "layout": layout, "signature": SIGNATURE, **extra},
+    )
 
 
-def write_step(memory_dir: Path, *, job_id: str, step: int, node: str, layout: list[str],
-               peer_urls: dict[str, str] | None = None, persist: bool = False,
-               retain: dict[str, list[int]] | None = None, shard_bytes: int = 64 * 1024,
-               commit: bool = True, seed: int | None = None) -> dict[int, Any]:
+def write_step(
+    memory_dir: Path,
+    *,
+    job_id: str,
+    step: int,
+    node: str,
+    layout: list[str],
+    peer_urls: dict[str, str] | None = None,
+    persist: bool = False,
+    retain: dict[str, list[int]] | None = None,
+    shard_bytes: int = 64 * 1024,
+    commit: bool = True,
+    seed: int | None = None,
+) -> dict[int, Any]:
     """Write the files of ``node``'s ranks for one step, as the trainer does.
 
     Args:
@@ -91,19 +103,32 @@ def write_step(memory_dir: Path, *, job_id: str, step: int, node: str, layout: l
         for name in names:
             os.replace(tmp / name, step_dir / name)
         tmp.rmdir()
-        m = make_manifest(job_id=job_id, step=step, rank=r, world_size=world, node=node,
-                          directory=step_dir, names=names, signature=SIGNATURE,
-                          created_at="2026-01-01T00:00:00+00:00")
+        m = make_manifest(
+            job_id=job_id,
+            step=step,
+            rank=r,
+            world_size=world,
+            node=node,
+            directory=step_dir,
+            names=names,
+            signature=SIGNATURE,
+            created_at="2026-01-01T00:00:00+00:00",
+        )
         atomic_write_json(step_dir / manifest_name(r), m)
         manifests[r] = m
     if commit:
         for r in ranks:
-            marker = CommitMarker(job_id=job_id, step=step, rank=r, world_size=world,
-                                  persist=persist,
-                                  retain=retain or {"memory": [step], "peer": [step],
-                                                    "persistent": [step]},
-                                  layout=layout, peer_urls=peer_urls or {},
-                                  created_at="2026-01-01T00:00:00+00:00")
+            marker = CommitMarker(
+                job_id=job_id,
+                step=step,
+                rank=r,
+                world_size=world,
+                persist=persist,
+                retain=retain or {"memory": [step], "peer": [step], "persistent": [step]},
+                layout=layout,
+                peer_urls=peer_urls or {},
+                created_at="2026-01-01T00:00:00+00:00",
+            )
             atomic_write_json(step_dir / commit_name(r), marker)
     return manifests
 
@@ -152,20 +177,42 @@ class CkptAgent:
         d = self.workdir / self.node
         d.mkdir(parents=True, exist_ok=True)
         args = [
-            str(BIN / "tierwatch-agent"), "run", "--node", self.node,
-            "--server", self.receiver.url, "--token", TOKEN, "--collector", "simulated",
-            "--sim-gpus", "1", "--interval", "0.2", "--listen", f"127.0.0.1:{self.port}",
-            "--spool-dir", str(d / "spool"), "--memory-dir", str(self.memory_dir),
-            "--persistent-url", self.persistent_url, "--replication", str(self.replication),
-            "--ckpt-scan-interval", "0.2", *self.extra_args,
+            str(BIN / "tierwatch-agent"),
+            "run",
+            "--node",
+            self.node,
+            "--server",
+            self.receiver.url,
+            "--token",
+            TOKEN,
+            "--collector",
+            "simulated",
+            "--sim-gpus",
+            "1",
+            "--interval",
+            "0.2",
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--spool-dir",
+            str(d / "spool"),
+            "--memory-dir",
+            str(self.memory_dir),
+            "--persistent-url",
+            self.persistent_url,
+            "--replication",
+            str(self.replication),
+            "--ckpt-scan-interval",
+            "0.2",
+            *self.extra_args,
         ]
         if self.peer_token:
             args += ["--peer-token", self.peer_token]
         if self.memory_budget:
             args += ["--memory-budget", self.memory_budget]
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-        self.popen = subprocess.Popen(args, env=base_env(), stdout=log, stderr=subprocess.STDOUT,
-                                      preexec_fn=self.preexec_fn)  # noqa: PLW1509
+        self.popen = subprocess.Popen(
+            args, env=base_env(), stdout=log, stderr=subprocess.STDOUT, preexec_fn=self.preexec_fn
+        )  # noqa: PLW1509
         log.close()
         self.starts += 1
         wait_until(self._ready, timeout=30, what=f"agent {self.node} up\n{self.log_tail()}")
@@ -204,8 +251,9 @@ class CkptAgent:
             return ""
 
     def notify(self, job_id: str, step: int) -> None:
-        r = httpx.post(f"{self.url}/v1/ckpt/notify", json={"job_id": job_id, "step": step},
-                       timeout=5)
+        r = httpx.post(
+            f"{self.url}/v1/ckpt/notify", json={"job_id": job_id, "step": step}, timeout=5
+        )
         assert r.status_code == 200, r.text
 
     def replica_dir(self, src: str, job_id: str, step: int) -> Path:
@@ -215,8 +263,9 @@ class CkptAgent:
         return MemoryLayout(self.memory_dir).step_dir(job_id, step)
 
 
-def ckpt_events(receiver: Receiver, *, node: str | None = None, epoch: str | None = None,
-                **match: Any) -> list[CheckpointEvent]:
+def ckpt_events(
+    receiver: Receiver, *, node: str | None = None, epoch: str | None = None, **match: Any
+) -> list[CheckpointEvent]:
     """Checkpoint events the receiver got (optionally from one node/epoch, matching fields)."""
     out = []
     for b in receiver.stored():
@@ -230,10 +279,17 @@ def ckpt_events(receiver: Receiver, *, node: str | None = None, epoch: str | Non
     return out
 
 
-def wait_event(receiver: Receiver, *, timeout: float = 20, what: str = "event",
-               contains: str | None = None, agent: CkptAgent | None = None,
-               **match: Any) -> CheckpointEvent:
+def wait_event(
+    receiver: Receiver,
+    *,
+    timeout: float = 20,
+    what: str = "event",
+    contains: str | None = None,
+    agent: CkptAgent | None = None,
+    **match: Any,
+) -> CheckpointEvent:
     """Wait for a checkpoint event matching ``match`` (and ``contains`` in its message)."""
+
     def found() -> CheckpointEvent | None:
         for e in ckpt_events(receiver, **match):
             if contains is None or contains in e.message:
@@ -253,8 +309,11 @@ def wait_more_batches(receiver: Receiver, node: str, n: int, timeout: float = 20
     """Wait until ``node`` sent ``n`` more batches (each agent pass runs at least once per
     batch interval here, so this lets the agent's worker run several times)."""
     start = batches_from(receiver, node)
-    wait_until(lambda: batches_from(receiver, node) >= start + n, timeout=timeout,
-               what=f"{n} more batches from {node}")
+    wait_until(
+        lambda: batches_from(receiver, node) >= start + n,
+        timeout=timeout,
+        what=f"{n} more batches from {node}",
+    )
 
 
 def read_json(path: Path) -> Any:

@@ -30,8 +30,12 @@ def start_agent(tmp_path: Path, server: Server) -> Iterator:
     def _start(node: str, *, interval: float = 1.0, extra_args: list[str] | None = None) -> Agent:
         token = server.token("agent", node)
         agent = make_agent(
-            tmp_path / "agents", node=node, server_url=server.url, token=token,
-            interval=interval, extra_args=extra_args,
+            tmp_path / "agents",
+            node=node,
+            server_url=server.url,
+            token=token,
+            interval=interval,
+            extra_args=extra_args,
         )
         agent.proc.start()
         agents.append(agent)
@@ -43,8 +47,14 @@ def start_agent(tmp_path: Path, server: Server) -> Iterator:
 
 
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 @pytest.fixture

@@ -25,8 +25,6 @@ BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-
-
 def port_block(count: int, attempts: int = 50) -> int:
     """The first of ``count`` consecutive free ports on 127.0.0.1.
 
@@ -204,17 +202,28 @@ def make_agent(
     args = [
         str(BIN / "tierwatch-agent"),
         "run",
-        "--node", node,
-        "--server", server_url,
-        "--token", token,
-        "--collector", "simulated",
-        "--interval", str(interval),
-        "--listen", f"127.0.0.1:{port}",
-        "--spool-dir", str(d / "spool"),
-        "--sim-gpus", "8",
-        "--sim-seed", "7",
-        "--memory-dir", str(d / "memory"),
-        "--state-dir", str(d / "state"),
+        "--node",
+        node,
+        "--server",
+        server_url,
+        "--token",
+        token,
+        "--collector",
+        "simulated",
+        "--interval",
+        str(interval),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--spool-dir",
+        str(d / "spool"),
+        "--sim-gpus",
+        "8",
+        "--sim-seed",
+        "7",
+        "--memory-dir",
+        str(d / "memory"),
+        "--state-dir",
+        str(d / "state"),
         *(extra_args or []),
     ]
     proc = Proc(node, args, base_env(), d / "agent.log")

@@ -22,8 +22,15 @@ CSRF_RE = re.compile(r'name="csrf_token" value="([^"]+)"')
 def committed(step: int, tier: str, rank: int | None) -> CheckpointEvent:
     """A committed checkpoint event of :data:`JOB`."""
     return CheckpointEvent(
-        job_id=JOB, step=step, tier=tier, kind="committed", rank=rank,
-        world_size=None if rank is None else 2, ts=utcnow(), bytes=100, seconds=0.5,
+        job_id=JOB,
+        step=step,
+        tier=tier,
+        kind="committed",
+        rank=rank,
+        world_size=None if rank is None else 2,
+        ts=utcnow(),
+        bytes=100,
+        seconds=0.5,
     )
 
 
@@ -34,18 +41,38 @@ def seed_cluster(client: TestClient, tokens: dict[str, str | None]) -> None:
         r = post_batch(client, token, make_batch(node, seq))
         assert r.status_code == 200, r.text
     batches = [
-        ("n1", tokens["agent_n1"], ReportBatch(
-            node="n1", epoch="epoch-1", seq=2, sent_at=utcnow(),
-            progress=[JobProgress(job_id=JOB, rank=0, world_size=2, step=25, ts=utcnow(),
-                                  layout=LAYOUT)],
-            checkpoint_events=[committed(10, "memory", 0), committed(20, "memory", 0),
-                               committed(10, "persistent", None)],
-        )),
-        ("n2", tokens["agent_n2"], ReportBatch(
-            node="n2", epoch="epoch-1", seq=2, sent_at=utcnow(),
-            progress=[JobProgress(job_id=JOB, rank=1, world_size=2, step=25, ts=utcnow())],
-            checkpoint_events=[committed(10, "memory", 1), committed(20, "memory", 1)],
-        )),
+        (
+            "n1",
+            tokens["agent_n1"],
+            ReportBatch(
+                node="n1",
+                epoch="epoch-1",
+                seq=2,
+                sent_at=utcnow(),
+                progress=[
+                    JobProgress(
+                        job_id=JOB, rank=0, world_size=2, step=25, ts=utcnow(), layout=LAYOUT
+                    )
+                ],
+                checkpoint_events=[
+                    committed(10, "memory", 0),
+                    committed(20, "memory", 0),
+                    committed(10, "persistent", None),
+                ],
+            ),
+        ),
+        (
+            "n2",
+            tokens["agent_n2"],
+            ReportBatch(
+                node="n2",
+                epoch="epoch-1",
+                seq=2,
+                sent_at=utcnow(),
+                progress=[JobProgress(job_id=JOB, rank=1, world_size=2, step=25, ts=utcnow())],
+                checkpoint_events=[committed(10, "memory", 1), committed(20, "memory", 1)],
+            ),
+        ),
     ]
     for _, token, batch in batches:
         r = post_batch(client, token, batch)

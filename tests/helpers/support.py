@@ -54,8 +54,6 @@ def migrated_database(backend: str, tmp_path_factory: pytest.TempPathFactory) ->
         admin.dispose()
 
 
-
-
 def auth(token: str) -> dict[str, str]:
     """The Authorization header for a bearer token."""
     return {"Authorization": f"Bearer {token}"}

@@ -43,8 +43,11 @@ class Node:
 
     def start(self) -> Node:
         self.proc = Proc(self.name, self.args, self.proc.env, self.proc.log_path).start()
-        wait_for(lambda: httpx.get(f"{self.url}/v1/ckpt/info", timeout=1).status_code == 200,
-                 timeout=30, what=f"agent {self.name}\n{self.proc.log_tail()}")
+        wait_for(
+            lambda: httpx.get(f"{self.url}/v1/ckpt/info", timeout=1).status_code == 200,
+            timeout=30,
+            what=f"agent {self.name}\n{self.proc.log_tail()}",
+        )
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
@@ -82,11 +85,15 @@ class InProcessNode:
         self.runtime = AgentRuntime(self.settings)
         self.runtime.start()
         self._count_request_reads()
-        self.thread = threading.Thread(target=self.runtime.run, name=f"agent-{self.name}",
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.runtime.run, name=f"agent-{self.name}", daemon=True
+        )
         self.thread.start()
-        wait_for(lambda: httpx.get(f"{self.url}/v1/ckpt/info", timeout=1).status_code == 200,
-                 timeout=30, what=f"in-process agent {self.name}")
+        wait_for(
+            lambda: httpx.get(f"{self.url}/v1/ckpt/info", timeout=1).status_code == 200,
+            timeout=30,
+            what=f"in-process agent {self.name}",
+        )
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:  # noqa: ARG002 - as Node.stop
@@ -121,8 +128,12 @@ class InProcessNode:
         job = command.args["job_id"]
         before = self.request_reads.get(job, 0)
         self.deliver(command)
-        wait_for(lambda: self.request_reads.get(job, 0) >= before + 2, timeout=timeout,
-                 interval=0.02, what=f"{self.name}'s ranks reading {job}'s restore requests")
+        wait_for(
+            lambda: self.request_reads.get(job, 0) >= before + 2,
+            timeout=timeout,
+            interval=0.02,
+            what=f"{self.name}'s ranks reading {job}'s restore requests",
+        )
 
     def spooled_restores(self) -> list[dict[str, Any]]:
         """Restore reports in the batches this agent built and has not delivered."""
@@ -188,8 +199,9 @@ class Gate:
         tmp.write_text(str(steps))
         os.replace(tmp, self.path)
 
-    def step_until(self, first: int, last: int, done: Any, *, log_dir: Path,
-                   timeout: float = 60) -> int:
+    def step_until(
+        self, first: int, last: int, done: Any, *, log_dir: Path, timeout: float = 60
+    ) -> int:
         """Open steps one by one from ``first`` up to ``last``, each once rank 0 has logged
         the one before, until ``done()`` holds; returns the number of steps then open.
 
@@ -200,22 +212,40 @@ class Gate:
             self.open(n)
             if done():
                 return n
-            wait_for(lambda n=n: done() or any(x.get("step") == n - 1 for x in
-                                               read_log(log_dir)[-3:]),
-                     timeout=timeout, what=f"step {n - 1} logged")
+            wait_for(
+                lambda n=n: done() or any(x.get("step") == n - 1 for x in read_log(log_dir)[-3:]),
+                timeout=timeout,
+                what=f"step {n - 1} logged",
+            )
         if done():
             return last
         raise TimeoutError(f"steps up to {last} ran and the condition still does not hold")
 
 
-def restore_command(*, request_id: int, job_id: str, step: int, tier: str | None = None,
-                    reason: str = "test rollback", actor: str = "pytest") -> Any:
+def restore_command(
+    *,
+    request_id: int,
+    job_id: str,
+    step: int,
+    tier: str | None = None,
+    reason: str = "test rollback",
+    actor: str = "pytest",
+) -> Any:
     """A ``restore`` Command exactly as the server sends it to each of the job's agents."""
     from tierwatch.agent.protocol import Command
 
-    return Command(id=uuid.uuid4().hex[:24], kind="restore",
-                   args={"request_id": request_id, "job_id": job_id, "step": step,
-                         "tier": tier, "reason": reason, "actor": actor})
+    return Command(
+        id=uuid.uuid4().hex[:24],
+        kind="restore",
+        args={
+            "request_id": request_id,
+            "job_id": job_id,
+            "step": step,
+            "tier": tier,
+            "reason": reason,
+            "actor": actor,
+        },
+    )
 
 
 @dataclass
@@ -232,26 +262,57 @@ class Cluster:
     def persistent_url(self) -> str:
         return f"file://{self.persistent_dir}"
 
-    def add_node(self, name: str, *, extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None, start: bool = True) -> Node:
+    def add_node(
+        self,
+        name: str,
+        *,
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        start: bool = True,
+    ) -> Node:
         port = free_port()
         d = self.root / "nodes" / name
         d.mkdir(parents=True, exist_ok=True)
         server_url = self.server.url if self.server else "http://127.0.0.1:9"
         token = self.server.token("agent", name) if self.server else "no-server-token"
         args = [
-            str(BIN / "tierwatch-agent"), "run", "--node", name, "--server", server_url,
-            "--token", token, "--collector", "simulated", "--interval", "1",
-            "--listen", f"127.0.0.1:{port}", "--spool-dir", str(d / "spool"),
-            "--sim-gpus", "2", "--memory-dir", str(d / "memory"),
-            "--persistent-url", self.persistent_url, "--ckpt-scan-interval", "0.5",
-            "--state-dir", str(d / "state"), *(extra_args or []),
+            str(BIN / "tierwatch-agent"),
+            "run",
+            "--node",
+            name,
+            "--server",
+            server_url,
+            "--token",
+            token,
+            "--collector",
+            "simulated",
+            "--interval",
+            "1",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--spool-dir",
+            str(d / "spool"),
+            "--sim-gpus",
+            "2",
+            "--memory-dir",
+            str(d / "memory"),
+            "--persistent-url",
+            self.persistent_url,
+            "--ckpt-scan-interval",
+            "0.5",
+            "--state-dir",
+            str(d / "state"),
+            *(extra_args or []),
         ]
         # Without a server a stopping agent would spend its whole shutdown flush on an
         # address nobody listens on.
         flush = {} if self.server else {"TIERWATCH_SHUTDOWN_FLUSH_S": "0.2"}
-        proc = Proc(name, args, base_env(TIERWATCH_PEER_TOKEN=PEER_TOKEN,
-                                         **{**flush, **(env or {})}), d / "agent.log")
+        proc = Proc(
+            name,
+            args,
+            base_env(TIERWATCH_PEER_TOKEN=PEER_TOKEN, **{**flush, **(env or {})}),
+            d / "agent.log",
+        )
         node = Node(name, port, d / "memory", proc, args)
         self.nodes[name] = node
         if start:
@@ -265,21 +326,37 @@ class Cluster:
         d = self.root / "nodes" / name
         d.mkdir(parents=True, exist_ok=True)
         settings = AgentSettings(
-            node=name, server=self.server.url if self.server else "http://127.0.0.1:9",
+            node=name,
+            server=self.server.url if self.server else "http://127.0.0.1:9",
             token=self.server.token("agent", name) if self.server else "no-server-token",
-            collector="simulated", interval=1, listen="127.0.0.1:0",
-            spool_dir=d / "spool", sim_gpus=2, memory_dir=d / "memory",
-            persistent_url=self.persistent_url, ckpt_scan_interval=0.5, state_dir=d / "state",
-            peer_token=PEER_TOKEN, log_level="INFO",
-            shutdown_flush_s=1.0 if self.server else 0.2)
+            collector="simulated",
+            interval=1,
+            listen="127.0.0.1:0",
+            spool_dir=d / "spool",
+            sim_gpus=2,
+            memory_dir=d / "memory",
+            persistent_url=self.persistent_url,
+            ckpt_scan_interval=0.5,
+            state_dir=d / "state",
+            peer_token=PEER_TOKEN,
+            log_level="INFO",
+            shutdown_flush_s=1.0 if self.server else 0.2,
+        )
         node = InProcessNode(name, d / "memory", d / "spool", settings)
         self.nodes[name] = node
         if start:
             node.start()
         return node
 
-    def launch(self, script_args: list[str], *, placement: list[str], log_dir: Path,
-               script: Path = TRAIN_GPT, env: dict[str, str] | None = None) -> list[Proc]:
+    def launch(
+        self,
+        script_args: list[str],
+        *,
+        placement: list[str],
+        log_dir: Path,
+        script: Path = TRAIN_GPT,
+        env: dict[str, str] | None = None,
+    ) -> list[Proc]:
         """Start one process per rank; ``placement[r]`` is the node of rank r."""
         port = free_port()
         world = len(placement)
@@ -287,17 +364,26 @@ class Cluster:
         log_dir.mkdir(parents=True, exist_ok=True)
         for rank, name in enumerate(placement):
             local = placement[:rank].count(name)
-            e = base_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
-                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                         TIERWATCH_AGENT_URL=self.nodes[name].url,
-                         PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", **(env or {}))
-            procs.append(warm.start_rank(f"rank{rank}", script, script_args, e,
-                                         log_dir / f"rank{rank}.out"))
+            e = base_env(
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(local),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                TIERWATCH_AGENT_URL=self.nodes[name].url,
+                PYTHONPATH=str(REPO_ROOT),
+                OMP_NUM_THREADS="1",
+                **(env or {}),
+            )
+            procs.append(
+                warm.start_rank(f"rank{rank}", script, script_args, e, log_dir / f"rank{rank}.out")
+            )
         self.ranks = procs
         return procs
 
     def wait_ranks(self, procs: list[Proc], timeout: float) -> list[int]:
         """Wait for every rank to exit; their return codes."""
+
         def done() -> bool:
             return all(not p.running for p in procs)
 
@@ -326,16 +412,18 @@ class Cluster:
             self.server.stop()
 
 
-def start_cluster(root: Path, *, with_server: bool,
-                  server_env: dict[str, str] | None = None) -> Cluster:
+def start_cluster(
+    root: Path, *, with_server: bool, server_env: dict[str, str] | None = None
+) -> Cluster:
     """A cluster whose server (when wanted) uses a SQLite file under ``root``; ``server_env``
     adds ``TIERWATCH_*`` settings to the server process."""
     root.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(root=root, persistent_dir=root / "persistent")
     cluster.persistent_dir.mkdir()
     if with_server:
-        cluster.server = make_server(root / "server", f"sqlite:///{root / 'server.db'}",
-                                     **(server_env or {}))
+        cluster.server = make_server(
+            root / "server", f"sqlite:///{root / 'server.db'}", **(server_env or {})
+        )
         cluster.server.start()
     return cluster
 
@@ -371,20 +459,41 @@ def read_restores(log_dir: Path, rank: int = 0) -> list[int | None]:
     return seen
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120
-            ) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     """``tierwatch-agent ARGS`` with output captured."""
-    return subprocess.run([str(BIN / "tierwatch-agent"), *args], capture_output=True,
-                          text=True, timeout=timeout, env=base_env(**(env or {})))
+    return subprocess.run(
+        [str(BIN / "tierwatch-agent"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=base_env(**(env or {})),
+    )
 
 
 def read_log(log_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
     """Every line of a rank's JSON-lines log, in order (runs and rollbacks included)."""
     path = log_dir / f"rank-{rank}.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] \
-        if path.exists() else []
+    return (
+        [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    )
 
 
-__all__ = ["Background", "Cluster", "Gate", "InProcessNode", "Node", "PEER_TOKEN",
-           "committed_steps", "read_log", "read_losses", "read_restores", "restore_command",
-           "run_cli", "run_in_thread", "runs_of", "start_cluster"]
+__all__ = [
+    "Background",
+    "Cluster",
+    "Gate",
+    "InProcessNode",
+    "Node",
+    "PEER_TOKEN",
+    "committed_steps",
+    "read_log",
+    "read_losses",
+    "read_restores",
+    "restore_command",
+    "run_cli",
+    "run_in_thread",
+    "runs_of",
+    "start_cluster",
+]

@@ -87,8 +87,9 @@ class ForkedRank:
         self.send_signal(signal.SIGKILL)
 
 
-def start_rank(name: str, script: Path, args: list[str], env: dict[str, str],
-               log_path: Path) -> Proc:
+def start_rank(
+    name: str, script: Path, args: list[str], env: dict[str, str], log_path: Path
+) -> Proc:
     """Run ``python script args`` with ``env`` as a rank process; forked when ``env`` agrees
     with the fork server's start-up environment, else started cold."""
     argv = [sys.executable, str(script), *args]
@@ -97,7 +98,11 @@ def start_rank(name: str, script: Path, args: list[str], env: dict[str, str],
     import warm_rank
 
     # daemon: a rank a test left running is ended when the test process exits
-    process = _context().Process(target=warm_rank.run_script, name=name, daemon=True,
-                                 args=(str(script), args, env, str(log_path)))
+    process = _context().Process(
+        target=warm_rank.run_script,
+        name=name,
+        daemon=True,
+        args=(str(script), args, env, str(log_path)),
+    )
     process.start()
     return Proc(name, argv, env, log_path, popen=ForkedRank(process))  # type: ignore[arg-type]

@@ -43,8 +43,11 @@ def _hammer(url: str, token: str) -> list[tuple[str, int, bool | None]]:
 
 
 def test_concurrent_isolate_release_leaves_a_consistent_state(server, make_token):
-    tokens = {"agent_n1": make_token("agent", "n1"), "agent_n2": make_token("agent", "n2"),
-              "viewer": make_token("viewer")}
+    tokens = {
+        "agent_n1": make_token("agent", "n1"),
+        "agent_n2": make_token("agent", "n2"),
+        "viewer": make_token("viewer"),
+    }
     operator = make_token("operator")
     with httpx.Client(base_url=server.url, timeout=30) as c:
         seed_cluster(c, tokens)  # type: ignore[arg-type]
@@ -56,8 +59,9 @@ def test_concurrent_isolate_release_leaves_a_consistent_state(server, make_token
     with httpx.Client(base_url=server.url, headers=auth(tokens["viewer"]), timeout=30) as c:
         entries = c.get("/api/v1/audit", params={"target": "n1", "limit": 1000}).json()
         node = c.get("/api/v1/nodes/n1").json()
-    entries = sorted((e for e in entries if e["action"] in ("isolate", "release")),
-                     key=lambda e: e["id"])
+    entries = sorted(
+        (e for e in entries if e["action"] in ("isolate", "release")), key=lambda e: e["id"]
+    )
     assert len(entries) == THREADS * ROUNDS
     assert {e["outcome"] for e in entries} <= {"ok", "noop"}
     ok = [e["action"] for e in entries if e["outcome"] == "ok"]

@@ -96,17 +96,18 @@ API_WRITES = [
 ]
 
 
-@pytest.mark.parametrize(("method", "path", "body"), API_WRITES,
-                         ids=[f"{m} {p}" for m, p, _ in API_WRITES])
+@pytest.mark.parametrize(
+    ("method", "path", "body"), API_WRITES, ids=[f"{m} {p}" for m, p, _ in API_WRITES]
+)
 def test_bearer_api_calls_need_no_csrf_token(seeded, tokens, method, path, body):
     r = seeded.request(method, path, json=body, headers=auth(tokens["admin"]))
     assert 200 <= r.status_code < 300, r.text
 
 
-@pytest.mark.parametrize(("method", "path", "body"), API_WRITES,
-                         ids=[f"{m} {p}" for m, p, _ in API_WRITES])
-def test_cookie_session_api_writes_need_the_csrf_header(app, seeded, tokens, method, path,
-                                                        body):
+@pytest.mark.parametrize(
+    ("method", "path", "body"), API_WRITES, ids=[f"{m} {p}" for m, p, _ in API_WRITES]
+)
+def test_cookie_session_api_writes_need_the_csrf_header(app, seeded, tokens, method, path, body):
     """The session cookie also authenticates API calls (the dashboard's charts read with
     it); a state-changing one without the session's CSRF token must not go through, or any
     page could make a signed-in browser isolate nodes."""
@@ -143,8 +144,9 @@ def limited_app(settings):  # type: ignore[no-untyped-def]
 
 
 def _attempt(browser: TestClient, token: str):  # type: ignore[no-untyped-def]
-    return browser.post("/login", data={"token": token, "next": "/",
-                                        "csrf_token": anonymous_csrf(browser)})
+    return browser.post(
+        "/login", data={"token": token, "next": "/", "csrf_token": anonymous_csrf(browser)}
+    )
 
 
 def test_sign_in_is_rate_limited_per_client_address(limited_app, make_token):

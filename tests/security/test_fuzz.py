@@ -48,8 +48,12 @@ FUZZ_EXAMPLES = int(os.environ.get("TIERWATCH_FUZZ_EXAMPLES", "10"))
 CHECKS = (
     [not_a_server_error]
     if os.environ.get("TIERWATCH_FUZZ_CHECKS") == "5xx"
-    else [not_a_server_error, response_schema_conformance, status_code_conformance,
-          content_type_conformance]
+    else [
+        not_a_server_error,
+        response_schema_conformance,
+        status_code_conformance,
+        content_type_conformance,
+    ]
 )
 AGENT_PATHS = {"/api/v1/ingest/report"}
 
@@ -93,12 +97,14 @@ def fuzz_app(app, client, tokens):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("label", OPERATIONS)
 def test_api_fuzz(fuzz_app, tokens, label):
     operation = schemathesis.openapi.from_asgi("/openapi.json", fuzz_app).find_operation_by_label(
-        label)
+        label
+    )
     assert operation is not None, label
     token = tokens["agent_n1"] if operation.path in AGENT_PATHS else tokens["admin"]
     positive = operation.as_strategy(GenerationMode.POSITIVE)
-    strategy = st.one_of(positive, positive.map(_known_ids),
-                         operation.as_strategy(GenerationMode.NEGATIVE))
+    strategy = st.one_of(
+        positive, positive.map(_known_ids), operation.as_strategy(GenerationMode.NEGATIVE)
+    )
     seen = []
 
     @given(case=strategy)
@@ -124,8 +130,7 @@ def test_api_fuzz(fuzz_app, tokens, label):
         # outcome), for the numbers in docs/benchmarks.md.
         if os.environ.get("TIERWATCH_FUZZ_REPORT"):
             with open(os.environ["TIERWATCH_FUZZ_REPORT"], "a") as out:
-                out.write(f"{label}\t{len(seen)}\t{time.monotonic() - started:.2f}\t"
-                          f"{outcome}\n")
+                out.write(f"{label}\t{len(seen)}\t{time.monotonic() - started:.2f}\t{outcome}\n")
 
 
 def test_schema_lists_every_api_route(fuzz_app):
@@ -133,8 +138,7 @@ def test_schema_lists_every_api_route(fuzz_app):
     with TestClient(fuzz_app) as c:
         paths = c.get("/openapi.json").json()["paths"]
     api = {
-        r.path for r in iter_route_contexts(fuzz_app.routes)
-        if (r.path or "").startswith("/api/")
+        r.path for r in iter_route_contexts(fuzz_app.routes) if (r.path or "").startswith("/api/")
     }
     assert api <= paths.keys(), sorted(api - paths.keys())
     assert len(OPERATIONS) == sum(len(methods) for methods in paths.values())

@@ -19,12 +19,12 @@ from tierwatch.server.tokens import TokenError, create_token
 PAYLOADS = (
     '<script>window.__pwned="script"</script>',
     "<img src=x onerror=\"window.__pwned='img';alert(1)\">",
-    "\"><svg onload=\"window.__pwned='svg'\">",
+    '"><svg onload="window.__pwned=\'svg\'">',
     "javascript:window.__pwned='js'",
     "{{7*7}} {% raw %}${7*7}",
     "'; DROP TABLE nodes; --",
     "<a href=\"javascript:window.__pwned='href'\" id=pwn-link>x</a>",
-    "<div hx-post=\"/logout\" hx-trigger=\"load\">htmx</div>",
+    '<div hx-post="/logout" hx-trigger="load">htmx</div>',
 )
 COMBINED = " | ".join(PAYLOADS)
 SQL = "'; DROP TABLE nodes; --"
@@ -33,8 +33,23 @@ SQL = "'; DROP TABLE nodes; --"
 # --- node names ----------------------------------------------------------------------------
 
 ALLOWED_NAMES = ["A", "gpu-node_01.rack3", "0node", "n" * 128]
-REFUSED_NAMES = ["", "-lead", ".hidden", "_x", "n1 ", " n1", "n1\n", "n1/x", "../etc",
-                 "n" * 129, "<script>", "n1;drop", "nœud", "n1%00", "n1\x00"]
+REFUSED_NAMES = [
+    "",
+    "-lead",
+    ".hidden",
+    "_x",
+    "n1 ",
+    " n1",
+    "n1\n",
+    "n1/x",
+    "../etc",
+    "n" * 129,
+    "<script>",
+    "n1;drop",
+    "nœud",
+    "n1%00",
+    "n1\x00",
+]
 
 
 @pytest.mark.parametrize("name", ALLOWED_NAMES, ids=lambda n: n[:20])
@@ -48,8 +63,7 @@ def test_node_names_of_the_protocol_pattern_are_accepted(client, make_token, nam
 
 
 @pytest.mark.parametrize("name", REFUSED_NAMES, ids=repr)
-def test_other_node_names_are_refused_by_the_report_and_the_token(app, client, make_token,
-                                                                  name):
+def test_other_node_names_are_refused_by_the_report_and_the_token(app, client, make_token, name):
     body = make_batch("n1", 1).model_dump(mode="json") | {"node": name}
     r = client.post("/api/v1/ingest/report", json=body, headers=auth(make_token("agent", "n1")))
     assert r.status_code == 422, r.text
@@ -72,22 +86,36 @@ def test_sql_looking_input_is_stored_and_returned_literally(seeded, tokens):
     r = client.post(f"/api/v1/jobs/{JOB}/restore", json={"reason": SQL}, headers=op)
     assert r.status_code == 202, r.text
     assert r.json()["reason"] == SQL
-    post_batch(client, tokens["agent_n1"], ReportBatch(
-        node="n1", epoch="epoch-1", seq=3, sent_at=utcnow(),
-        events=[AgentEvent(kind="collector", ts=utcnow(), message=SQL)]))
+    post_batch(
+        client,
+        tokens["agent_n1"],
+        ReportBatch(
+            node="n1",
+            epoch="epoch-1",
+            seq=3,
+            sent_at=utcnow(),
+            events=[AgentEvent(kind="collector", ts=utcnow(), message=SQL)],
+        ),
+    )
     viewer = auth(tokens["viewer"])
     assert client.get("/api/v1/nodes/n1", headers=viewer).json()["isolation"]["reason"] == SQL
     reasons = [e["reason"] for e in client.get("/api/v1/audit", headers=viewer).json()]
     assert SQL in reasons
-    messages = [e["message"] for e in client.get("/api/v1/events", params={"kind": "agent"},
-                                                   headers=viewer).json()]
+    messages = [
+        e["message"]
+        for e in client.get("/api/v1/events", params={"kind": "agent"}, headers=viewer).json()
+    ]
     assert f"collector: {SQL}" in messages
     # The tables are all still there, and SQL in a filter matches nothing.
     assert [n["name"] for n in client.get("/api/v1/nodes", headers=viewer).json()["nodes"]] == [
-        "n1", "n2"]
-    for path, params in (("/api/v1/nodes", {"name": "' OR '1'='1"}),
-                         ("/api/v1/audit", {"actor": "' OR 1=1 --"}),
-                         ("/api/v1/commands", {"node": "x' OR 'a'='a"})):
+        "n1",
+        "n2",
+    ]
+    for path, params in (
+        ("/api/v1/nodes", {"name": "' OR '1'='1"}),
+        ("/api/v1/audit", {"actor": "' OR 1=1 --"}),
+        ("/api/v1/commands", {"node": "x' OR 'a'='a"}),
+    ):
         r = client.get(path, params=params, headers=viewer)
         assert r.status_code == 200, (path, r.text)
         body = r.json()
@@ -99,12 +127,15 @@ def test_sql_looking_input_is_stored_and_returned_literally(seeded, tokens):
     assert r.json()["detail"] == "no node named \"n1' OR '1'='1\""
 
 
-@pytest.mark.parametrize(("path", "body", "named"), [
-    ("/api/v1/nodes/ghost-7/isolate", {"reason": "x"}, "ghost-7"),
-    ("/api/v1/nodes/ghost-7/release", {"reason": "x"}, "ghost-7"),
-    ("/api/v1/nodes/ghost-7/ack", {}, "ghost-7"),
-    ("/api/v1/jobs/ghost-job/restore", {"reason": "x"}, "ghost-job"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "named"),
+    [
+        ("/api/v1/nodes/ghost-7/isolate", {"reason": "x"}, "ghost-7"),
+        ("/api/v1/nodes/ghost-7/release", {"reason": "x"}, "ghost-7"),
+        ("/api/v1/nodes/ghost-7/ack", {}, "ghost-7"),
+        ("/api/v1/jobs/ghost-job/restore", {"reason": "x"}, "ghost-job"),
+    ],
+)
 def test_action_on_an_unknown_target_is_404_naming_it(seeded, tokens, path, body, named):
     r = seeded.post(path, json=body, headers=auth(tokens["admin"]))
     assert r.status_code == 404, r.text
@@ -124,8 +155,11 @@ def test_dashboard_action_on_an_unknown_node_is_a_404_page_naming_it(app, seeded
     hostile = browser.get("/nodes/" + "%3Cscript%3Ealert(1)%3C%2Fscript%3E")
     assert hostile.status_code == 404
     assert "<script>alert(1)" not in hostile.text
-    for action, form in (("isolate", {"reason": "x"}), ("release", {"reason": "x"}),
-                         ("ack", {"note": "x"})):
+    for action, form in (
+        ("isolate", {"reason": "x"}),
+        ("release", {"reason": "x"}),
+        ("ack", {"note": "x"}),
+    ):
         if f"/nodes/{{name}}/{action}" not in _web_paths(app):
             continue  # that dashboard action is not there yet
         r = browser.post(f"/nodes/ghost-7/{action}", data={**form, "csrf_token": csrf})
@@ -142,12 +176,17 @@ def _seed_hostile(server_url: str, tokens: dict[str, str | None]) -> None:
     (node page), a restore reason and a failed checkpoint's message (job page)."""
     with httpx.Client(base_url=server_url, timeout=30) as c:
         seed_cluster(c, tokens)  # type: ignore[arg-type]
-        batch = make_batch("n1", 3).model_copy(update={
-            "agent_version": "<svg onload=alert(1)>",
-            "events": [AgentEvent(kind="collector", ts=utcnow(), message=p) for p in PAYLOADS],
-            "checkpoint_events": [committed(30, "memory", 0).model_copy(update={
-                "kind": "failed", "message": COMBINED[:2000]})],
-        })
+        batch = make_batch("n1", 3).model_copy(
+            update={
+                "agent_version": "<svg onload=alert(1)>",
+                "events": [AgentEvent(kind="collector", ts=utcnow(), message=p) for p in PAYLOADS],
+                "checkpoint_events": [
+                    committed(30, "memory", 0).model_copy(
+                        update={"kind": "failed", "message": COMBINED[:2000]}
+                    )
+                ],
+            }
+        )
         batch.gpus[0] = batch.gpus[0].model_copy(update={"name": PAYLOADS[1][:128]})
         r = post_batch(c, tokens["agent_n1"], batch)  # type: ignore[arg-type]
         assert r.status_code == 200, r.text
@@ -192,8 +231,12 @@ def _assert_inert(page, url: str, seen: list[str], *, expect_text: tuple[str, ..
 @pytest.mark.e2e
 @pytest.mark.browser
 def test_payloads_are_shown_inert_in_the_browser(browser, server, make_token):
-    tokens = {"agent_n1": make_token("agent", "n1"), "agent_n2": make_token("agent", "n2"),
-              "viewer": make_token("viewer"), "operator": make_token("operator")}
+    tokens = {
+        "agent_n1": make_token("agent", "n1"),
+        "agent_n2": make_token("agent", "n2"),
+        "viewer": make_token("viewer"),
+        "operator": make_token("operator"),
+    }
     _seed_hostile(server.url, tokens)
 
     page = browser.new_page(viewport={"width": 1400, "height": 1000})

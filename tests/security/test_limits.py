@@ -21,10 +21,14 @@ INT32_MAX = 2**31 - 1
 
 def _report(client: TestClient, token: str, seq: int, **content):  # type: ignore[no-untyped-def]
     batch = ReportBatch.model_construct(
-        node="n1", epoch="epoch-1", seq=seq, sent_at=utcnow(), protocol=1, **content)
+        node="n1", epoch="epoch-1", seq=seq, sent_at=utcnow(), protocol=1, **content
+    )
     body = batch.model_dump_json(round_trip=True, warnings=False)
-    return client.post("/api/v1/ingest/report", content=body,
-                       headers={**auth(token), "Content-Type": "application/json"})
+    return client.post(
+        "/api/v1/ingest/report",
+        content=body,
+        headers={**auth(token), "Content-Type": "application/json"},
+    )
 
 
 @pytest.mark.parametrize("request_id", [INT32_MAX, INT32_MAX + 1, 2**62])
@@ -34,9 +38,20 @@ def test_restore_report_with_an_out_of_range_request_id_is_refused_not_retried(
     """restore_requests.id is a 32-bit integer: a larger request id can name no request.
     On PostgreSQL it used to fail the insert: 503, which the agent retries for ever."""
     report = RestoreReport.model_construct(
-        job_id=JOB, rank=0, world_size=2, step=10, ts=utcnow(), seconds=1.0,
-        request_id=request_id, phase="loaded", ok=True, message="", files_by_tier={},
-        sources={}, steps_lost=None)
+        job_id=JOB,
+        rank=0,
+        world_size=2,
+        step=10,
+        ts=utcnow(),
+        seconds=1.0,
+        request_id=request_id,
+        phase="loaded",
+        ok=True,
+        message="",
+        files_by_tier={},
+        sources={},
+        steps_lost=None,
+    )
     r = _report(seeded, tokens["agent_n1"], 10, restores=[report])
     if request_id <= INT32_MAX:
         assert r.status_code == 200, r.text  # unknown request: ignored
@@ -47,8 +62,9 @@ def test_restore_report_with_an_out_of_range_request_id_is_refused_not_retried(
 
 @pytest.fixture
 def command_client(db_url: str):  # type: ignore[no-untyped-def]
-    settings = Settings(database_url=db_url, dev=True, prune_interval_s=0,
-                        isolation={"driver": "command"})
+    settings = Settings(
+        database_url=db_url, dev=True, prune_interval_s=0, isolation={"driver": "command"}
+    )
     with TestClient(create_app(settings)) as c:
         yield c
 
@@ -56,18 +72,24 @@ def command_client(db_url: str):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("exit_code", [-(2**31), 255, INT32_MAX + 1, 2**70])
 def test_command_result_exit_code_fits_its_column(command_client, make_token, exit_code):
     client = command_client
-    tokens = {"agent_n1": make_token("agent", "n1"), "agent_n2": make_token("agent", "n2"),
-              "viewer": make_token("viewer")}
+    tokens = {
+        "agent_n1": make_token("agent", "n1"),
+        "agent_n2": make_token("agent", "n2"),
+        "viewer": make_token("viewer"),
+    }
     seed_cluster(client, tokens)
     op = make_token("operator")
-    cmd = client.post("/api/v1/nodes/n1/isolate", json={"reason": "limits"},
-                      headers=auth(op)).json()["command"]
+    cmd = client.post(
+        "/api/v1/nodes/n1/isolate", json={"reason": "limits"}, headers=auth(op)
+    ).json()["command"]
     assert cmd is not None
-    r = post_batch(client, tokens["agent_n1"], ReportBatch(
-        node="n1", epoch="epoch-1", seq=3, sent_at=utcnow()))
+    r = post_batch(
+        client, tokens["agent_n1"], ReportBatch(node="n1", epoch="epoch-1", seq=3, sent_at=utcnow())
+    )
     assert [c["id"] for c in r.json()["commands"]] == [cmd["id"]]
-    result = CommandResult.model_construct(id=cmd["id"], state="failed", ts=utcnow(),
-                                           exit_code=exit_code, output="")
+    result = CommandResult.model_construct(
+        id=cmd["id"], state="failed", ts=utcnow(), exit_code=exit_code, output=""
+    )
     r = _report(client, tokens["agent_n1"], 4, command_results=[result])
     if -(2**31) <= exit_code <= INT32_MAX:
         assert r.status_code == 200, r.text
@@ -86,8 +108,9 @@ def test_unknown_restore_request_id_in_range_is_a_404(app, client, make_token):
 
 
 @pytest.mark.parametrize("request_id", [INT32_MAX + 1, 2**63, 2**64])
-def test_restore_request_id_beyond_the_column_is_a_422_never_a_500(app, client, make_token,
-                                                                   request_id):
+def test_restore_request_id_beyond_the_column_is_a_422_never_a_500(
+    app, client, make_token, request_id
+):
     """GET /api/v1/restores/{request_id} with an id beyond the column's range (INT32)."""
     viewer = TestClient(app, raise_server_exceptions=False)
     r = viewer.get(f"/api/v1/restores/{request_id}", headers=auth(make_token("viewer")))
@@ -95,11 +118,14 @@ def test_restore_request_id_beyond_the_column_is_a_422_never_a_500(app, client, 
     assert r.json()["errors"][0]["field"] == "path.request_id"
 
 
-@pytest.mark.parametrize(("path", "params"), [
-    ("/api/v1/audit", {"before_id": 2**62}),
-    ("/api/v1/events", {"limit": 10_000}),
-    (f"/api/v1/jobs/{JOB}/restores", {"limit": 200}),
-])
+@pytest.mark.parametrize(
+    ("path", "params"),
+    [
+        ("/api/v1/audit", {"before_id": 2**62}),
+        ("/api/v1/events", {"limit": 10_000}),
+        (f"/api/v1/jobs/{JOB}/restores", {"limit": 200}),
+    ],
+)
 def test_boundary_query_values_answer_an_empty_list(app, seeded, tokens, path, params):
     viewer = TestClient(app, raise_server_exceptions=False)
     r = viewer.get(path, params=params, headers=auth(tokens["viewer"]))
@@ -109,8 +135,11 @@ def test_boundary_query_values_answer_an_empty_list(app, seeded, tokens, path, p
 
 def test_boundary_samples_query_answers_no_samples(app, seeded, tokens):
     viewer = TestClient(app, raise_server_exceptions=False)
-    r = viewer.get("/api/v1/nodes/n1/samples", params={"gpu": 255, "limit": 100_000},
-                   headers=auth(tokens["viewer"]))
+    r = viewer.get(
+        "/api/v1/nodes/n1/samples",
+        params={"gpu": 255, "limit": 100_000},
+        headers=auth(tokens["viewer"]),
+    )
     assert r.status_code == 200, (r.status_code, r.text[:200])
     assert (r.json()["node"], r.json()["samples"]) == ("n1", [])
 
@@ -127,12 +156,16 @@ def test_longest_command_id_that_matches_nothing_is_a_404(app, seeded, tokens):
 NUL = "\x00"
 
 
-@pytest.mark.parametrize(("method", "path", "kwargs"), [
-    ("POST", "/api/v1/nodes/n1/isolate", {"json": {"reason": f"a{NUL}b"}}),
-    ("POST", "/api/v1/nodes/n1/release", {"json": {"reason": f"a{NUL}b"}}),
-    ("POST", "/api/v1/nodes/n1/ack", {"json": {"note": f"a{NUL}b"}}),
-    ("POST", f"/api/v1/jobs/{JOB}/restore", {"json": {"reason": f"a{NUL}b"}}),
-], ids=["isolate", "release", "ack", "restore"])
+@pytest.mark.parametrize(
+    ("method", "path", "kwargs"),
+    [
+        ("POST", "/api/v1/nodes/n1/isolate", {"json": {"reason": f"a{NUL}b"}}),
+        ("POST", "/api/v1/nodes/n1/release", {"json": {"reason": f"a{NUL}b"}}),
+        ("POST", "/api/v1/nodes/n1/ack", {"json": {"note": f"a{NUL}b"}}),
+        ("POST", f"/api/v1/jobs/{JOB}/restore", {"json": {"reason": f"a{NUL}b"}}),
+    ],
+    ids=["isolate", "release", "ack", "restore"],
+)
 def test_nul_in_a_body_is_a_422_naming_the_field(app, seeded, tokens, method, path, kwargs):
     caller = TestClient(app, raise_server_exceptions=False)
     r = caller.request(method, path, headers=auth(tokens["admin"]), **kwargs)
@@ -149,11 +182,15 @@ def test_nul_in_the_alert_kind_filter_matches_nothing(app, seeded, tokens):
     assert r.json()["alerts"] == []
 
 
-@pytest.mark.parametrize(("path", "params"), [
-    ("/api/v1/commands", {"node": NUL}),
-    ("/api/v1/audit", {"outcome": NUL}),
-    ("/api/v1/audit", {"actor": NUL, "action": NUL, "target": NUL}),
-], ids=lambda v: v if isinstance(v, str) else ",".join(v))
+@pytest.mark.parametrize(
+    ("path", "params"),
+    [
+        ("/api/v1/commands", {"node": NUL}),
+        ("/api/v1/audit", {"outcome": NUL}),
+        ("/api/v1/audit", {"actor": NUL, "action": NUL, "target": NUL}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else ",".join(v),
+)
 def test_nul_in_a_filter_is_a_422_naming_each_field(app, seeded, tokens, path, params):
     caller = TestClient(app, raise_server_exceptions=False)
     r = caller.get(path, params=params, headers=auth(tokens["viewer"]))
@@ -175,12 +212,15 @@ def test_nul_in_the_node_name_filter_is_dropped(app, seeded, tokens):
     assert [n["name"] for n in r.json()["nodes"]] == ["n2"]
 
 
-@pytest.mark.parametrize(("path", "status"), [
-    ("/?name=%00", 200),  # a filter: matches nothing
-    ("/alerts?kind=%00", 200),
-    ("/nodes/%00", 404),  # a name: no node or job has it
-    ("/jobs/%00", 404),
-])
+@pytest.mark.parametrize(
+    ("path", "status"),
+    [
+        ("/?name=%00", 200),  # a filter: matches nothing
+        ("/alerts?kind=%00", 200),
+        ("/nodes/%00", 404),  # a name: no node or job has it
+        ("/jobs/%00", 404),
+    ],
+)
 def test_nul_in_a_dashboard_url_is_no_server_error(app, seeded, tokens, path, status):
     caller = TestClient(app, raise_server_exceptions=False)
     r = caller.get(path, headers=auth(tokens["viewer"]))

@@ -43,11 +43,23 @@ from tierwatch.server.tokens import ApiToken, lookup_token, revoke_token
 OK = "ok"  # 2xx, or a 303 somewhere other than the sign-in form (a dashboard action's redirect)
 LOGIN = "login"  # sent to the sign-in form (303 /login…, or 401 + HX-Redirect for htmx)
 
-PEOPLE_WRITE = {"none": 401, "viewer": 403, "operator": OK, "admin": OK,
-                "agent_n1": 403, "agent_other": 403}
+PEOPLE_WRITE = {
+    "none": 401,
+    "viewer": 403,
+    "operator": OK,
+    "admin": OK,
+    "agent_n1": 403,
+    "agent_other": 403,
+}
 ADMIN_WRITE = {**PEOPLE_WRITE, "operator": 403}
-PAGE_OPERATOR = {"none": LOGIN, "viewer": 403, "operator": OK, "admin": OK,
-                 "agent_n1": 403, "agent_other": 403}
+PAGE_OPERATOR = {
+    "none": LOGIN,
+    "viewer": 403,
+    "operator": OK,
+    "admin": OK,
+    "agent_n1": 403,
+    "agent_other": 403,
+}
 PAGE_ADMIN = {**PAGE_OPERATOR, "operator": 403}
 
 
@@ -72,28 +84,49 @@ def _report() -> dict[str, Any]:
 MATRIX: dict[tuple[str, str], Row] = {
     # --- API ---
     ("POST", "/api/v1/ingest/report"): Row(
-        "api", {"none": 401, "viewer": 403, "operator": 403, "admin": 403,
-                "agent_n1": OK, "agent_other": 403}, json=_report),
+        "api",
+        {
+            "none": 401,
+            "viewer": 403,
+            "operator": 403,
+            "admin": 403,
+            "agent_n1": OK,
+            "agent_other": 403,
+        },
+        json=_report,
+    ),
     ("POST", "/api/v1/nodes/{name}/ack"): Row("api", PEOPLE_WRITE, json=lambda: {"note": "ok"}),
     ("POST", "/api/v1/nodes/{name}/isolate"): Row(
-        "api", PEOPLE_WRITE, json=lambda: {"reason": "matrix"}),
+        "api", PEOPLE_WRITE, json=lambda: {"reason": "matrix"}
+    ),
     ("POST", "/api/v1/nodes/{name}/release"): Row(
-        "api", PEOPLE_WRITE, json=lambda: {"reason": "matrix"}),
+        "api", PEOPLE_WRITE, json=lambda: {"reason": "matrix"}
+    ),
     ("POST", "/api/v1/jobs/{job_id}/restore"): Row(
-        "api", PEOPLE_WRITE, json=lambda: {"reason": "matrix"}),
+        "api", PEOPLE_WRITE, json=lambda: {"reason": "matrix"}
+    ),
     ("PUT", "/api/v1/policy"): Row("api", ADMIN_WRITE, json=lambda: {"breaker_pct": 25}),
     # --- dashboard ---
     # The "role" of a sign-in is the token submitted ("none": an empty field).
     ("POST", "/login"): Row(
-        "login", {"none": 401, "viewer": OK, "operator": OK, "admin": OK,
-                  "agent_n1": 401, "agent_other": 401}),
+        "login",
+        {
+            "none": 401,
+            "viewer": OK,
+            "operator": OK,
+            "admin": OK,
+            "agent_n1": 401,
+            "agent_other": 401,
+        },
+    ),
     # Signing out is for anyone with the session's CSRF token; it always lands on /login.
     ("POST", "/logout"): Row("web", dict.fromkeys(ROLES, LOGIN)),
     ("POST", "/nodes/{name}/isolate"): Row("web", PAGE_OPERATOR, form={"reason": "matrix"}),
     ("POST", "/nodes/{name}/release"): Row("web", PAGE_OPERATOR, form={"reason": "matrix"}),
     ("POST", "/nodes/{name}/ack"): Row("web", PAGE_OPERATOR, form={"note": "matrix"}),
     ("POST", "/jobs/{job_id}/restore"): Row(
-        "web", PAGE_OPERATOR, form={"step": "", "tier": "", "reason": "matrix"}),
+        "web", PAGE_OPERATOR, form={"step": "", "tier": "", "reason": "matrix"}
+    ),
     ("POST", "/policy"): Row("web", PAGE_ADMIN, form={"breaker_pct": "25"}),
 }
 PATH_PARAMS = {"name": "n1", "job_id": JOB}
@@ -143,8 +176,11 @@ def _verdict(response, expected: int | str) -> bool:  # type: ignore[no-untyped-
 
 def _describe(response) -> str:  # type: ignore[no-untyped-def]
     where = response.headers.get("location") or response.headers.get("hx-redirect")
-    return f"{response.status_code}" + (f" -> {where}" if where else "") + (
-        f" {response.text[:160]!r}" if response.status_code not in (303,) else "")
+    return (
+        f"{response.status_code}"
+        + (f" -> {where}" if where else "")
+        + (f" {response.text[:160]!r}" if response.status_code not in (303,) else "")
+    )
 
 
 def _call(app, client: TestClient, tokens, key: tuple[str, str], row: Row, role: str):  # type: ignore[no-untyped-def]
@@ -153,13 +189,19 @@ def _call(app, client: TestClient, tokens, key: tuple[str, str], row: Row, role:
     token = tokens[role]
     if row.kind == "api":
         headers = auth(token) if token else {}
-        return client.request(method, path, json=row.json() if row.json else None,
-                              headers=headers, follow_redirects=False)
+        return client.request(
+            method,
+            path,
+            json=row.json() if row.json else None,
+            headers=headers,
+            follow_redirects=False,
+        )
     # Dashboard: a fresh browser-like client per role, so cookies never leak between roles.
     browser = TestClient(app, follow_redirects=False)
     if row.kind == "login":
-        return browser.post(path, data={"token": token or "", "next": "/",
-                                        "csrf_token": anonymous_csrf(browser)})
+        return browser.post(
+            path, data={"token": token or "", "next": "/", "csrf_token": anonymous_csrf(browser)}
+        )
     headers: dict[str, str] = {}
     if role in ("viewer", "operator", "admin"):
         csrf = sign_in(browser, token)
@@ -167,8 +209,7 @@ def _call(app, client: TestClient, tokens, key: tuple[str, str], row: Row, role:
         csrf = anonymous_csrf(browser)
         if token:
             headers = auth(token)
-    return browser.request(method, path, data={**row.form, "csrf_token": csrf},
-                           headers=headers)
+    return browser.request(method, path, data={**row.form, "csrf_token": csrf}, headers=headers)
 
 
 @pytest.mark.parametrize("key", PRESENT, ids=[f"{m} {p}" for m, p in PRESENT])
@@ -185,8 +226,9 @@ def test_role_matrix(app, client, tokens, key):
 
 def test_every_role_reads_the_audit_log(seeded, tokens):
     client = seeded
-    r = client.post("/api/v1/nodes/n1/isolate", json={"reason": "audit me"},
-                    headers=auth(tokens["operator"]))
+    r = client.post(
+        "/api/v1/nodes/n1/isolate", json={"reason": "audit me"}, headers=auth(tokens["operator"])
+    )
     assert r.status_code == 200, r.text
     for role in ROLES[1:]:
         r = client.get("/api/v1/audit", headers=auth(tokens[role]))
@@ -211,8 +253,10 @@ def test_token_revoked_in_this_process_stops_working_at_once(app, seeded, tokens
     assert app.state.settings.token_cache_s >= 30
     op = auth(tokens["operator"])
     assert client.get("/api/v1/nodes", headers=op).status_code == 200  # now cached
-    assert client.post("/api/v1/nodes/n1/isolate", json={"reason": "before"},
-                       headers=op).status_code == 200
+    assert (
+        client.post("/api/v1/nodes/n1/isolate", json={"reason": "before"}, headers=op).status_code
+        == 200
+    )
     with app.state.sessionmaker() as s:
         revoke_token(s, _token_id(app, tokens["operator"]))
         s.commit()
@@ -239,8 +283,9 @@ def test_revoked_session_cannot_act_on_the_dashboard(app, seeded, tokens):
     with app.state.sessionmaker() as s:
         revoke_token(s, _token_id(app, tokens["operator"]))
         s.commit()
-    r = browser.post("/api/v1/nodes/n1/isolate", json={"reason": "revoked"},
-                     headers={"X-CSRF-Token": csrf})
+    r = browser.post(
+        "/api/v1/nodes/n1/isolate", json={"reason": "revoked"}, headers={"X-CSRF-Token": csrf}
+    )
     assert r.status_code == 401, r.text
     assert is_login_redirect(browser.get("/"))
     node = seeded.get("/api/v1/nodes/n1", headers=auth(tokens["viewer"])).json()
@@ -251,7 +296,9 @@ def _revoke_elsewhere(database_url: str, token_id: int) -> None:
     """Revoke as an operator would from another machine: ``tierwatch-server token revoke``."""
     subprocess.run(
         [str(BIN / "tierwatch-server"), "token", "revoke", str(token_id)],
-        env=base_env(TIERWATCH_DATABASE_URL=database_url), check=True, capture_output=True,
+        env=base_env(TIERWATCH_DATABASE_URL=database_url),
+        check=True,
+        capture_output=True,
         timeout=60,
     )
 
@@ -261,9 +308,13 @@ def test_token_revoked_by_the_cli_cannot_change_anything(settings, make_token):
     checked against the database every time, reads stop within token_cache_s."""
     app = create_app(settings.model_copy(update={"token_cache_s": 1.0}))
     with TestClient(app) as client:
-        tokens = {"agent_n1": make_token("agent", "n1"), "agent_n2": make_token("agent", "n2"),
-                  "viewer": make_token("viewer"), "operator": make_token("operator"),
-                  "admin": make_token("admin")}
+        tokens = {
+            "agent_n1": make_token("agent", "n1"),
+            "agent_n2": make_token("agent", "n2"),
+            "viewer": make_token("viewer"),
+            "operator": make_token("operator"),
+            "admin": make_token("admin"),
+        }
         seed_cluster(client, tokens)
         for role in ("operator", "admin"):
             h = auth(tokens[role])
@@ -276,8 +327,11 @@ def test_token_revoked_by_the_cli_cannot_change_anything(settings, make_token):
                 client.put("/api/v1/policy", json={"enabled": False}, headers=h),
             ]
             assert [w.status_code for w in writes] == [401] * 4, [w.text for w in writes]
-            wait_for(lambda h=h: client.get("/api/v1/nodes", headers=h).status_code == 401,
-                     timeout=10, what="revoked token refused for reads")
+            wait_for(
+                lambda h=h: client.get("/api/v1/nodes", headers=h).status_code == 401,
+                timeout=10,
+                what="revoked token refused for reads",
+            )
         node = client.get("/api/v1/nodes/n1", headers=auth(tokens["viewer"])).json()
         assert node["isolated"] is False
 
@@ -289,13 +343,18 @@ def test_agent_token_revoked_elsewhere_stops_within_the_cache_window(settings, m
         token = make_token("agent", "n1")
         body = make_batch("n1", 1).model_dump_json()
         headers = {**auth(token), "Content-Type": "application/json"}
-        assert client.post("/api/v1/ingest/report", content=body,
-                           headers=headers).status_code == 200
+        assert (
+            client.post("/api/v1/ingest/report", content=body, headers=headers).status_code == 200
+        )
         with app.state.engine.begin() as conn:  # as another process would: no hook runs
-            conn.execute(update(ApiToken).where(ApiToken.node_name == "n1")
-                         .values(revoked_at=utcnow()))
+            conn.execute(
+                update(ApiToken).where(ApiToken.node_name == "n1").values(revoked_at=utcnow())
+            )
         wait_for(
-            lambda: client.post("/api/v1/ingest/report", content=body,
-                                headers=headers).status_code == 401,
-            timeout=10, what="revoked agent token refused",
+            lambda: (
+                client.post("/api/v1/ingest/report", content=body, headers=headers).status_code
+                == 401
+            ),
+            timeout=10,
+            what="revoked agent token refused",
         )

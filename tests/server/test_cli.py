@@ -133,16 +133,26 @@ def test_token_create_and_revoke_are_audited(cli_env, session):
     token_id = out.stderr.split("token id ")[1].split()[0]
     assert run("token", "revoke", token_id, env=cli_env).returncode == 0
     entries = query(session, target_kind="token")
-    assert [(e.action, e.target) for e in entries] == [("token_revoke", token_id),
-                                                       ("token_create", token_id)]
+    assert [(e.action, e.target) for e in entries] == [
+        ("token_revoke", token_id),
+        ("token_create", token_id),
+    ]
     assert entries[1].detail["role"] == "operator"
     assert entries[0].actor.startswith("cli@")
 
 
 def test_unusable_isolation_settings_are_one_line_errors(cli_env):
     env = {**cli_env, "TIERWATCH_DEV": "1"}
-    out = run("serve", "--port", "1", env={**env, "TIERWATCH_ISOLATION__DRIVER": "slurm",
-                                           "TIERWATCH_ISOLATION__SCONTROL": "/nope/scontrol"})
+    out = run(
+        "serve",
+        "--port",
+        "1",
+        env={
+            **env,
+            "TIERWATCH_ISOLATION__DRIVER": "slurm",
+            "TIERWATCH_ISOLATION__SCONTROL": "/nope/scontrol",
+        },
+    )
     assert out.returncode == 2
     assert "TIERWATCH_ISOLATION__SCONTROL" in out.stderr
     assert "Traceback" not in out.stderr

@@ -13,8 +13,11 @@ from tierwatch.server.leader import LeaderLock
 
 
 def _other_schema(db_url: str, schema: str) -> str:
-    return (make_url(db_url).update_query_dict({"options": f"-csearch_path={schema}"})
-            .render_as_string(hide_password=False))
+    return (
+        make_url(db_url)
+        .update_query_dict({"options": f"-csearch_path={schema}"})
+        .render_as_string(hide_password=False)
+    )
 
 
 def test_one_leader_per_schema_and_takeover(db_url):

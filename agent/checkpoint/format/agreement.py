@@ -71,8 +71,12 @@ def is_dead(manifest: Manifest, fences: Iterable[Fence]) -> bool:
     return any(rid > manifest.timeline and manifest.step > step for rid, step in fences)
 
 
-def merge_available(answers: Iterable[Mapping[str, Any] | None], *, tier: str | None = None,
-                    fences: Iterable[Fence] = ()) -> dict[int, StepView]:
+def merge_available(
+    answers: Iterable[Mapping[str, Any] | None],
+    *,
+    tier: str | None = None,
+    fences: Iterable[Fence] = (),
+) -> dict[int, StepView]:
     """Merge the ``available`` answers of all ranks' agents into one view per step.
 
     Args:
@@ -94,8 +98,11 @@ def merge_available(answers: Iterable[Mapping[str, Any] | None], *, tier: str | 
             continue
         for entry in answer.get("entries", []):
             try:
-                manifest = entry["manifest"] if isinstance(entry["manifest"], Manifest) \
+                manifest = (
+                    entry["manifest"]
+                    if isinstance(entry["manifest"], Manifest)
                     else read_manifest(_json(entry["manifest"]))
+                )
             except (KeyError, ManifestError, TypeError, ValueError):
                 continue
             known_fences.update(manifest.fences)
@@ -119,10 +126,15 @@ def merge_available(answers: Iterable[Mapping[str, Any] | None], *, tier: str | 
                 continue
             else:
                 view.conflicts.append(
-                    f"rank {rank}: copies on {entry.get('holder')} and elsewhere differ")
+                    f"rank {rank}: copies on {entry.get('holder')} and elsewhere differ"
+                )
                 continue
-        source = Source(tier=str(entry.get("tier")), holder=str(entry.get("holder")),
-                        url=str(entry.get("url", "")), src=manifest.node)
+        source = Source(
+            tier=str(entry.get("tier")),
+            holder=str(entry.get("holder")),
+            url=str(entry.get("url", "")),
+            src=manifest.node,
+        )
         if source not in view.sources.setdefault(rank, []):
             view.sources[rank].append(source)
     return steps
@@ -147,8 +159,13 @@ def restorable(view: StepView, world_size: int) -> str | None:
     return step_problem(view.manifests, world_size, conflicts=view.conflicts)
 
 
-def choose_step(views: Mapping[int, StepView], world_size: int, *, excluded: Iterable[int] = (),
-                wanted: int | None = None) -> tuple[int | None, dict[int, str]]:
+def choose_step(
+    views: Mapping[int, StepView],
+    world_size: int,
+    *,
+    excluded: Iterable[int] = (),
+    wanted: int | None = None,
+) -> tuple[int | None, dict[int, str]]:
     """The newest restorable step (or ``wanted`` if it is restorable).
 
     Returns:
@@ -182,6 +199,7 @@ def file_owner(view: StepView) -> dict[str, int]:
 def ordered_sources(sources: Iterable[Source], *, node: str) -> list[Source]:
     """Sources ordered by cost for a reader on ``node``: own node's memory, own node's
     replicas, other nodes' memory, other nodes' replicas, persistent."""
+
     def cost(s: Source) -> tuple[int, str]:
         if s.tier == "persistent":
             return (4, s.holder)
@@ -201,9 +219,16 @@ def stage_request(view: StepView, names: Iterable[str], *, node: str) -> list[di
     for name in names:
         rank = owner[name]
         entry = next(f for f in view.manifests[rank].files if f.name == name)
-        out.append({"name": name, "size": entry.size, "xxh3": entry.xxh3,
-                    "sources": [s.as_dict() for s in
-                                ordered_sources(view.sources.get(rank, []), node=node)]})
+        out.append(
+            {
+                "name": name,
+                "size": entry.size,
+                "xxh3": entry.xxh3,
+                "sources": [
+                    s.as_dict() for s in ordered_sources(view.sources.get(rank, []), node=node)
+                ],
+            }
+        )
     return out
 
 

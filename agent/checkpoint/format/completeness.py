@@ -39,7 +39,8 @@ def disagreement(manifests: Mapping[int, Manifest]) -> str | None:
     if len(worlds) > 1:
         per_world = "; ".join(
             f"{w}: rank(s) {[r for r, m in sorted(manifests.items()) if m.world_size == w][:8]}"
-            for w in worlds)
+            for w in worlds
+        )
         return f"ranks disagree on the world size ({per_world})"
     signatures = {m.signature for m in manifests.values()}
     if len(signatures) > 1:
@@ -47,9 +48,14 @@ def disagreement(manifests: Mapping[int, Manifest]) -> str | None:
     return None
 
 
-def step_problem(manifests: Mapping[int, Manifest], world_size: int | None = None, *,
-                 conflicts: Iterable[str] = (), dead: str | None = None,
-                 present: Collection[str] | None = None) -> str | None:
+def step_problem(
+    manifests: Mapping[int, Manifest],
+    world_size: int | None = None,
+    *,
+    conflicts: Iterable[str] = (),
+    dead: str | None = None,
+    present: Collection[str] | None = None,
+) -> str | None:
     """Why one step is not complete (see the module notes), or None when it is.
 
     Args:
@@ -74,20 +80,22 @@ def step_problem(manifests: Mapping[int, Manifest], world_size: int | None = Non
     if dead:
         return dead
     if len({m.timeline for m in manifests.values()}) != 1:
-        return ("the ranks' files come from different timelines (the step was saved again "
-                "after a rollback and not every rank's new copy is here)")
+        return (
+            "the ranks' files come from different timelines (the step was saved again "
+            "after a rollback and not every rank's new copy is here)"
+        )
     world = world_size if world_size is not None else next(iter(manifests.values())).world_size
     missing = [r for r in range(world) if r not in manifests]
     if missing:
         return f"no manifest of rank(s) {missing[:8]}"
-    if any(r >= world for r in manifests) or any(m.world_size != world
-                                                  for m in manifests.values()):
+    if any(r >= world for r in manifests) or any(m.world_size != world for m in manifests.values()):
         return f"saved at another world size (ranks {sorted(manifests)[:8]}…)"
     if sum(m.has_metadata() for m in manifests.values()) != 1:
         return "no single rank lists .metadata"
     if present is not None:
-        absent = sorted({f.name for m in manifests.values() for f in m.files
-                         if f.name not in present})
+        absent = sorted(
+            {f.name for m in manifests.values() for f in m.files if f.name not in present}
+        )
         if absent:
             return f"files missing: {', '.join(absent[:4])}"
     return None

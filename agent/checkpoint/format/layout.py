@@ -137,8 +137,12 @@ def check_file_name(name: str) -> str:
     Raises:
         LayoutError: any other name (in particular anything with a path separator).
     """
-    if name == METADATA or _SHARD_RE.fullmatch(name) or _MANIFEST_RE.fullmatch(name) \
-            or _COMMIT_RE.fullmatch(name):
+    if (
+        name == METADATA
+        or _SHARD_RE.fullmatch(name)
+        or _MANIFEST_RE.fullmatch(name)
+        or _COMMIT_RE.fullmatch(name)
+    ):
         return name
     raise LayoutError(
         f"file name {name!r} is not part of a checkpoint step (.metadata, __<r>_<i>.distcp, "
@@ -223,8 +227,9 @@ class MemoryLayout:
         """Job ids with a folder in this node's memory tier, sorted."""
         if not self.jobs_dir.is_dir():
             return []
-        return sorted(p.name for p in self.jobs_dir.iterdir()
-                      if p.is_dir() and _JOB_ID_RE.fullmatch(p.name))
+        return sorted(
+            p.name for p in self.jobs_dir.iterdir() if p.is_dir() and _JOB_ID_RE.fullmatch(p.name)
+        )
 
 
 def persistent_step_path(base_url: str, job_id: str, step: int) -> str:

@@ -213,9 +213,19 @@ def missing_ranks(manifests: Iterable[Manifest], world_size: int) -> list[int]:
     return [r for r in range(world_size) if r not in have]
 
 
-def make_manifest(*, job_id: str, step: int, rank: int, world_size: int, node: str,
-                  directory: Path, names: Iterable[str], signature: str,
-                  created_at: str, fences: Iterable[tuple[int, int]] = ()) -> Manifest:
+def make_manifest(
+    *,
+    job_id: str,
+    step: int,
+    rank: int,
+    world_size: int,
+    node: str,
+    directory: Path,
+    names: Iterable[str],
+    signature: str,
+    created_at: str,
+    fences: Iterable[tuple[int, int]] = (),
+) -> Manifest:
     """Build rank ``rank``'s manifest by reading back its files from ``directory``.
 
     Raises:
@@ -225,6 +235,14 @@ def make_manifest(*, job_id: str, step: int, rank: int, world_size: int, node: s
     for name in sorted(names):
         size, digest = xxh3_file(directory / name)
         files.append(FileEntry(name=name, size=size, xxh3=digest))
-    return Manifest(job_id=job_id, step=step, rank=rank, world_size=world_size, node=node,
-                    files=files, signature=signature, created_at=created_at,
-                    fences=sorted(fences))
+    return Manifest(
+        job_id=job_id,
+        step=step,
+        rank=rank,
+        world_size=world_size,
+        node=node,
+        files=files,
+        signature=signature,
+        created_at=created_at,
+        fences=sorted(fences),
+    )

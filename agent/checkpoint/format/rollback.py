@@ -112,8 +112,10 @@ class Timeline:
         """Read ``path`` (an empty timeline when it is missing or unreadable)."""
         try:
             data = json.loads(path.read_text())
-            return cls(served=int(data.get("served", 0)),
-                       fences=sorted((int(r), int(s)) for r, s in data.get("fences", [])))
+            return cls(
+                served=int(data.get("served", 0)),
+                fences=sorted((int(r), int(s)) for r, s in data.get("fences", [])),
+            )
         except FileNotFoundError:
             return cls()
         except (OSError, ValueError, TypeError, AttributeError) as exc:
@@ -126,15 +128,18 @@ class Timeline:
         Raises:
             OSError: it cannot be written.
         """
-        atomic_write_json(path, {"served": self.served, "fences": self.fences,
-                                 "updated_at": utcnow().isoformat()})
+        atomic_write_json(
+            path, {"served": self.served, "fences": self.fences, "updated_at": utcnow().isoformat()}
+        )
 
     @classmethod
     def merge(cls, timelines: Iterable[Timeline]) -> Timeline:
         """Several ranks' timelines as one: the newest ``served``, every fence."""
         items = list(timelines)
-        return cls(served=max((t.served for t in items), default=0),
-                   fences=sorted({f for t in items for f in t.fences}))
+        return cls(
+            served=max((t.served for t in items), default=0),
+            fences=sorted({f for t in items for f in t.fences}),
+        )
 
     def after(self, request_id: int, *, loaded_step: int | None) -> Timeline:
         """This timeline once ``request_id`` is served (a fence when it loaded a step)."""
@@ -144,8 +149,9 @@ class Timeline:
         return Timeline(served=max(self.served, request_id), fences=sorted(fences))
 
 
-def pins_of(requests: Iterable[RestoreRequest], *, served: int = 0,
-            now: datetime | None = None) -> dict[int, list[int]]:
+def pins_of(
+    requests: Iterable[RestoreRequest], *, served: int = 0, now: datetime | None = None
+) -> dict[int, list[int]]:
     """Steps pinned by ``requests``: step → request ids, for requests above ``served`` that
     have not expired by ``now`` (default: the current time).
 
@@ -166,6 +172,7 @@ def describe_pins(pins: Mapping[int, Iterable[int]]) -> str:
     parts = []
     for step, ids in sorted(pins.items()):
         ids = sorted(ids)
-        parts.append(f"step {step} (request{'s' if len(ids) > 1 else ''} "
-                     f"{', '.join(str(i) for i in ids)})")
+        parts.append(
+            f"step {step} (request{'s' if len(ids) > 1 else ''} {', '.join(str(i) for i in ids)})"
+        )
     return ", ".join(parts)

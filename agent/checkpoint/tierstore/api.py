@@ -34,7 +34,6 @@ this agent has no peer token):
 - ``GET /v1/peer/files/{job_id}/{step}/{name}?tier=memory|peer&src=<node>`` → the bytes
 """
 
-
 import hmac
 import logging
 import socket
@@ -102,9 +101,12 @@ class CheckpointService:
         # restore requests pin their steps: retention of replicas and of the persistent tier
         # (and the ranks' memory retention, through the requests they read) keeps them
         self.requests = RequestStore(MemoryLayout(root))
-        self.store = MemoryStore(root, node=self.node,
-                                 budget_bytes=settings.resolved_memory_budget(),
-                                 pins=self.requests.pinned_steps)
+        self.store = MemoryStore(
+            root,
+            node=self.node,
+            budget_bytes=settings.resolved_memory_budget(),
+            pins=self.requests.pinned_steps,
+        )
         url = settings.resolved_persistent_url()
         try:
             self.persistent = PersistentTier(url)
@@ -112,13 +114,19 @@ class CheckpointService:
             self.persistent = PersistentTier.unavailable(url, str(exc))
         self.peer_token = settings.peer_token_value
         self.peer_url = ""
-        self.worker = TierWorker(self.store, self.persistent, emit=emit,
-                                 peer_token=self.peer_token, replication=settings.replication,
-                                 scan_interval_s=settings.ckpt_scan_interval,
-                                 nice=settings.ckpt_nice)
+        self.worker = TierWorker(
+            self.store,
+            self.persistent,
+            emit=emit,
+            peer_token=self.peer_token,
+            replication=settings.replication,
+            scan_interval_s=settings.ckpt_scan_interval,
+            nice=settings.ckpt_nice,
+        )
         self._peer = PeerClient(self.peer_token) if self.peer_token else None
-        self.restore_stager = RestoreStager(self.store.layout, node=self.node, peer=self._peer,
-                                            emit=emit)
+        self.restore_stager = RestoreStager(
+            self.store.layout, node=self.node, peer=self._peer, emit=emit
+        )
         self.agent_info: dict[str, Any] = {}
 
     def start(self, listen_host: str, port: int) -> None:
@@ -132,21 +140,34 @@ class CheckpointService:
             OSError: ``agent.json`` cannot be written.
         """
         self.peer_url = self.settings.advertise_url or default_advertise_url(listen_host, port)
-        self.agent_info = self.store.write_agent_file(peer_url=self.peer_url,
-                                                      persistent_url=self.persistent.url)
+        self.agent_info = self.store.write_agent_file(
+            peer_url=self.peer_url, persistent_url=self.persistent.url
+        )
         self.worker.start()
         self.started = True
         problem = self.persistent.write_problem()
         if not self.persistent.available:
-            log.warning("persistent tier unavailable: %s; the memory and peer tiers work, "
-                        "every step to persist gets a failed event", problem)
+            log.warning(
+                "persistent tier unavailable: %s; the memory and peer tiers work, "
+                "every step to persist gets a failed event",
+                problem,
+            )
         elif problem is not None:
-            log.warning("persistent tier %s looks unwritable: %s; uploads will fail until "
-                        "that is fixed", self.persistent.url, problem)
-        log.info("checkpoint store: memory %s (budget %d bytes), persistent %s, peer URL %s, "
-                 "replication %d%s", self.store.root, self.store.budget_bytes,
-                 self.persistent.url, self.peer_url, self.settings.replication,
-                 "" if self.peer_token else " (no peer token: no peer tier)")
+            log.warning(
+                "persistent tier %s looks unwritable: %s; uploads will fail until that is fixed",
+                self.persistent.url,
+                problem,
+            )
+        log.info(
+            "checkpoint store: memory %s (budget %d bytes), persistent %s, peer URL %s, "
+            "replication %d%s",
+            self.store.root,
+            self.store.budget_bytes,
+            self.persistent.url,
+            self.peer_url,
+            self.settings.replication,
+            "" if self.peer_token else " (no peer token: no peer tier)",
+        )
 
     def stop(self) -> None:
         """Stop the tier worker."""
@@ -185,13 +206,20 @@ class CheckpointService:
                         continue
                     url = self.persistent.step_url(job_id, step)
                     for m in self.persistent.manifests(job_id, step):
-                        entries.append({"tier": "persistent", "holder": "persistent",
-                                        "url": url, "src": m.node, "step": step,
-                                        "rank": m.rank, "manifest": m.model_dump(mode="json")})
+                        entries.append(
+                            {
+                                "tier": "persistent",
+                                "holder": "persistent",
+                                "url": url,
+                                "src": m.node,
+                                "step": step,
+                                "rank": m.rank,
+                                "manifest": m.model_dump(mode="json"),
+                            }
+                        )
             except PersistentError as exc:
                 errors.append(str(exc))
-        return {"node": self.node, "peer_url": self.peer_url, "entries": entries,
-                "errors": errors}
+        return {"node": self.node, "peer_url": self.peer_url, "entries": entries, "errors": errors}
 
     # -- restore requests ------------------------------------------------------------------
     def add_restore_request(self, command: Command) -> None:
@@ -219,19 +247,31 @@ class CheckpointService:
         try:
             added = self.requests.add(request)
         except OSError as exc:
-            raise RuntimeError(f"cannot keep restore request {request.request_id} in "
-                               f"{self.store.layout.requests_dir(request.job_id)}: "
-                               f"{exc}") from None
+            raise RuntimeError(
+                f"cannot keep restore request {request.request_id} in "
+                f"{self.store.layout.requests_dir(request.job_id)}: "
+                f"{exc}"
+            ) from None
         if added:
-            log.info("restore request %d for %s: step %d, tier %s (%s, by %s)",
-                     request.request_id, request.job_id, request.step, request.tier or "any",
-                     request.reason or "no reason given", request.actor or "unknown")
+            log.info(
+                "restore request %d for %s: step %d, tier %s (%s, by %s)",
+                request.request_id,
+                request.job_id,
+                request.step,
+                request.tier or "any",
+                request.reason or "no reason given",
+                request.actor or "unknown",
+            )
         else:
-            log.info("restore request %d for %s was served already; ignored",
-                     request.request_id, request.job_id)
+            log.info(
+                "restore request %d for %s was served already; ignored",
+                request.request_id,
+                request.job_id,
+            )
 
-    def rollback(self, job_id: str, *, request_id: int, step: int,
-                 persistent: bool) -> dict[str, Any]:
+    def rollback(
+        self, job_id: str, *, request_id: int, step: int, persistent: bool
+    ) -> dict[str, Any]:
         """The job's ranks rolled back to ``step`` (request ``request_id``): its newer steps
         are a diverged future. Removes them from the replicas this agent holds (every source
         node) and, with ``persistent``, from the persistent tier, with an ``evicted`` event
@@ -248,8 +288,7 @@ class CheckpointService:
         self.worker.forget_pending(job_id, after=step)
         peer: set[int] = set()
         rdir = self.store.layout.replicas_dir
-        for src in sorted(p.name for p in rdir.iterdir() if p.is_dir()) if rdir.is_dir() \
-                else []:
+        for src in sorted(p.name for p in rdir.iterdir() if p.is_dir()) if rdir.is_dir() else []:
             try:
                 gone = self.store.evict_replicas_after(src_node=src, job_id=job_id, step=step)
             except LayoutError:
@@ -257,9 +296,17 @@ class CheckpointService:
             for s, ranks in gone:
                 peer.add(s)
                 for rank in ranks or [None]:
-                    self.emit(CheckpointEvent(job_id=job_id, step=s, tier="peer",
-                                              kind="evicted", rank=rank, ts=utcnow(),
-                                              message=f"replica of {src} on {self.node}: {why}"))
+                    self.emit(
+                        CheckpointEvent(
+                            job_id=job_id,
+                            step=s,
+                            tier="peer",
+                            kind="evicted",
+                            rank=rank,
+                            ts=utcnow(),
+                            message=f"replica of {src} on {self.node}: {why}",
+                        )
+                    )
         errors: list[str] = []
         removed: list[int] = []
         if persistent and not self.persistent.available:
@@ -277,23 +324,45 @@ class CheckpointService:
                     errors.append(str(exc))
                     continue
                 removed.append(s)
-                self.emit(CheckpointEvent(job_id=job_id, step=s, tier="persistent",
-                                          kind="evicted", ts=utcnow(), message=why))
+                self.emit(
+                    CheckpointEvent(
+                        job_id=job_id,
+                        step=s,
+                        tier="persistent",
+                        kind="evicted",
+                        ts=utcnow(),
+                        message=why,
+                    )
+                )
         if peer or removed:
-            log.info("%s: %s; evicted replicas %s, persistent steps %s", job_id, why,
-                     sorted(peer), removed)
+            log.info(
+                "%s: %s; evicted replicas %s, persistent steps %s",
+                job_id,
+                why,
+                sorted(peer),
+                removed,
+            )
         return {"evicted": {"peer": sorted(peer), "persistent": removed}, "errors": errors}
 
-    def evicted_events(self, src_node: str, job_id: str, newest: int,
-                       evicted: list[tuple[int, list[int]]]) -> list[int]:
+    def evicted_events(
+        self, src_node: str, job_id: str, newest: int, evicted: list[tuple[int, list[int]]]
+    ) -> list[int]:
         """Emit an ``evicted`` peer event per (step, rank) a commit marker evicted."""
         for step, ranks in evicted:
             targets: list[int | None] = list(ranks) if ranks else [None]
             for rank in targets:
-                self.emit(CheckpointEvent(
-                    job_id=job_id, step=step, tier="peer", kind="evicted", rank=rank,
-                    ts=utcnow(), message=f"replica of {src_node} on {self.node} evicted by "
-                    f"retention after step {newest}"))
+                self.emit(
+                    CheckpointEvent(
+                        job_id=job_id,
+                        step=step,
+                        tier="peer",
+                        kind="evicted",
+                        rank=rank,
+                        ts=utcnow(),
+                        message=f"replica of {src_node} on {self.node} evicted by "
+                        f"retention after step {newest}",
+                    )
+                )
         return [s for s, _ in evicted]
 
 
@@ -336,12 +405,14 @@ class NotifyBody(BaseModel):
 
 
 ServiceGetter = Callable[[], CheckpointService | None]
-EventQueue = Callable[[list[CheckpointEvent], list[JobProgress], list[RestoreReport]],
-                      dict[str, int]]
+EventQueue = Callable[
+    [list[CheckpointEvent], list[JobProgress], list[RestoreReport]], dict[str, int]
+]
 
 
-def ckpt_router(get_service: ServiceGetter, *, control: list[Any],
-                queue_events: EventQueue) -> APIRouter:
+def ckpt_router(
+    get_service: ServiceGetter, *, control: list[Any], queue_events: EventQueue
+) -> APIRouter:
     """The checkpoint and peer endpoints.
 
     Args:
@@ -357,9 +428,12 @@ def ckpt_router(get_service: ServiceGetter, *, control: list[Any],
     def service() -> CheckpointService:
         svc = get_service()
         if svc is None:
-            raise HTTPException(status_code=503, detail="the checkpoint store of this agent is "
-                                "not running: it is starting, or it could not start (its log "
-                                "says why: memory folder problem)")
+            raise HTTPException(
+                status_code=503,
+                detail="the checkpoint store of this agent is "
+                "not running: it is starting, or it could not start (its log "
+                "says why: memory folder problem)",
+            )
         return svc
 
     Service = Annotated[CheckpointService, Depends(service)]
@@ -367,18 +441,27 @@ def ckpt_router(get_service: ServiceGetter, *, control: list[Any],
     def peer_access(request: Request, svc: Service) -> None:
         token = svc.peer_token
         if not token:
-            raise HTTPException(status_code=403, detail=f"agent {svc.node} has no peer token, "
-                                "so it has no peer tier; start it with --peer-token "
-                                "(TIERWATCH_PEER_TOKEN)")
+            raise HTTPException(
+                status_code=403,
+                detail=f"agent {svc.node} has no peer token, "
+                "so it has no peer tier; start it with --peer-token "
+                "(TIERWATCH_PEER_TOKEN)",
+            )
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
         if not header or scheme.lower() != "bearer" or not given.strip():
-            raise HTTPException(status_code=401, detail="peer endpoints need 'Authorization: "
-                                "Bearer <peer token>' (TIERWATCH_PEER_TOKEN of the cluster)",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                status_code=401,
+                detail="peer endpoints need 'Authorization: "
+                "Bearer <peer token>' (TIERWATCH_PEER_TOKEN of the cluster)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         if not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise HTTPException(status_code=403, detail="wrong peer token: every agent of the "
-                                "cluster must use the same --peer-token")
+            raise HTTPException(
+                status_code=403,
+                detail="wrong peer token: every agent of the "
+                "cluster must use the same --peer-token",
+            )
 
     peer = [Depends(peer_access)]
 
@@ -402,8 +485,9 @@ def ckpt_router(get_service: ServiceGetter, *, control: list[Any],
         return {"ok": True}
 
     @router.get("/v1/ckpt/jobs/{job_id}/available", dependencies=control)
-    def available(job_id: str, svc: Service,
-                  persistent: Annotated[int, Query(ge=0, le=1)] = 0) -> dict[str, Any]:
+    def available(
+        job_id: str, svc: Service, persistent: Annotated[int, Query(ge=0, le=1)] = 0
+    ) -> dict[str, Any]:
         """Manifests this agent can supply (memory, replicas, persistent with persistent=1)."""
         try:
             return svc.available(job_id, persistent=bool(persistent))
@@ -427,31 +511,35 @@ def ckpt_router(get_service: ServiceGetter, *, control: list[Any],
             raise bad_name(exc) from None
         return {"requests": [r.model_dump(mode="json") for r in pending]}
 
-    @router.delete("/v1/ckpt/jobs/{job_id}/restore-requests/{request_id}",
-                   dependencies=control)
-    def retire_restore_requests(job_id: str, request_id: Annotated[int, PathParam(ge=1, le=2**62)],
-                                svc: Service) -> dict[str, Any]:
+    @router.delete("/v1/ckpt/jobs/{job_id}/restore-requests/{request_id}", dependencies=control)
+    def retire_restore_requests(
+        job_id: str, request_id: Annotated[int, PathParam(ge=1, le=2**62)], svc: Service
+    ) -> dict[str, Any]:
         """The ranks served request_id: retire it and the job's older requests."""
         try:
             return {"retired": svc.requests.retire(job_id, request_id)}
         except LayoutError as exc:
             raise bad_name(exc) from None
         except OSError as exc:
-            raise HTTPException(status_code=500, detail=f"cannot retire restore request "
-                                f"{request_id} of {job_id}: {exc}") from None
+            raise HTTPException(
+                status_code=500,
+                detail=f"cannot retire restore request {request_id} of {job_id}: {exc}",
+            ) from None
 
     @router.post("/v1/ckpt/jobs/{job_id}/rollback", dependencies=control)
     def rollback(job_id: str, body: RollbackBody, svc: Service) -> dict[str, Any]:
         """The ranks rolled back: drop the job's newer steps from replicas (and persistent)."""
         try:
-            return svc.rollback(job_id, request_id=body.request_id, step=body.step,
-                                persistent=body.persistent)
+            return svc.rollback(
+                job_id, request_id=body.request_id, step=body.step, persistent=body.persistent
+            )
         except LayoutError as exc:
             raise bad_name(exc) from None
 
     @router.put("/v1/peer/replicas/{src_node}/{job_id}/{step}/{name}", dependencies=peer)
-    async def put_replica(src_node: str, job_id: str, step: int, name: str,
-                          request: Request, svc: Service) -> Any:
+    async def put_replica(
+        src_node: str, job_id: str, step: int, name: str, request: Request, svc: Service
+    ) -> Any:
         """Receive one replica file as a stream (verified, then renamed into place)."""
         length = request.headers.get("content-length")
         try:
@@ -460,8 +548,13 @@ def ckpt_router(get_service: ServiceGetter, *, control: list[Any],
             size = None
         try:
             upload = svc.store.begin_replica(
-                src_node=src_node, job_id=job_id, step=step, name=name,
-                xxh3=request.headers.get(XXH3_HEADER), size=size)
+                src_node=src_node,
+                job_id=job_id,
+                step=step,
+                name=name,
+                xxh3=request.headers.get(XXH3_HEADER),
+                size=size,
+            )
         except StoreError as exc:
             return await _refuse(request, exc, svc, job_id, step, name, src_node)
         try:
@@ -477,14 +570,19 @@ def ckpt_router(get_service: ServiceGetter, *, control: list[Any],
         except StoreError as exc:
             return await _refuse(request, exc, svc, job_id, step, name, src_node)
         except ClientDisconnect:  # the sender went away mid-upload: nothing is kept
-            log.warning("replica %s/%s/%s/%s: the sender disconnected after %d bytes; "
-                        "partial file removed", src_node, job_id, step, name, upload.written)
+            log.warning(
+                "replica %s/%s/%s/%s: the sender disconnected after %d bytes; partial file removed",
+                src_node,
+                job_id,
+                step,
+                name,
+                upload.written,
+            )
             return Response(status_code=400)
         finally:
             upload.abort()
         evicted = svc.evicted_events(src_node, job_id, step, got.evicted)
-        return {"ok": True, "name": name, "bytes": got.size, "xxh3": got.xxh3,
-                "evicted": evicted}
+        return {"ok": True, "name": name, "bytes": got.size, "xxh3": got.xxh3, "evicted": evicted}
 
     @router.delete("/v1/peer/replicas/{src_node}/{job_id}/{step}", dependencies=peer)
     def delete_replica(src_node: str, job_id: str, step: int, svc: Service) -> dict[str, Any]:
@@ -494,15 +592,27 @@ def ckpt_router(get_service: ServiceGetter, *, control: list[Any],
         except LayoutError as exc:
             raise bad_name(exc) from None
         if deleted:
-            svc.emit(CheckpointEvent(job_id=job_id, step=step, tier="peer", kind="evicted",
-                                     ts=utcnow(), message=f"replica of {src_node} on "
-                                     f"{svc.node} deleted on request"))
+            svc.emit(
+                CheckpointEvent(
+                    job_id=job_id,
+                    step=step,
+                    tier="peer",
+                    kind="evicted",
+                    ts=utcnow(),
+                    message=f"replica of {src_node} on {svc.node} deleted on request",
+                )
+            )
         return {"deleted": deleted}
 
     @router.get("/v1/peer/files/{job_id}/{step}/{name}", dependencies=peer)
-    def get_file(job_id: str, step: int, name: str, svc: Service,
-                 tier: Literal["memory", "peer"] = "memory",
-                 src: str | None = None) -> FileResponse:
+    def get_file(
+        job_id: str,
+        step: int,
+        name: str,
+        svc: Service,
+        tier: Literal["memory", "peer"] = "memory",
+        src: str | None = None,
+    ) -> FileResponse:
         """Stream one file from this agent's memory tier or from a replica it holds."""
         try:
             path = svc.store.file_path(job_id=job_id, step=step, name=name, tier=tier, src=src)
@@ -510,15 +620,24 @@ def ckpt_router(get_service: ServiceGetter, *, control: list[Any],
             raise HTTPException(status_code=exc.status, detail=exc.message) from None
         if not Path(path).is_file():
             where = "memory tier" if tier == "memory" else f"replicas of {src}"
-            raise HTTPException(status_code=404, detail=f"{name} of {job_id} step {step} is not "
-                                f"in {svc.node}'s {where}")
+            raise HTTPException(
+                status_code=404,
+                detail=f"{name} of {job_id} step {step} is not in {svc.node}'s {where}",
+            )
         return FileResponse(path, media_type="application/octet-stream")
 
     return router
 
 
-async def _refuse(request: Request, exc: StoreError, svc: CheckpointService, job_id: str,
-                  step: int, name: str, src_node: str) -> JSONResponse:
+async def _refuse(
+    request: Request,
+    exc: StoreError,
+    svc: CheckpointService,
+    job_id: str,
+    step: int,
+    name: str,
+    src_node: str,
+) -> JSONResponse:
     """Answer a refused upload after reading (and discarding) the rest of its body, so the
     sender sees the answer instead of a broken connection."""
     try:
@@ -530,10 +649,17 @@ async def _refuse(request: Request, exc: StoreError, svc: CheckpointService, job
         try:
             check_job_id(job_id)
             check_step(step)
-            svc.emit(CheckpointEvent(job_id=job_id, step=step, tier="peer", kind="failed",
-                                     ts=utcnow(), message=exc.message[:2000]))
+            svc.emit(
+                CheckpointEvent(
+                    job_id=job_id,
+                    step=step,
+                    tier="peer",
+                    kind="failed",
+                    ts=utcnow(),
+                    message=exc.message[:2000],
+                )
+            )
         except (LayoutError, ValueError):
             pass
     log.warning("refused replica %s/%s/%s/%s: %s", src_node, job_id, step, name, exc.message)
     return JSONResponse(status_code=exc.status, content={"detail": exc.message})
-

@@ -41,26 +41,42 @@ from tierwatch.agent.checkpoint.format.layout import (
 )
 from tierwatch.agent.checkpoint.format.manifest import CHUNK, Manifest, verify_file
 
-app = typer.Typer(help="Inspect, verify, export and clean up checkpoints on this node.",
-                  no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="Inspect, verify, export and clean up checkpoints on this node.",
+    no_args_is_help=True,
+    add_completion=False,
+)
 
 EXIT_BAD = 1
 EXIT_USAGE = 2
 
 JobOpt = Annotated[str | None, typer.Option("--job", help="Job id.")]
 StepOpt = Annotated[int | None, typer.Option("--step", help="One step (default: all).")]
-ExportStepOpt = Annotated[int | None, typer.Option(
-    "--step", help="The step to export (default: the newest complete step).")]
+ExportStepOpt = Annotated[
+    int | None,
+    typer.Option("--step", help="The step to export (default: the newest complete step)."),
+]
 # typer shows each envvar itself ("[env var: …]"): the help texts do not repeat it
-MemOpt = Annotated[Path | None, typer.Option(
-    "--memory-dir", envvar="TIERWATCH_MEMORY_DIR",
-    help="Memory folder (default /dev/shm/tierwatch/<node>).")]
-NodeOpt = Annotated[str | None, typer.Option(
-    "--node", envvar="TIERWATCH_NODE", help="This node's name.")]
-UrlOpt = Annotated[str | None, typer.Option(
-    "--persistent-url", envvar="TIERWATCH_PERSISTENT_URL",
-    help="Persistent tier fsspec URL (default: agent.json's, else "
-    "file://<cwd>/var/checkpoints).")]
+MemOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--memory-dir",
+        envvar="TIERWATCH_MEMORY_DIR",
+        help="Memory folder (default /dev/shm/tierwatch/<node>).",
+    ),
+]
+NodeOpt = Annotated[
+    str | None, typer.Option("--node", envvar="TIERWATCH_NODE", help="This node's name.")
+]
+UrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--persistent-url",
+        envvar="TIERWATCH_PERSISTENT_URL",
+        help="Persistent tier fsspec URL (default: agent.json's, else "
+        "file://<cwd>/var/checkpoints).",
+    ),
+]
 
 
 class Usage(Exception):
@@ -78,6 +94,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 def _one_line_errors(fn: F) -> F:
     """A command whose unexpected ``OSError`` (a folder it cannot read, a destination it
     cannot create) prints one ``error: …`` line and exits 2 instead of a traceback."""
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -144,12 +161,15 @@ def _ranges(ranks: list[int]) -> str:
 class Place:
     """Where to look: a memory folder and a persistent URL."""
 
-    def __init__(self, memory_dir: Path | None, node: str | None,
-                 persistent_url: str | None) -> None:
+    def __init__(
+        self, memory_dir: Path | None, node: str | None, persistent_url: str | None
+    ) -> None:
         if memory_dir is None:
             if not node:
-                raise Usage("set --memory-dir (TIERWATCH_MEMORY_DIR) or --node "
-                            "(TIERWATCH_NODE) to find the memory folder")
+                raise Usage(
+                    "set --memory-dir (TIERWATCH_MEMORY_DIR) or --node "
+                    "(TIERWATCH_NODE) to find the memory folder"
+                )
             try:
                 check_node_name(node)
             except LayoutError as exc:
@@ -157,12 +177,15 @@ class Place:
             memory_dir = Path("/dev/shm/tierwatch") / node
         self.layout = MemoryLayout(memory_dir)
         if not memory_dir.is_dir():
-            typer.echo(f"warning: memory folder {memory_dir} does not exist "
-                       "(check --memory-dir / --node)", err=True)
+            typer.echo(
+                f"warning: memory folder {memory_dir} does not exist (check --memory-dir / --node)",
+                err=True,
+            )
         if persistent_url is None:
             try:
                 persistent_url = json.loads(self.layout.agent_file.read_text()).get(
-                    "persistent_url")
+                    "persistent_url"
+                )
             except (OSError, ValueError, AttributeError):
                 persistent_url = None
         if not persistent_url:
@@ -199,8 +222,9 @@ class Place:
                 if step is not None and s != step:
                     continue
                 d = job_dir / step_dirname(s)
-                copy = StepCopy(tier, where, s, local_dir=d,
-                                names={p.name for p in d.iterdir() if p.is_file()})
+                copy = StepCopy(
+                    tier, where, s, local_dir=d, names={p.name for p in d.iterdir() if p.is_file()}
+                )
                 for name in sorted(copy.names):
                     if name.startswith("manifest-") and name.endswith(".json"):
                         try:
@@ -294,8 +318,13 @@ def _console() -> Any:
 
 @app.command("ls")
 @_one_line_errors
-def ls(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
-       node: NodeOpt = None, persistent_url: UrlOpt = None) -> None:
+def ls(
+    job: JobOpt = None,
+    step: StepOpt = None,
+    memory_dir: MemOpt = None,
+    node: NodeOpt = None,
+    persistent_url: UrlOpt = None,
+) -> None:
     """List a job's steps per tier: ranks present, bytes, complete or not."""
     from rich.table import Table
 
@@ -305,23 +334,38 @@ def ls(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
     except Usage as exc:
         raise _die(str(exc)) from None
     if not copies:
-        raise _die(f"no {'step ' + str(one) + ' of ' if one is not None else ''}job {job_id} "
-                   "in this node's memory, its replicas or the persistent tier")
+        raise _die(
+            f"no {'step ' + str(one) + ' of ' if one is not None else ''}job {job_id} "
+            "in this node's memory, its replicas or the persistent tier"
+        )
     table = Table(title=f"job {job_id}")
     for col in ("tier", "where", "step", "ranks", "world_size", "bytes", "complete"):
         table.add_column(col, justify="right" if col in ("step", "bytes") else "left")
-    for c in sorted(copies, key=lambda c: (("memory", "peer", "persistent").index(c.tier),
-                                           c.where, c.step)):
+    for c in sorted(
+        copies, key=lambda c: (("memory", "peer", "persistent").index(c.tier), c.where, c.step)
+    ):
         ok, why = c.complete()
-        table.add_row(c.tier, c.where, str(c.step), _ranges(list(c.manifests)) or "-",
-                      str(c.world_size or "-"), str(c.bytes), "yes" if ok else f"no ({why})")
+        table.add_row(
+            c.tier,
+            c.where,
+            str(c.step),
+            _ranges(list(c.manifests)) or "-",
+            str(c.world_size or "-"),
+            str(c.bytes),
+            "yes" if ok else f"no ({why})",
+        )
     _console().print(table)
 
 
 @app.command()
 @_one_line_errors
-def verify(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
-           node: NodeOpt = None, persistent_url: UrlOpt = None) -> None:
+def verify(
+    job: JobOpt = None,
+    step: StepOpt = None,
+    memory_dir: MemOpt = None,
+    node: NodeOpt = None,
+    persistent_url: UrlOpt = None,
+) -> None:
     """Check the size and xxh3 checksum of every file the manifests list (exit 1 when bad)."""
     from tierwatch.agent.checkpoint.format.manifest import FileEntry
     from tierwatch.agent.checkpoint.format.manifest import xxh3_stream as hash_stream
@@ -333,8 +377,10 @@ def verify(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
     except Usage as exc:
         raise _die(str(exc)) from None
     if not copies:
-        raise _die(f"nothing to verify: no {'step ' + str(one) + ' of ' if one is not None else ''}"
-                   f"job {job_id} in this node's memory, replicas or the persistent tier")
+        raise _die(
+            f"nothing to verify: no {'step ' + str(one) + ' of ' if one is not None else ''}"
+            f"job {job_id} in this node's memory, replicas or the persistent tier"
+        )
     bad = 0
     for c in copies:
         label = f"{c.tier} ({c.where}) step {c.step}"
@@ -355,9 +401,12 @@ def verify(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
                     try:
                         with place.open_file(c, job_id, f.name) as fh:
                             size, digest = hash_stream(fh)
-                        problem = None if (size, digest) == (f.size, f.xxh3) else \
-                            f"{f.name}: {size} bytes with xxh3 {digest}, manifest says " \
+                        problem = (
+                            None
+                            if (size, digest) == (f.size, f.xxh3)
+                            else f"{f.name}: {size} bytes with xxh3 {digest}, manifest says "
                             f"{f.size} bytes with {f.xxh3}"
+                        )
                     except FileNotFoundError:
                         problem = f"{f.name}: missing"
                     except OSError as exc:
@@ -368,8 +417,9 @@ def verify(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
                 else:
                     count += 1
         if not c.bad_manifests and not mixed:
-            typer.echo(f"ok   {label}: {count} file(s) of rank(s) "
-                       f"{_ranges(list(c.manifests)) or '-'}")
+            typer.echo(
+                f"ok   {label}: {count} file(s) of rank(s) {_ranges(list(c.manifests)) or '-'}"
+            )
     if bad:
         typer.echo(f"{bad} bad file(s)", err=True)
         raise typer.Exit(EXIT_BAD)
@@ -377,10 +427,16 @@ def verify(job: JobOpt = None, step: StepOpt = None, memory_dir: MemOpt = None,
 
 @app.command()
 @_one_line_errors
-def export(to: Annotated[Path | None, typer.Option(
-               "--to", help="Destination folder (new or empty).")] = None,
-           job: JobOpt = None, step: ExportStepOpt = None, memory_dir: MemOpt = None,
-           node: NodeOpt = None, persistent_url: UrlOpt = None) -> None:
+def export(
+    to: Annotated[
+        Path | None, typer.Option("--to", help="Destination folder (new or empty).")
+    ] = None,
+    job: JobOpt = None,
+    step: ExportStepOpt = None,
+    memory_dir: MemOpt = None,
+    node: NodeOpt = None,
+    persistent_url: UrlOpt = None,
+) -> None:
     """Copy a complete step (persistent, else this node's memory) to DEST as a DCP folder."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
@@ -400,15 +456,22 @@ def export(to: Annotated[Path | None, typer.Option(
         raise _die(str(exc)) from None
     complete = [c for c in copies if c.tier in ("persistent", "memory") and c.complete()[0]]
     if not complete:
-        seen = ", ".join(f"{c.tier} step {c.step}: {c.complete()[1]}"
-                         for c in copies[:6]) or "nothing found"
-        raise _die(f"no complete {'step ' + str(one) + ' of ' if one is not None else 'step of '}"
-                   f"job {job_id} in the persistent tier or this node's memory ({seen})")
+        seen = (
+            ", ".join(f"{c.tier} step {c.step}: {c.complete()[1]}" for c in copies[:6])
+            or "nothing found"
+        )
+        raise _die(
+            f"no complete {'step ' + str(one) + ' of ' if one is not None else 'step of '}"
+            f"job {job_id} in the persistent tier or this node's memory ({seen})"
+        )
     newest = max(c.step for c in complete)
-    chosen = sorted((c for c in complete if c.step == newest),
-                    key=lambda c: c.tier != "persistent")[0]
-    files = sorted({(f.name, f.size, f.xxh3) for m in chosen.manifests.values()
-                    for f in m.files}, key=lambda t: (t[0] == METADATA, t[0]))
+    chosen = sorted(
+        (c for c in complete if c.step == newest), key=lambda c: c.tier != "persistent"
+    )[0]
+    files = sorted(
+        {(f.name, f.size, f.xxh3) for m in chosen.manifests.values() for f in m.files},
+        key=lambda t: (t[0] == METADATA, t[0]),
+    )
     manifests = [manifest_name(r) for r in sorted(chosen.manifests)]
     total = sum(size for _, size, _ in files)
     try:
@@ -418,8 +481,13 @@ def export(to: Annotated[Path | None, typer.Option(
     import xxhash
 
     failed = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), console=_console()) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=_console(),
+    ) as progress:
         overall = progress.add_task(f"step {newest} from {chosen.tier}", total=total)
         for name, size, digest in [*files, *[(n, None, None) for n in manifests]]:
             task = progress.add_task(name, total=size)
@@ -441,8 +509,10 @@ def export(to: Annotated[Path | None, typer.Option(
                 continue
             if size is not None and (n != size or h.hexdigest() != digest):
                 tmp.unlink(missing_ok=True)
-                failed.append(f"{name}: {n} bytes with xxh3 {h.hexdigest()}, the manifest says "
-                              f"{size} bytes with {digest}")
+                failed.append(
+                    f"{name}: {n} bytes with xxh3 {h.hexdigest()}, the manifest says "
+                    f"{size} bytes with {digest}"
+                )
                 continue
             try:
                 tmp.replace(to / name)
@@ -456,17 +526,23 @@ def export(to: Annotated[Path | None, typer.Option(
             typer.echo(f"error: {line}", err=True)
         (to / METADATA).unlink(missing_ok=True)  # never leave a loadable partial copy
         raise typer.Exit(EXIT_BAD)
-    typer.echo(f"exported step {newest} of {job_id} from {chosen.tier} ({chosen.where}) to "
-               f"{to}: {len(files)} file(s), {total} bytes")
+    typer.echo(
+        f"exported step {newest} of {job_id} from {chosen.tier} ({chosen.where}) to "
+        f"{to}: {len(files)} file(s), {total} bytes"
+    )
 
 
 @app.command()
 @_one_line_errors
-def gc(job: JobOpt = None,
-       finished: Annotated[bool, typer.Option(
-           "--finished", help="Remove every job whose job.json says \"finished\": true.")]
-       = False,
-       memory_dir: MemOpt = None, node: NodeOpt = None) -> None:
+def gc(
+    job: JobOpt = None,
+    finished: Annotated[
+        bool,
+        typer.Option("--finished", help='Remove every job whose job.json says "finished": true.'),
+    ] = False,
+    memory_dir: MemOpt = None,
+    node: NodeOpt = None,
+) -> None:
     """Remove a job's memory-tier steps, replicas and restore folders on this node."""
     if not job and not finished:
         raise _die("give --job J or --finished")
@@ -494,5 +570,4 @@ def gc(job: JobOpt = None,
                 typer.echo(f"removed {p}")
                 removed += 1
     if not removed:
-        typer.echo("nothing to remove" + (f" for job {job}" if job else
-                                          " (no finished jobs)"))
+        typer.echo("nothing to remove" + (f" for job {job}" if job else " (no finished jobs)"))

@@ -75,7 +75,8 @@ class PersistentTier:
         except (ImportError, ValueError) as exc:
             raise PersistentError(
                 f"persistent URL {self.url}: {exc} (for s3:// install s3fs: "
-                "pip install 'tierwatch[s3]')") from None
+                "pip install 'tierwatch[s3]')"
+            ) from None
         protocol = self.fs.protocol
         protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
         self.local = "file" in protocols or "local" in protocols
@@ -201,8 +202,9 @@ class PersistentTier:
         except ManifestError:
             return None
         except OSError as exc:
-            raise PersistentError(f"cannot read {self.step_url(job_id, step)}/{name}: "
-                                  f"{exc}") from None
+            raise PersistentError(
+                f"cannot read {self.step_url(job_id, step)}/{name}: {exc}"
+            ) from None
         if m.job_id != job_id or m.step != step or m.rank != rank:
             return None
         return m
@@ -216,8 +218,16 @@ class PersistentTier:
         return self.fs.open(self.file_path(job_id, step, name), "rb")
 
     # -- writing -------------------------------------------------------------------------
-    def put_file(self, local: Path, job_id: str, step: int, name: str, *,
-                 expect: FileEntry | None = None, progress: ProgressFn | None = None) -> int:
+    def put_file(
+        self,
+        local: Path,
+        job_id: str,
+        step: int,
+        name: str,
+        *,
+        expect: FileEntry | None = None,
+        progress: ProgressFn | None = None,
+    ) -> int:
         """Upload one local file into the step folder, atomically.
 
         Args:
@@ -240,8 +250,10 @@ class PersistentTier:
 
         def check() -> None:
             if expect is not None and (n != expect.size or h.hexdigest() != expect.xxh3):
-                raise _Mismatch(f"{local}: {n} bytes with xxh3 {h.hexdigest()}, the manifest "
-                                f"says {expect.size} bytes with xxh3 {expect.xxh3}; not uploaded")
+                raise _Mismatch(
+                    f"{local}: {n} bytes with xxh3 {h.hexdigest()}, the manifest "
+                    f"says {expect.size} bytes with xxh3 {expect.xxh3}; not uploaded"
+                )
 
         n = 0
         try:
@@ -307,8 +319,9 @@ class PersistentTier:
             else:
                 self.fs.mv(src, dest)
         except OSError as exc:
-            raise PersistentError(f"cannot write {self.step_url(job_id, step)}/{METADATA}: "
-                                  f"{exc}") from None
+            raise PersistentError(
+                f"cannot write {self.step_url(job_id, step)}/{METADATA}: {exc}"
+            ) from None
 
     def remove_staged_metadata(self, job_id: str, step: int) -> None:
         """Remove ``.metadata.staged`` (a step given up on); missing is fine."""

@@ -81,27 +81,55 @@ class PeerClient:
         """Close the connection pool."""
         self._client.close()
 
-    def push_file(self, *, url: str, peer: str, src_node: str, job_id: str, step: int,
-                  name: str, path: Path, size: int, xxh3: str) -> None:
+    def push_file(
+        self,
+        *,
+        url: str,
+        peer: str,
+        src_node: str,
+        job_id: str,
+        step: int,
+        name: str,
+        path: Path,
+        size: int,
+        xxh3: str,
+    ) -> None:
         """PUT one file into ``peer``'s replicas of ``src_node``.
 
         Raises:
             PeerError: unreachable, or the peer refused (its message is included).
         """
-        target = (f"{url.rstrip('/')}/v1/peer/replicas/{quote(src_node)}/{quote(job_id)}/"
-                  f"{step}/{quote(name)}")
-        headers = {XXH3_HEADER: xxh3, "Content-Length": str(size),
-                   "Content-Type": "application/octet-stream"}
+        target = (
+            f"{url.rstrip('/')}/v1/peer/replicas/{quote(src_node)}/{quote(job_id)}/"
+            f"{step}/{quote(name)}"
+        )
+        headers = {
+            XXH3_HEADER: xxh3,
+            "Content-Length": str(size),
+            "Content-Type": "application/octet-stream",
+        }
         try:
             resp = self._client.put(target, content=_file_chunks(path), headers=headers)
         except (httpx.HTTPError, OSError) as exc:
             raise PeerError(f"{name}: cannot push to {peer} at {url}: {exc!r}") from None
         if resp.status_code != 200:
-            raise PeerError(f"{name}: {peer} refused the replica (HTTP {resp.status_code}): "
-                            f"{error_detail(resp)}")
+            raise PeerError(
+                f"{name}: {peer} refused the replica (HTTP {resp.status_code}): "
+                f"{error_detail(resp)}"
+            )
 
-    def fetch_to(self, *, url: str, holder: str, job_id: str, step: int, name: str,
-                 tier: str, src: str | None, out: BinaryIO) -> int:
+    def fetch_to(
+        self,
+        *,
+        url: str,
+        holder: str,
+        job_id: str,
+        step: int,
+        name: str,
+        tier: str,
+        src: str | None,
+        out: BinaryIO,
+    ) -> int:
         """GET one file from ``holder``'s memory tier (tier ``memory``) or from a replica it
         holds for ``src`` (tier ``peer``), writing it to ``out``.
 
@@ -120,12 +148,12 @@ class PeerClient:
             with self._client.stream("GET", target, params=params) as resp:
                 if resp.status_code != 200:
                     resp.read()
-                    raise PeerError(f"{name}: {holder} answered HTTP {resp.status_code}: "
-                                    f"{error_detail(resp)}")
+                    raise PeerError(
+                        f"{name}: {holder} answered HTTP {resp.status_code}: {error_detail(resp)}"
+                    )
                 for chunk in resp.iter_bytes(CHUNK):
                     out.write(chunk)
                     n += len(chunk)
         except (httpx.HTTPError, OSError) as exc:
             raise PeerError(f"{name}: cannot fetch from {holder} at {url}: {exc!r}") from None
         return n
-

@@ -37,8 +37,9 @@ def _int(args: Mapping[str, Any], name: str, low: int) -> int:
     if value is None:
         raise ValueError(f"restore command: args.{name} is missing (an integer ≥ {low})")
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_ID:
-        raise ValueError(f"restore command: args.{name} must be an integer in {low}..2**62, "
-                         f"not {value!r}")
+        raise ValueError(
+            f"restore command: args.{name} must be an integer in {low}..2**62, not {value!r}"
+        )
     return value
 
 
@@ -55,18 +56,22 @@ def parse_restore_command(command: Command) -> RestoreRequest:
     if command.kind != "restore":
         raise ValueError(f"command {command.id}: kind {command.kind!r} is not a restore")
     args = command.args
-    unknown = sorted(set(args) - {"request_id", "job_id", "step", "tier", "reason", "actor",
-                                  "not_after"})
+    unknown = sorted(
+        set(args) - {"request_id", "job_id", "step", "tier", "reason", "actor", "not_after"}
+    )
     if unknown:
-        raise ValueError(f"restore command: unknown args {unknown} (allowed: request_id, "
-                         "job_id, step, tier, reason, actor, not_after)")
+        raise ValueError(
+            f"restore command: unknown args {unknown} (allowed: request_id, "
+            "job_id, step, tier, reason, actor, not_after)"
+        )
     not_after = args.get("not_after") or ""
     if not_after:
         try:
             parsed = datetime.fromisoformat(str(not_after))
         except ValueError:
-            raise ValueError("restore command: args.not_after must be an ISO 8601 time, not "
-                             f"{not_after!r}") from None
+            raise ValueError(
+                f"restore command: args.not_after must be an ISO 8601 time, not {not_after!r}"
+            ) from None
         if parsed.tzinfo is None:
             raise ValueError("restore command: args.not_after needs a UTC offset")
     request_id = _int(args, "request_id", 1)
@@ -80,16 +85,24 @@ def parse_restore_command(command: Command) -> RestoreRequest:
         raise ValueError(f"restore command: args.{exc}") from None
     tier = args.get("tier")
     if tier is not None and tier not in TIERS:
-        raise ValueError(f"restore command: args.tier must be one of {', '.join(TIERS)} or "
-                         f"null (any tier), not {tier!r}")
+        raise ValueError(
+            f"restore command: args.tier must be one of {', '.join(TIERS)} or "
+            f"null (any tier), not {tier!r}"
+        )
     for name in ("reason", "actor"):
         if not isinstance(args.get(name, ""), str):
-            raise ValueError(f"restore command: args.{name} must be text, not "
-                             f"{args.get(name)!r}")
-    return RestoreRequest(request_id=request_id, job_id=job_id, step=step, tier=tier,
-                          reason=str(args.get("reason", ""))[:500],
-                          actor=str(args.get("actor", ""))[:200], command_id=command.id,
-                          received_at=utcnow().isoformat(), not_after=str(not_after))
+            raise ValueError(f"restore command: args.{name} must be text, not {args.get(name)!r}")
+    return RestoreRequest(
+        request_id=request_id,
+        job_id=job_id,
+        step=step,
+        tier=tier,
+        reason=str(args.get("reason", ""))[:500],
+        actor=str(args.get("actor", ""))[:200],
+        command_id=command.id,
+        received_at=utcnow().isoformat(),
+        not_after=str(not_after),
+    )
 
 
 class RequestStore:
@@ -156,9 +169,13 @@ class RequestStore:
                 continue
             if req.job_id == job_id and req.request_id > retired:
                 if req.expired(utcnow()):
-                    log.log(logging.DEBUG if quiet else logging.INFO,
-                            "restore request %d for %s expired at %s; not served",
-                            req.request_id, job_id, req.not_after)
+                    log.log(
+                        logging.DEBUG if quiet else logging.INFO,
+                        "restore request %d for %s expired at %s; not served",
+                        req.request_id,
+                        job_id,
+                        req.not_after,
+                    )
                     continue
                 out.append(req)
         return sorted(out, key=lambda r: r.request_id)
@@ -187,11 +204,10 @@ class RequestStore:
             if not d.is_dir():
                 return []
             if up_to > self._retired(job_id):
-                atomic_write_json(d / RETIRED_FILE, {"up_to": up_to,
-                                                     "at": utcnow().isoformat()})
+                atomic_write_json(d / RETIRED_FILE, {"up_to": up_to, "at": utcnow().isoformat()})
             gone = []
             for p in d.glob(f"{REQUEST_PREFIX}*.json"):
-                text = p.name[len(REQUEST_PREFIX):-len(".json")]
+                text = p.name[len(REQUEST_PREFIX) : -len(".json")]
                 if text.isdigit() and int(text) <= up_to:
                     p.unlink(missing_ok=True)
                     gone.append(int(text))

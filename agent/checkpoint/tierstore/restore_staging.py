@@ -97,8 +97,9 @@ class RestoreStager:
         emit: Receives a ``failed`` event per bad source.
     """
 
-    def __init__(self, layout: MemoryLayout, *, node: str, peer: PeerClient | None,
-                 emit: EventSink) -> None:
+    def __init__(
+        self, layout: MemoryLayout, *, node: str, peer: PeerClient | None, emit: EventSink
+    ) -> None:
         self.layout = layout
         self.node = node
         self.peer = peer
@@ -141,8 +142,12 @@ class RestoreStager:
                 got = self._stage_one(job_id, step, f, target_dir, errors)
             if got is not None:
                 staged.append({"name": f.name, "tier": got[0], "holder": got[1]})
-        return {"ok": len(staged) == len(request.files), "dir": str(target_dir),
-                "files": staged, "errors": errors}
+        return {
+            "ok": len(staged) == len(request.files),
+            "dir": str(target_dir),
+            "files": staged,
+            "errors": errors,
+        }
 
     def _remove_other_steps(self, job_restore: Path, step: int) -> None:
         if not job_restore.is_dir():
@@ -155,8 +160,9 @@ class RestoreStager:
                     for k in [k for k in self._origin if k.parent == p]:
                         del self._origin[k]
 
-    def _stage_one(self, job_id: str, step: int, f: StageFile, target_dir: Path,
-                   errors: list[str]) -> tuple[str, str] | None:
+    def _stage_one(
+        self, job_id: str, step: int, f: StageFile, target_dir: Path, errors: list[str]
+    ) -> tuple[str, str] | None:
         target = target_dir / f.name
         entry = FileEntry(name=f.name, size=f.size, xxh3=f.xxh3)
         if target.exists() and verify_file(target, entry) is None:
@@ -172,13 +178,22 @@ class RestoreStager:
             except (StageError, PeerError, OSError) as exc:
                 tmp.unlink(missing_ok=True)
                 where = f"{source.tier}:{source.holder}" + (
-                    f" (replica of {source.src})" if source.tier == "peer" and source.src else "")
+                    f" (replica of {source.src})" if source.tier == "peer" and source.src else ""
+                )
                 message = f"stage {f.name} of step {step} from {where}: {exc}"
                 errors.append(message)
                 log.warning("%s", message)
-                self.emit(CheckpointEvent(
-                    job_id=job_id, step=step, tier=source.tier, kind="failed",
-                    rank=_rank_of(f.name), ts=utcnow(), message=message[:2000]))
+                self.emit(
+                    CheckpointEvent(
+                        job_id=job_id,
+                        step=step,
+                        tier=source.tier,
+                        kind="failed",
+                        rank=_rank_of(f.name),
+                        ts=utcnow(),
+                        message=message[:2000],
+                    )
+                )
                 continue
             origin = (source.tier, source.holder)
             self._origin[target] = origin
@@ -189,8 +204,7 @@ class RestoreStager:
             errors.append(f"stage {f.name} of step {step}: every source failed")
         return None
 
-    def _fetch(self, job_id: str, step: int, f: StageFile, source: StageSource,
-               tmp: Path) -> None:
+    def _fetch(self, job_id: str, step: int, f: StageFile, source: StageSource, tmp: Path) -> None:
         if source.tier == "persistent":
             self._fetch_persistent(f, source, tmp)
             return
@@ -209,13 +223,23 @@ class RestoreStager:
                 shutil.copyfile(path, tmp)
             return
         if self.peer is None:
-            raise StageError("this agent has no peer token (--peer-token), so it cannot read "
-                             f"from {source.holder}")
+            raise StageError(
+                "this agent has no peer token (--peer-token), so it cannot read "
+                f"from {source.holder}"
+            )
         if not source.url:
             raise StageError(f"no URL for holder {source.holder}")
         with open(tmp, "wb") as out:
-            self.peer.fetch_to(url=source.url, holder=source.holder, job_id=job_id, step=step,
-                               name=f.name, tier=source.tier, src=source.src, out=out)
+            self.peer.fetch_to(
+                url=source.url,
+                holder=source.holder,
+                job_id=job_id,
+                step=step,
+                name=f.name,
+                tier=source.tier,
+                src=source.src,
+                out=out,
+            )
 
     def _fetch_persistent(self, f: StageFile, source: StageSource, tmp: Path) -> None:
         import fsspec
@@ -238,4 +262,3 @@ def _rank_of(name: str) -> int | None:
         head = name[2:].split("_", 1)[0]
         return int(head) if head.isdigit() else None
     return None
-

@@ -109,8 +109,9 @@ class MemoryStore:
         OSError: the folder cannot be created.
     """
 
-    def __init__(self, root: Path, *, node: str, budget_bytes: int,
-                 pins: PinSource | None = None) -> None:
+    def __init__(
+        self, root: Path, *, node: str, budget_bytes: int, pins: PinSource | None = None
+    ) -> None:
         self.layout = MemoryLayout(root)
         self.root = self.layout.root
         self.node = check_node_name(node)
@@ -124,8 +125,9 @@ class MemoryStore:
         self._agent_lock = threading.Lock()
 
     # -- identity ------------------------------------------------------------------------
-    def write_agent_file(self, *, peer_url: str, persistent_url: str,
-                         started_at: str | None = None) -> dict[str, Any]:
+    def write_agent_file(
+        self, *, peer_url: str, persistent_url: str, started_at: str | None = None
+    ) -> dict[str, Any]:
         """Write ``agent.json`` atomically.
 
         Returns:
@@ -219,8 +221,14 @@ class MemoryStore:
 
     def _over_budget(self, what: str, size: int, used: int, job_id: str) -> StoreError:
         pins = self.pinned_steps(job_id)
-        pinned = (f"; {job_id} also keeps {describe_pins(pins)} while those restore requests "
-                  "are pending") if pins else ""
+        pinned = (
+            (
+                f"; {job_id} also keeps {describe_pins(pins)} while those restore requests "
+                "are pending"
+            )
+            if pins
+            else ""
+        )
         return StoreError(
             507,
             f"{what}: {size} bytes do not fit in node {self.node}'s memory budget "
@@ -230,8 +238,16 @@ class MemoryStore:
         )
 
     # -- replicas ------------------------------------------------------------------------
-    def begin_replica(self, *, src_node: str, job_id: str, step: int, name: str,
-                      xxh3: str | None, size: int | None) -> ReplicaUpload:
+    def begin_replica(
+        self,
+        *,
+        src_node: str,
+        job_id: str,
+        step: int,
+        name: str,
+        xxh3: str | None,
+        size: int | None,
+    ) -> ReplicaUpload:
         """Start receiving one replica file (see :class:`ReplicaUpload`).
 
         Args:
@@ -245,8 +261,11 @@ class MemoryStore:
         """
         self.check_names(src_node=src_node, job_id=job_id, step=step, name=name)
         if not xxh3 or len(xxh3) != 16 or any(c not in "0123456789abcdef" for c in xxh3):
-            raise StoreError(422, "header X-Tierwatch-Xxh3 must be the file's xxh3-64 digest "
-                             "as 16 lowercase hex digits")
+            raise StoreError(
+                422,
+                "header X-Tierwatch-Xxh3 must be the file's xxh3-64 digest "
+                "as 16 lowercase hex digits",
+            )
         what = f"replica {src_node}/{job_id}/{step_dirname(step)}/{name}"
         key = uuid.uuid4().hex
         disk = self._disk_bytes()
@@ -256,21 +275,40 @@ class MemoryStore:
             if size is not None and size > limit:
                 raise self._over_budget(what, size, used, job_id)
             self._reserved[key] = size or 0
-        return ReplicaUpload(self, key=key, what=what, src_node=src_node, job_id=job_id,
-                             step=step, name=name, xxh3=xxh3, size=size, limit=limit,
-                             used=used)
+        return ReplicaUpload(
+            self,
+            key=key,
+            what=what,
+            src_node=src_node,
+            job_id=job_id,
+            step=step,
+            name=name,
+            xxh3=xxh3,
+            size=size,
+            limit=limit,
+            used=used,
+        )
 
-    def receive_replica(self, *, src_node: str, job_id: str, step: int, name: str,
-                        chunks: Iterable[bytes], xxh3: str | None,
-                        size: int | None) -> ReceivedFile:
+    def receive_replica(
+        self,
+        *,
+        src_node: str,
+        job_id: str,
+        step: int,
+        name: str,
+        chunks: Iterable[bytes],
+        xxh3: str | None,
+        size: int | None,
+    ) -> ReceivedFile:
         """Store one replica file from an iterable of chunks (:meth:`begin_replica`, write
         every chunk, finish).
 
         Raises:
             StoreError: as :meth:`begin_replica` and :meth:`ReplicaUpload.finish`.
         """
-        upload = self.begin_replica(src_node=src_node, job_id=job_id, step=step, name=name,
-                                    xxh3=xxh3, size=size)
+        upload = self.begin_replica(
+            src_node=src_node, job_id=job_id, step=step, name=name, xxh3=xxh3, size=size
+        )
         try:
             for chunk in chunks:
                 upload.write(chunk)
@@ -282,8 +320,9 @@ class MemoryStore:
         with self._lock:
             self._reserved.pop(key, None)
 
-    def evict_replicas(self, *, src_node: str, job_id: str, newest: int,
-                       keep: set[int]) -> list[tuple[int, list[int]]]:
+    def evict_replicas(
+        self, *, src_node: str, job_id: str, newest: int, keep: set[int]
+    ) -> list[tuple[int, list[int]]]:
         """Remove replica steps of (src_node, job) older than ``newest`` not in ``keep`` and
         not pinned by a pending restore request of the job (:meth:`pinned_steps`).
 
@@ -292,25 +331,29 @@ class MemoryStore:
         """
         job_dir = self.layout.replica_job_dir(src_node, job_id)
         steps = steps_in(job_dir)
-        pins = self.pinned_steps(job_id) if any(s < newest and s not in keep
-                                                 for s in steps) else {}
+        pins = self.pinned_steps(job_id) if any(s < newest and s not in keep for s in steps) else {}
         evicted = []
         for step in steps:
             if step >= newest or step in keep:
                 continue
             if step in pins:
-                log.debug("replica %s/%s/step-%d kept: pinned by restore request(s) %s",
-                          src_node, job_id, step, pins[step])
+                log.debug(
+                    "replica %s/%s/step-%d kept: pinned by restore request(s) %s",
+                    src_node,
+                    job_id,
+                    step,
+                    pins[step],
+                )
                 continue
             d = job_dir / step_dirname(step)
-            ranks = sorted(r for p in d.iterdir()
-                           if (r := parse_manifest_name(p.name)) is not None)
+            ranks = sorted(r for p in d.iterdir() if (r := parse_manifest_name(p.name)) is not None)
             shutil.rmtree(d, ignore_errors=True)
             evicted.append((step, ranks))
         return evicted
 
-    def evict_replicas_after(self, *, src_node: str, job_id: str, step: int
-                             ) -> list[tuple[int, list[int]]]:
+    def evict_replicas_after(
+        self, *, src_node: str, job_id: str, step: int
+    ) -> list[tuple[int, list[int]]]:
         """Remove replica steps of (src_node, job) above ``step`` (a rollback to ``step``).
 
         Returns:
@@ -326,8 +369,9 @@ class MemoryStore:
                 continue
             d = job_dir / step_dirname(s)
             try:
-                ranks = sorted(r for p in d.iterdir()
-                               if (r := parse_manifest_name(p.name)) is not None)
+                ranks = sorted(
+                    r for p in d.iterdir() if (r := parse_manifest_name(p.name)) is not None
+                )
             except OSError:
                 ranks = []
             shutil.rmtree(d, ignore_errors=True)
@@ -349,8 +393,9 @@ class MemoryStore:
         shutil.rmtree(d)
         return True
 
-    def check_names(self, *, job_id: str, step: int, name: str | None = None,
-                    src_node: str | None = None) -> None:
+    def check_names(
+        self, *, job_id: str, step: int, name: str | None = None, src_node: str | None = None
+    ) -> None:
         """Validate path components (raises StoreError 422 naming the bad one)."""
         try:
             check_job_id(job_id)
@@ -362,8 +407,7 @@ class MemoryStore:
         except ValueError as exc:
             raise StoreError(422, str(exc)) from None
 
-    def file_path(self, *, job_id: str, step: int, name: str, tier: str,
-                  src: str | None) -> Path:
+    def file_path(self, *, job_id: str, step: int, name: str, tier: str, src: str | None) -> Path:
         """Path of a file this agent holds in its memory tier or in a replica.
 
         Raises:
@@ -395,9 +439,17 @@ class MemoryStore:
         job_dir = self.layout.job_dir(job_id)
         for step in steps_in(job_dir):
             for m in manifests_in(job_dir / step_dirname(step), job_id, step):
-                entries.append({"tier": "memory", "holder": self.node, "url": url,
-                                "src": m.node, "step": step, "rank": m.rank,
-                                "manifest": m.model_dump(mode="json")})
+                entries.append(
+                    {
+                        "tier": "memory",
+                        "holder": self.node,
+                        "url": url,
+                        "src": m.node,
+                        "step": step,
+                        "rank": m.rank,
+                        "manifest": m.model_dump(mode="json"),
+                    }
+                )
         rdir = self.layout.replicas_dir
         srcs = sorted(p.name for p in rdir.iterdir() if p.is_dir()) if rdir.is_dir() else []
         for src in srcs:
@@ -407,9 +459,17 @@ class MemoryStore:
                 continue
             for step in steps_in(job_dir):
                 for m in manifests_in(job_dir / step_dirname(step), job_id, step):
-                    entries.append({"tier": "peer", "holder": self.node, "url": url,
-                                    "src": src, "step": step, "rank": m.rank,
-                                    "manifest": m.model_dump(mode="json")})
+                    entries.append(
+                        {
+                            "tier": "peer",
+                            "holder": self.node,
+                            "url": url,
+                            "src": src,
+                            "step": step,
+                            "rank": m.rank,
+                            "manifest": m.model_dump(mode="json"),
+                        }
+                    )
         return entries
 
     # -- progress ------------------------------------------------------------------------
@@ -421,8 +481,9 @@ class MemoryStore:
             return {}
         return data if isinstance(data, dict) else {}
 
-    def update_progress(self, step_dir: Path, rank: int,
-                        change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    def update_progress(
+        self, step_dir: Path, rank: int, change: Callable[[dict[str, Any]], None]
+    ) -> dict[str, Any]:
         """Read-modify-write ``.tier-<r>.json`` under a lock (atomic rename, no fsync).
 
         Returns:
@@ -446,9 +507,21 @@ class ReplicaUpload:
     Created by :meth:`MemoryStore.begin_replica`.
     """
 
-    def __init__(self, store: MemoryStore, *, key: str, what: str, src_node: str, job_id: str,
-                 step: int, name: str, xxh3: str, size: int | None, limit: int,
-                 used: int) -> None:
+    def __init__(
+        self,
+        store: MemoryStore,
+        *,
+        key: str,
+        what: str,
+        src_node: str,
+        job_id: str,
+        step: int,
+        name: str,
+        xxh3: str,
+        size: int | None,
+        limit: int,
+        used: int,
+    ) -> None:
         self.store = store
         self.key = key
         self.what = what
@@ -477,14 +550,16 @@ class ReplicaUpload:
                 self._file = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish/abort
             self.written += len(chunk)
             if self.written > self.limit:
-                raise self.store._over_budget(self.what, max(self.written, self.size or 0),
-                                              self.used, self.job_id)
+                raise self.store._over_budget(
+                    self.what, max(self.written, self.size or 0), self.used, self.job_id
+                )
             self._hash.update(chunk)
             self._file.write(chunk)
         except OSError as exc:
             self.abort()
-            raise StoreError(507 if _is_full(exc) else 500,
-                             f"{self.what}: cannot write in {self.dir} ({exc})") from None
+            raise StoreError(
+                507 if _is_full(exc) else 500, f"{self.what}: cannot write in {self.dir} ({exc})"
+            ) from None
         except StoreError:
             self.abort()
             raise
@@ -506,16 +581,24 @@ class ReplicaUpload:
             try:
                 self._file.close()
             except OSError as exc:
-                raise StoreError(507 if _is_full(exc) else 500,
-                                 f"{self.what}: cannot write in {self.dir} ({exc})") from None
+                raise StoreError(
+                    507 if _is_full(exc) else 500,
+                    f"{self.what}: cannot write in {self.dir} ({exc})",
+                ) from None
             digest = self._hash.hexdigest()
             if self.size is not None and self.written != self.size:
-                raise StoreError(409, f"{self.what}: received {self.written} bytes, "
-                                 f"Content-Length said {self.size}; nothing was stored")
+                raise StoreError(
+                    409,
+                    f"{self.what}: received {self.written} bytes, "
+                    f"Content-Length said {self.size}; nothing was stored",
+                )
             if digest != self.xxh3:
-                raise StoreError(409, f"{self.what}: checksum {digest} of the received bytes "
-                                 f"does not match X-Tierwatch-Xxh3 {self.xxh3}; nothing was "
-                                 "stored")
+                raise StoreError(
+                    409,
+                    f"{self.what}: checksum {digest} of the received bytes "
+                    f"does not match X-Tierwatch-Xxh3 {self.xxh3}; nothing was "
+                    "stored",
+                )
             marker: CommitMarker | None = None
             if parse_commit_name(self.name) is not None:
                 try:
@@ -523,8 +606,10 @@ class ReplicaUpload:
                 except ManifestError as exc:
                     raise StoreError(409, str(exc)) from None
                 if marker.job_id != self.job_id or marker.step != self.step:
-                    raise StoreError(409, f"{self.what}: the marker is for job "
-                                     f"{marker.job_id} step {marker.step}")
+                    raise StoreError(
+                        409,
+                        f"{self.what}: the marker is for job {marker.job_id} step {marker.step}",
+                    )
             target = self.dir / self.name
             os.replace(self.tmp, target)
             self._done = True
@@ -532,9 +617,12 @@ class ReplicaUpload:
             self.abort()
         evicted: list[tuple[int, list[int]]] = []
         if marker is not None:
-            evicted = self.store.evict_replicas(src_node=self.src_node, job_id=self.job_id,
-                                                newest=self.step,
-                                                keep=set(marker.retain.get("peer", [])))
+            evicted = self.store.evict_replicas(
+                src_node=self.src_node,
+                job_id=self.job_id,
+                newest=self.step,
+                keep=set(marker.retain.get("peer", [])),
+            )
         return ReceivedFile(path=target, size=self.written, xxh3=digest, evicted=evicted)
 
     def abort(self) -> None:
@@ -563,8 +651,9 @@ def steps_in(job_dir: Path) -> list[int]:
     """Step numbers with a ``step-<N>`` folder in ``job_dir``, ascending."""
     if not job_dir.is_dir():
         return []
-    return sorted(s for p in job_dir.iterdir() if (s := parse_step_dirname(p.name)) is not None
-                  and p.is_dir())
+    return sorted(
+        s for p in job_dir.iterdir() if (s := parse_step_dirname(p.name)) is not None and p.is_dir()
+    )
 
 
 def manifests_in(step_dir: Path, job_id: str, step: int) -> list[Manifest]:

@@ -115,10 +115,19 @@ class TierWorker:
             (:mod:`~tierwatch.agent.checkpoint.format.priority`; 0 keeps the agent's).
     """
 
-    def __init__(self, store: MemoryStore, persistent: PersistentTier, *, emit: EventSink,
-                 peer_token: str | None, replication: int, scan_interval_s: float,
-                 metadata_wait_s: float = METADATA_WAIT_S, http_timeout_s: float = 60.0,
-                 nice: int = DEFAULT_NICE) -> None:
+    def __init__(
+        self,
+        store: MemoryStore,
+        persistent: PersistentTier,
+        *,
+        emit: EventSink,
+        peer_token: str | None,
+        replication: int,
+        scan_interval_s: float,
+        metadata_wait_s: float = METADATA_WAIT_S,
+        http_timeout_s: float = 60.0,
+        nice: int = DEFAULT_NICE,
+    ) -> None:
         self.store = store
         self.nice = nice
         self.persistent = persistent
@@ -144,8 +153,9 @@ class TierWorker:
     def start(self) -> None:
         """Start the peer and persistent threads."""
         for tier, fn in (("peer", self.peer_pass), ("persistent", self.persistent_pass)):
-            t = threading.Thread(target=self._loop, args=(tier, fn), daemon=True,
-                                 name=f"tierwatch-{tier}")
+            t = threading.Thread(
+                target=self._loop, args=(tier, fn), daemon=True, name=f"tierwatch-{tier}"
+            )
             t.start()
             self._threads.append(t)
 
@@ -208,8 +218,7 @@ class TierWorker:
         for job_id in layout.jobs():
             job_dir = layout.job_dir(job_id)
             try:
-                step_dirs = [p for p in job_dir.iterdir() if parse_step_dirname(p.name)
-                             is not None]
+                step_dirs = [p for p in job_dir.iterdir() if parse_step_dirname(p.name) is not None]
             except OSError:
                 continue
             for step_dir in step_dirs:
@@ -229,13 +238,21 @@ class TierWorker:
                         if not (step_dir / name).exists():  # removed by retention meanwhile
                             log.debug("%s vanished while being read: %s", step_dir / name, exc)
                             continue
-                        self._once("bad-commit", f"{step_dir / name}", job_id, step, "peer",
-                                   f"{name}: unreadable commit marker, skipped ({exc})", rank)
+                        self._once(
+                            "bad-commit",
+                            f"{step_dir / name}",
+                            job_id,
+                            step,
+                            "peer",
+                            f"{name}: unreadable commit marker, skipped ({exc})",
+                            rank,
+                        )
                         continue
                     if marker.job_id != job_id or marker.step != step or marker.rank != rank:
                         continue
                     out.setdefault((job_id, rank), []).append(
-                        LocalCommit(job_id, step, rank, step_dir, marker))
+                        LocalCommit(job_id, step, rank, step_dir, marker)
+                    )
                 self._clean_progress(step_dir, names)
         for commits in out.values():
             commits.sort(key=lambda c: c.step)
@@ -274,26 +291,54 @@ class TierWorker:
         marker = c.marker
         own = self.store.node
         if c.rank >= len(marker.layout):
-            self._once("layout", c.job_id, c.job_id, c.step, "peer",
-                       f"{commit_name(c.rank)}: layout has {len(marker.layout)} ranks, no rank "
-                       f"{c.rank}: no peer tier", c.rank)
+            self._once(
+                "layout",
+                c.job_id,
+                c.job_id,
+                c.step,
+                "peer",
+                f"{commit_name(c.rank)}: layout has {len(marker.layout)} ranks, no rank "
+                f"{c.rank}: no peer tier",
+                c.rank,
+            )
             return
         targets = peer_targets(marker.layout, c.rank, self.replication)
         if not targets:
-            if self._once("one-node", c.job_id, c.job_id, c.step, "peer",
-                          "job runs on one node: no peer tier", None):
+            if self._once(
+                "one-node",
+                c.job_id,
+                c.job_id,
+                c.step,
+                "peer",
+                "job runs on one node: no peer tier",
+                None,
+            ):
                 self._mark(c, "peer", done=True, none=True)
             return
         if self._peer is None:
-            self._once("no-token", c.job_id, c.job_id, c.step, "peer",
-                       f"agent on {own} has no peer token (--peer-token / "
-                       "TIERWATCH_PEER_TOKEN): no peer tier", None)
+            self._once(
+                "no-token",
+                c.job_id,
+                c.job_id,
+                c.step,
+                "peer",
+                f"agent on {own} has no peer token (--peer-token / "
+                "TIERWATCH_PEER_TOKEN): no peer tier",
+                None,
+            )
             return
         if marker.layout[c.rank] != own:
-            self._once("wrong-node", c.job_id, c.job_id, c.step, "peer",
-                       f"{commit_name(c.rank)}: the layout places rank {c.rank} on "
-                       f"{marker.layout[c.rank]}, but this agent is {own} (start it with "
-                       f"--node {marker.layout[c.rank]}?)", c.rank)
+            self._once(
+                "wrong-node",
+                c.job_id,
+                c.job_id,
+                c.step,
+                "peer",
+                f"{commit_name(c.rank)}: the layout places rank {c.rank} on "
+                f"{marker.layout[c.rank]}, but this agent is {own} (start it with "
+                f"--node {marker.layout[c.rank]}?)",
+                c.rank,
+            )
             return
         key = ("peer", c.job_id, c.step, c.rank)
         manifest = self._due_manifest(key, c, "peer")
@@ -309,8 +354,13 @@ class TierWorker:
                 continue
             url = marker.peer_urls.get(target)
             if not url:
-                self._fail(key, c, "peer", f"{commit_name(c.rank)}: no peer URL for {target} "
-                           "in the commit marker's peer_urls")
+                self._fail(
+                    key,
+                    c,
+                    "peer",
+                    f"{commit_name(c.rank)}: no peer URL for {target} "
+                    "in the commit marker's peer_urls",
+                )
                 failed = True
                 continue
             try:
@@ -320,29 +370,49 @@ class TierWorker:
                     else:
                         size, digest = entry.size, entry.xxh3
                     self._peer_client().push_file(
-                        url=url, peer=target, src_node=own, job_id=c.job_id, step=c.step,
-                        name=name, path=path, size=size, xxh3=digest)
+                        url=url,
+                        peer=target,
+                        src_node=own,
+                        job_id=c.job_id,
+                        step=c.step,
+                        name=name,
+                        path=path,
+                        size=size,
+                        xxh3=digest,
+                    )
                     sent += size
             except (PeerError, OSError) as exc:
-                self._fail(key, c, "peer", f"replicating step {c.step} of rank {c.rank} to "
-                           f"{target}: {exc}")
+                self._fail(
+                    key, c, "peer", f"replicating step {c.step} of rank {c.rank} to {target}: {exc}"
+                )
                 failed = True
                 continue
             done_targets[target] = "done"
             try:
                 self.store.update_progress(
-                    c.step_dir, c.rank,
-                    lambda p, t=target: p.setdefault("peer", {}).setdefault("targets", {})
-                    .__setitem__(t, "done"))
+                    c.step_dir,
+                    c.rank,
+                    lambda p, t=target: (
+                        p.setdefault("peer", {}).setdefault("targets", {}).__setitem__(t, "done")
+                    ),
+                )
             except OSError:
                 pass  # the trainer removed the step meanwhile
         if failed:
             return
         self._backoff.pop(key, None)
         self._mark(c, "peer", done=True)
-        self._event(c.job_id, c.step, "peer", "committed", c.rank, c.marker.world_size,
-                    bytes=manifest.total_bytes(), seconds=time.monotonic() - started,
-                    message=f"replicated to {', '.join(targets)}")
+        self._event(
+            c.job_id,
+            c.step,
+            "peer",
+            "committed",
+            c.rank,
+            c.marker.world_size,
+            bytes=manifest.total_bytes(),
+            seconds=time.monotonic() - started,
+            message=f"replicated to {', '.join(targets)}",
+        )
 
     def _peer_client(self) -> PeerClient:
         assert self._peer is not None
@@ -365,8 +435,7 @@ class TierWorker:
             if not persisted:
                 continue
             newest = persisted[-1]
-            progress = self.store.read_progress(newest.step_dir, newest.rank).get(
-                "persistent", {})
+            progress = self.store.read_progress(newest.step_dir, newest.rank).get("persistent", {})
             if not progress.get("uploaded") and not progress.get("conflict"):
                 self._upload(newest)
         for key in sorted(self._pending):
@@ -385,11 +454,22 @@ class TierWorker:
             if self._unavailable_said.get((job_id, rank), -1) >= c.step:
                 continue
             self._unavailable_said[(job_id, rank)] = c.step
-            log.debug("persistent tier unavailable: step %d of %s rank %d not persisted",
-                      c.step, job_id, rank)
-            self._event(job_id, c.step, "persistent", "failed", rank, c.marker.world_size,
-                        message=f"step {c.step} not persisted: the persistent tier "
-                        f"{self.persistent.url} is unavailable ({self.persistent.error})")
+            log.debug(
+                "persistent tier unavailable: step %d of %s rank %d not persisted",
+                c.step,
+                job_id,
+                rank,
+            )
+            self._event(
+                job_id,
+                c.step,
+                "persistent",
+                "failed",
+                rank,
+                c.marker.world_size,
+                message=f"step {c.step} not persisted: the persistent tier "
+                f"{self.persistent.url} is unavailable ({self.persistent.error})",
+            )
 
     def _load_pending(self, commits: dict[tuple[str, int], list[LocalCommit]]) -> None:
         """After a start: find steps of local jobs whose ``.metadata.staged`` this agent
@@ -404,19 +484,20 @@ class TierWorker:
             try:
                 steps = self.persistent.steps(job_id)
                 for step in steps:
-                    if self.persistent.has_metadata(job_id, step) or \
-                            not self.persistent.has_staged_metadata(job_id, step):
+                    if self.persistent.has_metadata(
+                        job_id, step
+                    ) or not self.persistent.has_staged_metadata(job_id, step):
                         continue
                     manifests = self.persistent.manifests(job_id, step)
                     # only the agent whose rank lists .metadata (it uploaded the staged copy)
-                    if not any(m.has_metadata() and m.node == self.store.node
-                               for m in manifests):
+                    if not any(m.has_metadata() and m.node == self.store.node for m in manifests):
                         continue
                     world = manifests[0].world_size
                     marker = newest.get(job_id)
                     keep = marker.marker.retain.get("persistent", []) if marker else None
                     self._pending[(job_id, step)] = PendingMetadata(
-                        job_id, step, world, keep, time.monotonic())
+                        job_id, step, world, keep, time.monotonic()
+                    )
             except PersistentError as exc:
                 log.warning("cannot look for pending .metadata of %s: %s", job_id, exc)
 
@@ -446,8 +527,15 @@ class TierWorker:
             self._backoff.pop(key, None)
             log.warning("persistent tier: %s", conflict)
             self._mark(c, "persistent", conflict=conflict)
-            self._event(c.job_id, c.step, "persistent", "failed", c.rank, manifest.world_size,
-                        message=conflict)
+            self._event(
+                c.job_id,
+                c.step,
+                "persistent",
+                "failed",
+                c.rank,
+                manifest.world_size,
+                message=conflict,
+            )
             return
         started = time.monotonic()
         total = 0
@@ -456,10 +544,12 @@ class TierWorker:
             # manifest is there), then the manifest
             for f in sorted(manifest.files, key=lambda f: (f.name == METADATA, f.name)):
                 name = STAGED_METADATA if f.name == METADATA else f.name
-                total += self.persistent.put_file(c.step_dir / f.name, c.job_id, c.step,
-                                                  name, expect=f)
-            self.persistent.put_file(c.step_dir / manifest_name(c.rank), c.job_id, c.step,
-                                     manifest_name(c.rank))
+                total += self.persistent.put_file(
+                    c.step_dir / f.name, c.job_id, c.step, name, expect=f
+                )
+            self.persistent.put_file(
+                c.step_dir / manifest_name(c.rank), c.job_id, c.step, manifest_name(c.rank)
+            )
         except PersistentError as exc:
             self._fail(key, c, "persistent", str(exc))
             return
@@ -467,13 +557,26 @@ class TierWorker:
         wait = manifest.has_metadata()
         if wait:
             self._pending[(c.job_id, c.step)] = PendingMetadata(
-                c.job_id, c.step, manifest.world_size, c.marker.retain.get("persistent", []),
-                time.monotonic(), started)
+                c.job_id,
+                c.step,
+                manifest.world_size,
+                c.marker.retain.get("persistent", []),
+                time.monotonic(),
+                started,
+            )
         self._mark(c, "persistent", uploaded=True)
-        self._event(c.job_id, c.step, "persistent", "committed", c.rank, manifest.world_size,
-                    bytes=total, seconds=time.monotonic() - started,
-                    message=f"rank {c.rank}'s files in {self.persistent.step_url(c.job_id, c.step)}"
-                    + ("; .metadata follows once every rank's manifest is there" if wait else ""))
+        self._event(
+            c.job_id,
+            c.step,
+            "persistent",
+            "committed",
+            c.rank,
+            manifest.world_size,
+            bytes=total,
+            seconds=time.monotonic() - started,
+            message=f"rank {c.rank}'s files in {self.persistent.step_url(c.job_id, c.step)}"
+            + ("; .metadata follows once every rank's manifest is there" if wait else ""),
+        )
 
     def _conflict(self, c: LocalCommit, manifest: Manifest) -> str | None:
         """Why rank ``c.rank``'s files of the step must not go to the persistent tier: the
@@ -488,23 +591,26 @@ class TierWorker:
         ranks = sorted(r for n in names if (r := parse_manifest_name(n)) is not None)
         if not ranks:
             if METADATA in names:
-                return (f"step {c.step} in {self.persistent.step_url(c.job_id, c.step)} "
-                        "already holds a checkpoint (.metadata without manifests) of another "
-                        f"world size/model; left alone, rank {c.rank}'s files not uploaded")
+                return (
+                    f"step {c.step} in {self.persistent.step_url(c.job_id, c.step)} "
+                    "already holds a checkpoint (.metadata without manifests) of another "
+                    f"world size/model; left alone, rank {c.rank}'s files not uploaded"
+                )
             return None
         read = [r for r in ranks if r == c.rank] + [r for r in ranks if r != c.rank][:1]
         for r in read:
             there = self.persistent.manifest(c.job_id, c.step, r)
             if there is None:
                 continue
-            if there.world_size != manifest.world_size or \
-                    there.signature != manifest.signature:
-                return (f"step {c.step} in {self.persistent.step_url(c.job_id, c.step)} "
-                        "already holds a checkpoint of another world size/model "
-                        f"({manifest_name(r)}: world_size {there.world_size}, signature "
-                        f"{there.signature!r}; this step: world_size {manifest.world_size}, "
-                        f"signature {manifest.signature!r}); left alone, rank {c.rank}'s "
-                        "files not uploaded")
+            if there.world_size != manifest.world_size or there.signature != manifest.signature:
+                return (
+                    f"step {c.step} in {self.persistent.step_url(c.job_id, c.step)} "
+                    "already holds a checkpoint of another world size/model "
+                    f"({manifest_name(r)}: world_size {there.world_size}, signature "
+                    f"{there.signature!r}; this step: world_size {manifest.world_size}, "
+                    f"signature {manifest.signature!r}); left alone, rank {c.rank}'s "
+                    "files not uploaded"
+                )
         return None
 
     def _finish_metadata(self, p: PendingMetadata) -> None:
@@ -525,10 +631,17 @@ class TierWorker:
             if time.monotonic() - p.since > self.metadata_wait_s:
                 self._pending.pop((p.job_id, p.step), None)
                 self.persistent.remove_staged_metadata(p.job_id, p.step)
-                self._event(p.job_id, p.step, "persistent", "failed", None, p.world_size,
-                            message=f".metadata of step {p.step} not written: manifests of "
-                            f"rank(s) {missing[:16]} did not reach {url} within "
-                            f"{self.metadata_wait_s:g} s")
+                self._event(
+                    p.job_id,
+                    p.step,
+                    "persistent",
+                    "failed",
+                    None,
+                    p.world_size,
+                    message=f".metadata of step {p.step} not written: manifests of "
+                    f"rank(s) {missing[:16]} did not reach {url} within "
+                    f"{self.metadata_wait_s:g} s",
+                )
             return
         started = time.monotonic()
         try:
@@ -543,9 +656,17 @@ class TierWorker:
             total += m.total_bytes()
         # the step's commit time: from this agent's first upload of it to .metadata
         began = p.started if p.started is not None else started
-        self._event(p.job_id, p.step, "persistent", "committed", None, p.world_size,
-                    bytes=total, seconds=time.monotonic() - began,
-                    message=f"step {p.step} committed in {url} (.metadata written last)")
+        self._event(
+            p.job_id,
+            p.step,
+            "persistent",
+            "committed",
+            None,
+            p.world_size,
+            bytes=total,
+            seconds=time.monotonic() - began,
+            message=f"step {p.step} committed in {url} (.metadata written last)",
+        )
         if p.keep is not None:
             self._retain_persistent(p)
 
@@ -553,8 +674,15 @@ class TierWorker:
         attempts = self._backoff.get(key, (0, 0.0))[0] + 1
         delay = min(BACKOFF_MAX_S, self.scan_interval_s * 2 ** (attempts - 1))
         self._backoff[key] = (attempts, time.monotonic() + delay)
-        self._event(p.job_id, p.step, "persistent", "failed", None, p.world_size,
-                    message=f"{message} (attempt {attempts}; retrying in {delay:.1f} s)")
+        self._event(
+            p.job_id,
+            p.step,
+            "persistent",
+            "failed",
+            None,
+            p.world_size,
+            message=f"{message} (attempt {attempts}; retrying in {delay:.1f} s)",
+        )
 
     def _retain_persistent(self, p: PendingMetadata) -> None:
         """Delete persistent steps older than ``p.step`` that rank 0's decision does not keep
@@ -564,34 +692,64 @@ class TierWorker:
         try:
             steps = self.persistent.steps(p.job_id)
         except PersistentError as exc:
-            self._event(p.job_id, p.step, "persistent", "failed", None, p.world_size,
-                        message=f"retention: {exc}")
+            self._event(
+                p.job_id,
+                p.step,
+                "persistent",
+                "failed",
+                None,
+                p.world_size,
+                message=f"retention: {exc}",
+            )
             return
-        pins = self.store.pinned_steps(p.job_id) if any(
-            s < p.step and s not in keep for s in steps) else {}
+        pins = (
+            self.store.pinned_steps(p.job_id)
+            if any(s < p.step and s not in keep for s in steps)
+            else {}
+        )
         for step in steps:
             if step >= p.step or step in keep:
                 continue
             if step in pins:
-                log.info("persistent step %d of %s kept: pinned by restore request(s) %s",
-                         step, p.job_id, pins[step])
+                log.info(
+                    "persistent step %d of %s kept: pinned by restore request(s) %s",
+                    step,
+                    p.job_id,
+                    pins[step],
+                )
                 continue
             try:
                 self.persistent.delete_step(p.job_id, step)
             except PersistentError as exc:
-                self._event(p.job_id, step, "persistent", "failed", None, p.world_size,
-                            message=f"retention: {exc}")
+                self._event(
+                    p.job_id,
+                    step,
+                    "persistent",
+                    "failed",
+                    None,
+                    p.world_size,
+                    message=f"retention: {exc}",
+                )
                 continue
             self._pending.pop((p.job_id, step), None)
-            self._event(p.job_id, step, "persistent", "evicted", None, p.world_size,
-                        message=f"retention after step {p.step} (keeps {sorted(keep)}"
-                        + (f", pinned {sorted(pins)}" if pins else "") + ")")
+            self._event(
+                p.job_id,
+                step,
+                "persistent",
+                "evicted",
+                None,
+                p.world_size,
+                message=f"retention after step {p.step} (keeps {sorted(keep)}"
+                + (f", pinned {sorted(pins)}" if pins else "")
+                + ")",
+            )
 
     # -- helpers -------------------------------------------------------------------------
     def _mark(self, c: LocalCommit, tier: str, **values: Any) -> None:
         try:
-            self.store.update_progress(c.step_dir, c.rank,
-                                       lambda p: p.setdefault(tier, {}).update(values))
+            self.store.update_progress(
+                c.step_dir, c.rank, lambda p: p.setdefault(tier, {}).update(values)
+            )
         except OSError as exc:
             log.warning("cannot record progress in %s: %s", c.step_dir, exc)
 
@@ -600,8 +758,7 @@ class TierWorker:
         failure, the next scan no longer sees it."""
         if (c.step_dir / commit_name(c.rank)).exists():
             return False
-        log.debug("step %d of %s rank %d was removed while being read", c.step, c.job_id,
-                  c.rank)
+        log.debug("step %d of %s rank %d was removed while being read", c.step, c.job_id, c.rank)
         return True
 
     def _due(self, key: tuple[Any, ...]) -> bool:
@@ -624,11 +781,26 @@ class TierWorker:
         self._failing[ongoing] = (now, 0)
         more = f"; {quiet} more failure(s) since the last report" if quiet else ""
         log.warning("%s tier: %s (attempt %d, retry in %.1f s)", tier, message, attempts, delay)
-        self._event(c.job_id, c.step, tier, "failed", c.rank, c.marker.world_size,
-                    message=f"{message} (attempt {attempts}; retrying in {delay:.1f} s{more})")
+        self._event(
+            c.job_id,
+            c.step,
+            tier,
+            "failed",
+            c.rank,
+            c.marker.world_size,
+            message=f"{message} (attempt {attempts}; retrying in {delay:.1f} s{more})",
+        )
 
-    def _once(self, what: str, scope: str, job_id: str, step: int, tier: str, message: str,
-              rank: int | None) -> bool:
+    def _once(
+        self,
+        what: str,
+        scope: str,
+        job_id: str,
+        step: int,
+        tier: str,
+        message: str,
+        rank: int | None,
+    ) -> bool:
         """Emit a failed event once per (what, scope) in this agent's lifetime."""
         if (what, scope) in self._said_once:
             return True
@@ -637,14 +809,35 @@ class TierWorker:
         self._event(job_id, step, tier, "failed", rank, None, message=message)
         return True
 
-    def _event(self, job_id: str, step: int, tier: str, kind: str, rank: int | None,
-               world_size: int | None, *, bytes: int | None = None,  # noqa: A002
-               seconds: float | None = None, message: str = "") -> None:
+    def _event(
+        self,
+        job_id: str,
+        step: int,
+        tier: str,
+        kind: str,
+        rank: int | None,
+        world_size: int | None,
+        *,
+        bytes: int | None = None,  # noqa: A002
+        seconds: float | None = None,
+        message: str = "",
+    ) -> None:
         if kind == "committed":  # a success ends an ongoing failure of this tier and rank
             self._failing.pop((tier, job_id, rank), None)
-        self.emit(CheckpointEvent(job_id=job_id, step=step, tier=tier, kind=kind, rank=rank,
-                                  world_size=world_size, ts=utcnow(), bytes=bytes,
-                                  seconds=seconds, message=message[:2000]))
+        self.emit(
+            CheckpointEvent(
+                job_id=job_id,
+                step=step,
+                tier=tier,
+                kind=kind,
+                rank=rank,
+                world_size=world_size,
+                ts=utcnow(),
+                bytes=bytes,
+                seconds=seconds,
+                message=message[:2000],
+            )
+        )
 
 
 def _push_order(c: LocalCommit, manifest: Manifest) -> list[tuple[str, Path, FileEntry | None]]:
@@ -656,4 +849,3 @@ def _push_order(c: LocalCommit, manifest: Manifest) -> list[tuple[str, Path, Fil
         (commit_name(c.rank), c.step_dir / commit_name(c.rank), None),
     ]
     return [*shards, *meta, *tail]
-

@@ -146,8 +146,9 @@ def describe_error(exc: BaseException) -> str:
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
         cause = first[0] if isinstance(first, tuple) else first
-        text = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) \
-            else str(cause)
+        text = (
+            f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(cause)
+        )
         return f"write failed on rank(s) {sorted(failures)}: {text.splitlines()[0]}"
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
@@ -221,9 +222,13 @@ class TieredCheckpointer:
             self.job_id = check_job_id(job_id)
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
-        for name, value in (("persist_every", persist_every), ("keep_memory", keep_memory),
-                            ("keep_peer", keep_peer), ("keep_persistent", keep_persistent),
-                            ("rollback_every", rollback_every)):
+        for name, value in (
+            ("persist_every", persist_every),
+            ("keep_memory", keep_memory),
+            ("keep_peer", keep_peer),
+            ("keep_persistent", keep_persistent),
+            ("rollback_every", rollback_every),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise CheckpointError(f"{name} must be an integer ≥ 1, not {value!r}")
         self.persist_every = persist_every
@@ -231,31 +236,32 @@ class TieredCheckpointer:
         self.latency_every = latency_every
         self.write_threads = max(1, int(write_threads))
         self.background_nice = background_nice
-        self.collectives = CheckpointCollectives(timeout_s=timeout_s,
-                                                 train_group=process_group)
+        self.collectives = CheckpointCollectives(timeout_s=timeout_s, train_group=process_group)
         self.distributed = self.collectives.distributed
         self.rank = self.collectives.rank
         self.world_size = self.collectives.world_size
         self.rollback_every = rollback_every
 
-        self.agent_url = (agent_url or os.environ.get("TIERWATCH_AGENT_URL")
-                          or DEFAULT_AGENT_URL).rstrip("/")
-        self.client = AgentClient(self.agent_url,
-                                  token=agent_token or os.environ.get("TIERWATCH_TOKEN"))
+        self.agent_url = (
+            agent_url or os.environ.get("TIERWATCH_AGENT_URL") or DEFAULT_AGENT_URL
+        ).rstrip("/")
+        self.client = AgentClient(
+            self.agent_url, token=agent_token or os.environ.get("TIERWATCH_TOKEN")
+        )
         info: dict[str, Any] = {}
         try:
             info = self.client.info()
         except AgentUnavailable as exc:
-            log.warning("rank %d: %s; using the memory folder without the agent", self.rank,
-                        exc)
-        chosen_dir = memory_dir or info.get("memory_dir") or os.environ.get(
-            "TIERWATCH_MEMORY_DIR")
+            log.warning("rank %d: %s; using the memory folder without the agent", self.rank, exc)
+        chosen_dir = memory_dir or info.get("memory_dir") or os.environ.get("TIERWATCH_MEMORY_DIR")
         if not chosen_dir:
             raise CheckpointError(
                 f"no memory folder for the checkpoint: the agent at {self.agent_url} is "
-                "unreachable and neither memory_dir= nor TIERWATCH_MEMORY_DIR is set")
-        self.node = node or info.get("node") or os.environ.get("TIERWATCH_NODE") \
-            or socket.gethostname()
+                "unreachable and neither memory_dir= nor TIERWATCH_MEMORY_DIR is set"
+            )
+        self.node = (
+            node or info.get("node") or os.environ.get("TIERWATCH_NODE") or socket.gethostname()
+        )
         self.peer_url = str(info.get("peer_url") or self.agent_url)
         self.memory_budget = int(info.get("memory_budget_bytes") or 0)
         self.layout = MemoryLayout(chosen_dir)
@@ -268,8 +274,9 @@ class TieredCheckpointer:
         self.files = RankFiles(self.layout, self.job_id, self.rank)
         self.files.clean_torn_writes()
         # the rollbacks served, as every rank's node recorded them
-        timeline = Timeline.merge(self.collectives.all_gather(
-            Timeline.read(self.layout.timeline_file(self.job_id))))
+        timeline = Timeline.merge(
+            self.collectives.all_gather(Timeline.read(self.layout.timeline_file(self.job_id)))
+        )
 
         self.progress_file = self.layout.progress_file(self.job_id, self.rank)
         self.events = EventSender(self.client, progress_file=self.progress_file)
@@ -286,16 +293,25 @@ class TieredCheckpointer:
         # Rank 0's view of what each tier holds (seeded by restore).
         self._history = History()
         self.closed = False
-        self._worker = threading.Thread(target=self._work, name="tierwatch-ckpt-writer",
-                                        daemon=True)
+        self._worker = threading.Thread(
+            target=self._work, name="tierwatch-ckpt-writer", daemon=True
+        )
         self._worker.start()
         self._poller = RequestPoller(self.client, self.job_id, period_s=request_poll_s)
         self._rollback = RollbackServer(self, self._poller, timeline, every=rollback_every)
         self.last_restore: RestoreReport | None = None
         if self.rank == 0:
-            self.events.progress(JobProgress(job_id=self.job_id, rank=0,
-                                             world_size=self.world_size, step=0, ts=utcnow(),
-                                             layout=self.nodes_by_rank), completed=False)
+            self.events.progress(
+                JobProgress(
+                    job_id=self.job_id,
+                    rank=0,
+                    world_size=self.world_size,
+                    step=0,
+                    ts=utcnow(),
+                    layout=self.nodes_by_rank,
+                ),
+                completed=False,
+            )
         # job.json is written at the first save, once the job's existing steps are known to
         # be this model's at this world size (a refused restart leaves the old job's alone)
 
@@ -328,10 +344,16 @@ class TieredCheckpointer:
 
     # -- files -----------------------------------------------------------------------------
     def _write_job_file(self) -> None:
-        data = {"job_id": self.job_id, "world_size": self.world_size,
-                "layout": self.nodes_by_rank, "peer_urls": self.peer_urls,
-                "persist_every": self.persist_every, "keep": self.keep,
-                "updated_at": utcnow().isoformat(), "finished": False}
+        data = {
+            "job_id": self.job_id,
+            "world_size": self.world_size,
+            "layout": self.nodes_by_rank,
+            "peer_urls": self.peer_urls,
+            "persist_every": self.persist_every,
+            "keep": self.keep,
+            "updated_at": utcnow().isoformat(),
+            "finished": False,
+        }
         try:
             atomic_write_json(self.layout.job_file(self.job_id), data, fsync=False)
         except OSError as exc:
@@ -356,8 +378,10 @@ class TieredCheckpointer:
         """Raise if the background writer is gone (it never is, unless the interpreter is
         shutting down): waiting for it would hang training."""
         if not self._worker.is_alive():
-            raise CheckpointError("the checkpoint writer thread has stopped; see the log for "
-                                  "the error, then restart the job")
+            raise CheckpointError(
+                "the checkpoint writer thread has stopped; see the log for "
+                "the error, then restart the job"
+            )
 
     # -- save --------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], *, persist: bool | None = None) -> None:
@@ -383,8 +407,10 @@ class TieredCheckpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be an integer ≥ 0, not {step!r}")
         if self._last_step is not None and step <= self._last_step:
-            raise CheckpointError(f"step {step} is not after the previous save's step "
-                                  f"{self._last_step}: steps must increase")
+            raise CheckpointError(
+                f"step {step} is not after the previous save's step "
+                f"{self._last_step}: steps must increase"
+            )
         self._finish_inflight()
 
         adapter = StateAdapter(state)
@@ -403,9 +429,15 @@ class TieredCheckpointer:
             return path[0] in live.optim_keys or data_ptr(t) in live.param_ptrs
 
         staged, pending = self._stager.stage(live.state_dict, lazy)
-        job = _SaveJob(step=step, staged=staged, pending=pending,
-                       staged_bytes=self._stager.staged_bytes, started=t0,
-                       persist=bool(persist), fences=self.fences)
+        job = _SaveJob(
+            step=step,
+            staged=staged,
+            pending=pending,
+            staged_bytes=self._stager.staged_bytes,
+            started=t0,
+            persist=bool(persist),
+            fences=self.fences,
+        )
         if not pending.pairs:
             job.copy_done.set()
         self._hook_wait = 0.0
@@ -418,17 +450,29 @@ class TieredCheckpointer:
         self._last_step, self._last_save_at = step, t0
         self._saves += 1
         job.blocking_s = time.monotonic() - t0
-        self.events.progress(JobProgress(
-            job_id=self.job_id, rank=self.rank, world_size=self.world_size, step=step,
-            step_time_s=step_time, ts=utcnow(),
-            layout=self.nodes_by_rank if self.rank == 0 and self._saves % 100 == 1 else None))
+        self.events.progress(
+            JobProgress(
+                job_id=self.job_id,
+                rank=self.rank,
+                world_size=self.world_size,
+                step=step,
+                step_time_s=step_time,
+                ts=utcnow(),
+                layout=self.nodes_by_rank if self.rank == 0 and self._saves % 100 == 1 else None,
+            )
+        )
         if self.latency_every and self.distributed and self._saves % self.latency_every == 0:
             self._probe_latency()
 
     def _probe_latency(self) -> None:
         """Time a 1-element all_reduce on the training group and report it (ms)."""
-        sample = LatencySample(job_id=self.job_id, rank=self.rank, world_size=self.world_size,
-                               ts=utcnow(), latency_ms=self.collectives.latency_ms())
+        sample = LatencySample(
+            job_id=self.job_id,
+            rank=self.rank,
+            world_size=self.world_size,
+            ts=utcnow(),
+            latency_ms=self.collectives.latency_ms(),
+        )
         threading.Thread(target=self._post_latency, args=(sample,), daemon=True).start()
 
     def _post_latency(self, sample: LatencySample) -> None:
@@ -447,10 +491,20 @@ class TieredCheckpointer:
         blocking = job.blocking_s + self._hook_wait
         self._hook_wait = 0.0
         self._inflight = None
-        self.events.event(CheckpointEvent(
-            job_id=self.job_id, step=job.step, tier="memory", kind="staged", rank=self.rank,
-            world_size=self.world_size, ts=utcnow(), bytes=job.staged_bytes,
-            blocking_s=blocking, seconds=job.write_s))
+        self.events.event(
+            CheckpointEvent(
+                job_id=self.job_id,
+                step=job.step,
+                tier="memory",
+                kind="staged",
+                rank=self.rank,
+                world_size=self.world_size,
+                ts=utcnow(),
+                bytes=job.staged_bytes,
+                blocking_s=blocking,
+                seconds=job.write_s,
+            )
+        )
         self.last_blocking_s = blocking
 
     def wait(self) -> bool:
@@ -482,9 +536,18 @@ class TieredCheckpointer:
                 job.done.set()
 
     def _event(self, step: int, tier: str, kind: str, **kw: Any) -> None:
-        self.events.event(CheckpointEvent(job_id=self.job_id, step=step, tier=tier,  # type: ignore[arg-type]
-                                          kind=kind, rank=self.rank,  # type: ignore[arg-type]
-                                          world_size=self.world_size, ts=utcnow(), **kw))
+        self.events.event(
+            CheckpointEvent(
+                job_id=self.job_id,
+                step=step,
+                tier=tier,  # type: ignore[arg-type]
+                kind=kind,
+                rank=self.rank,  # type: ignore[arg-type]
+                world_size=self.world_size,
+                ts=utcnow(),
+                **kw,
+            )
+        )
 
     def _write(self, job: _SaveJob) -> None:
         from torch.distributed.checkpoint import FileSystemWriter
@@ -502,8 +565,13 @@ class TieredCheckpointer:
         problems = [f"rank {r}: {v}" for r, v in enumerate(verdicts) if v]
         if problems:
             job.error = "; ".join(problems)[:2000]
-            self._event(job.step, "memory", "failed", bytes=job.staged_bytes,
-                        message=f"step {job.step} not written: {job.error}")
+            self._event(
+                job.step,
+                "memory",
+                "failed",
+                bytes=job.staged_bytes,
+                message=f"step {job.step} not written: {job.error}",
+            )
             return
 
         # 2. Write under a temporary name, then move into step-<N>/ and checksum.
@@ -513,21 +581,34 @@ class TieredCheckpointer:
         names: list[str] = []
         try:
             shutil.rmtree(tmp, ignore_errors=True)
-            dcp_save(job.staged, storage_writer=FileSystemWriter(tmp, sync_files=False,
-                                                       thread_count=self.write_threads),
-                     process_group=self.collectives.group, no_dist=not self.distributed)
+            dcp_save(
+                job.staged,
+                storage_writer=FileSystemWriter(
+                    tmp, sync_files=False, thread_count=self.write_threads
+                ),
+                process_group=self.collectives.group,
+                no_dist=not self.distributed,
+            )
             step_dir.mkdir(parents=True, exist_ok=True)
             self.files.remove_stale(step_dir)
-            names = sorted(p.name for p in tmp.iterdir()
-                           if p.name == METADATA or p.name.endswith(".distcp"))
+            names = sorted(
+                p.name for p in tmp.iterdir() if p.name == METADATA or p.name.endswith(".distcp")
+            )
             for name in names:
                 os.replace(tmp / name, step_dir / name)
             shutil.rmtree(tmp, ignore_errors=True)
-            manifest = make_manifest(job_id=self.job_id, step=job.step, rank=self.rank,
-                                     world_size=self.world_size, node=self.node,
-                                     directory=step_dir, names=names,
-                                     signature=self._signature or "",
-                                     created_at=utcnow().isoformat(), fences=job.fences)
+            manifest = make_manifest(
+                job_id=self.job_id,
+                step=job.step,
+                rank=self.rank,
+                world_size=self.world_size,
+                node=self.node,
+                directory=step_dir,
+                names=names,
+                signature=self._signature or "",
+                created_at=utcnow().isoformat(),
+                fences=job.fences,
+            )
             atomic_write_json(step_dir / manifest_name(self.rank), manifest, fsync=False)
             nbytes = manifest.total_bytes()
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below (DCP's
@@ -545,19 +626,38 @@ class TieredCheckpointer:
         decision = None
         if self.rank == 0:
             decision, self._history = decide_commit(
-                job.step, outcomes, self._history, persist_every=self.persist_every,
-                keep=self.keep, force_persist=job.persist, pinned=pinned)
+                job.step,
+                outcomes,
+                self._history,
+                persist_every=self.persist_every,
+                keep=self.keep,
+                force_persist=job.persist,
+                pinned=pinned,
+            )
         decision = self.collectives.broadcast_from_0(decision)
         if not decision.committed:
             self.files.remove(job.step)
             job.error = decision.why
-            self._event(job.step, "memory", "failed", bytes=nbytes, seconds=job.write_s,
-                        message=f"step {job.step} not committed: {decision.why}")
+            self._event(
+                job.step,
+                "memory",
+                "failed",
+                bytes=nbytes,
+                seconds=job.write_s,
+                message=f"step {job.step} not committed: {decision.why}",
+            )
             return
-        marker = CommitMarker(job_id=self.job_id, step=job.step, rank=self.rank,
-                              world_size=self.world_size, persist=decision.persist,
-                              retain=decision.retain, layout=self.nodes_by_rank,
-                              peer_urls=self.peer_urls, created_at=utcnow().isoformat())
+        marker = CommitMarker(
+            job_id=self.job_id,
+            step=job.step,
+            rank=self.rank,
+            world_size=self.world_size,
+            persist=decision.persist,
+            retain=decision.retain,
+            layout=self.nodes_by_rank,
+            peer_urls=self.peer_urls,
+            created_at=utcnow().isoformat(),
+        )
         atomic_write_json(step_dir / commit_name(self.rank), marker, fsync=False)
         job.committed = True
         self._event(job.step, "memory", "committed", bytes=nbytes, seconds=job.write_s)
@@ -580,8 +680,13 @@ class TieredCheckpointer:
         """
         pinned = self.pinned_steps()
         steps = self.layout.steps(self.job_id)
-        for step in memory_evictions(steps, retained=keep, newest=newest, pinned=pinned,
-                                     uploading=self.files.pending_upload(steps)):
+        for step in memory_evictions(
+            steps,
+            retained=keep,
+            newest=newest,
+            pinned=pinned,
+            uploading=self.files.pending_upload(steps),
+        ):
             if self.files.remove(step):
                 self._event(step, "memory", "evicted")
 
@@ -595,25 +700,36 @@ class TieredCheckpointer:
         """
         for m in self.files.manifests():  # the newest step first, for the message
             if m.world_size != self.world_size or (m.signature and m.signature != signature):
-                what = (f"world_size {m.world_size}" if m.world_size != self.world_size
-                        else "a different model (other FQNs or shapes)")
+                what = (
+                    f"world_size {m.world_size}"
+                    if m.world_size != self.world_size
+                    else "a different model (other FQNs or shapes)"
+                )
                 raise CheckpointError(
                     f"job_id {self.job_id!r} already holds step {m.step} of {what} in "
                     f"{self.job_dir}; saving would evict it. Use another job_id, or free this "
-                    f"one with `tierwatch-agent ckpt gc --job {self.job_id}` on every node")
+                    f"one with `tierwatch-agent ckpt gc --job {self.job_id}` on every node"
+                )
 
-    def _budget_problem(self, nbytes: int, pins: dict[int, list[int]] | None = None
-                        ) -> str | None:
+    def _budget_problem(self, nbytes: int, pins: dict[int, list[int]] | None = None) -> str | None:
         if self.memory_budget <= 0:
             return None
         used = _dir_bytes(self.layout.root)
         if used + nbytes > self.memory_budget:
-            pinned = (f" (in use includes {describe_pins(pins)}, kept while those restore "
-                      "requests are pending)") if pins else ""
-            return (f"node {self.node} memory budget exceeded: {_human(used)} in use + "
-                    f"{_human(nbytes)} for this step > budget {_human(self.memory_budget)}"
-                    f"{pinned}; raise the agent's --memory-budget or keep fewer steps "
-                    "(keep_memory)")
+            pinned = (
+                (
+                    f" (in use includes {describe_pins(pins)}, kept while those restore "
+                    "requests are pending)"
+                )
+                if pins
+                else ""
+            )
+            return (
+                f"node {self.node} memory budget exceeded: {_human(used)} in use + "
+                f"{_human(nbytes)} for this step > budget {_human(self.memory_budget)}"
+                f"{pinned}; raise the agent's --memory-budget or keep fewer steps "
+                "(keep_memory)"
+            )
         return None
 
     def pinned_steps(self) -> dict[int, list[int]]:
@@ -650,10 +766,8 @@ class TieredCheckpointer:
 
         if self.closed:
             raise CheckpointError("restore() after close()")
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int)
-                                 or step < 0):
-            raise CheckpointError(f"step must be None (the newest) or an integer ≥ 0, not "
-                                  f"{step!r}")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise CheckpointError(f"step must be None (the newest) or an integer ≥ 0, not {step!r}")
         self._finish_inflight()
         if step is None:
             loaded = self._rollback.serve_pending_at_start(state)
@@ -705,7 +819,8 @@ class TieredCheckpointer:
         if self.closed:
             raise CheckpointError("maybe_rollback() after close()")
         return self._rollback.maybe_rollback(
-            state, last_done=self._last_step if step is None else step)
+            state, last_done=self._last_step if step is None else step
+        )
 
     def finish(self) -> None:
         """Mark the job finished in the node's memory folder (``tierwatch-agent ckpt gc

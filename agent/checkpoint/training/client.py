@@ -38,12 +38,21 @@ class AgentClient:
         stage_timeout_s: Timeout for ``stage`` (copies whole shards; seconds).
     """
 
-    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 5.0,
-                 stage_timeout_s: float = 1800.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 5.0,
+        stage_timeout_s: float = 1800.0,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.base_url, headers=headers,
-                                  timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 2.0)))
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 2.0)),
+        )
         self._stage_timeout = stage_timeout_s
         self._lock = threading.Lock()
 
@@ -55,15 +64,19 @@ class AgentClient:
         try:
             resp = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
-            raise AgentUnavailable(f"agent {self.base_url} unreachable ({exc!r}); is "
-                                   "tierwatch-agent running on this node?") from None
+            raise AgentUnavailable(
+                f"agent {self.base_url} unreachable ({exc!r}); is "
+                "tierwatch-agent running on this node?"
+            ) from None
         if resp.status_code >= 400:
             try:
                 detail = resp.json().get("detail", resp.text)
             except ValueError:
                 detail = resp.text
-            raise AgentUnavailable(f"agent {self.base_url} answered {method} {path} with HTTP "
-                                   f"{resp.status_code}: {str(detail)[:500]}")
+            raise AgentUnavailable(
+                f"agent {self.base_url} answered {method} {path} with HTTP "
+                f"{resp.status_code}: {str(detail)[:500]}"
+            )
         return resp.json() if resp.content else {}
 
     def info(self) -> dict[str, Any]:
@@ -74,15 +87,23 @@ class AgentClient:
         """
         return self._request("GET", "/v1/ckpt/info")
 
-    def post_events(self, *, events: list[dict[str, Any]], progress: list[dict[str, Any]],
-                    restores: list[dict[str, Any]]) -> None:
+    def post_events(
+        self,
+        *,
+        events: list[dict[str, Any]],
+        progress: list[dict[str, Any]],
+        restores: list[dict[str, Any]],
+    ) -> None:
         """``POST /v1/ckpt/events``.
 
         Raises:
             AgentUnavailable: unreachable or an HTTP error.
         """
-        self._request("POST", "/v1/ckpt/events",
-                      json={"events": events, "progress": progress, "restores": restores})
+        self._request(
+            "POST",
+            "/v1/ckpt/events",
+            json={"events": events, "progress": progress, "restores": restores},
+        )
 
     def notify(self, job_id: str, step: int) -> None:
         """``POST /v1/ckpt/notify``: a local rank committed ``step``.
@@ -106,8 +127,9 @@ class AgentClient:
         Raises:
             AgentUnavailable: unreachable or an HTTP error.
         """
-        return self._request("GET", f"/v1/ckpt/jobs/{job_id}/available",
-                             params={"persistent": int(persistent)})
+        return self._request(
+            "GET", f"/v1/ckpt/jobs/{job_id}/available", params={"persistent": int(persistent)}
+        )
 
     def stage(self, job_id: str, step: int, files: list[dict[str, Any]]) -> dict[str, Any]:
         """``POST /v1/ckpt/jobs/{job_id}/stage``: assemble ``files`` for a restore.
@@ -115,8 +137,12 @@ class AgentClient:
         Raises:
             AgentUnavailable: unreachable or an HTTP error.
         """
-        return self._request("POST", f"/v1/ckpt/jobs/{job_id}/stage",
-                             json={"step": step, "files": files}, timeout=self._stage_timeout)
+        return self._request(
+            "POST",
+            f"/v1/ckpt/jobs/{job_id}/stage",
+            json={"step": step, "files": files},
+            timeout=self._stage_timeout,
+        )
 
     def restore_requests(self, job_id: str) -> dict[str, Any]:
         """``GET /v1/ckpt/jobs/{job_id}/restore-requests``: ``{requests: [...]}``.
@@ -135,18 +161,21 @@ class AgentClient:
         """
         return self._request("DELETE", f"/v1/ckpt/jobs/{job_id}/restore-requests/{up_to}")
 
-    def rollback(self, job_id: str, *, request_id: int, step: int,
-                 persistent: bool) -> dict[str, Any]:
+    def rollback(
+        self, job_id: str, *, request_id: int, step: int, persistent: bool
+    ) -> dict[str, Any]:
         """``POST /v1/ckpt/jobs/{job_id}/rollback``: drop the job's steps above ``step`` from
         the replicas this agent holds (and with ``persistent`` from the persistent tier).
 
         Raises:
             AgentUnavailable: unreachable or an HTTP error.
         """
-        return self._request("POST", f"/v1/ckpt/jobs/{job_id}/rollback",
-                             json={"request_id": request_id, "step": step,
-                                   "persistent": persistent},
-                             timeout=max(60.0, self._http.timeout.read or 0.0))
+        return self._request(
+            "POST",
+            f"/v1/ckpt/jobs/{job_id}/rollback",
+            json={"request_id": request_id, "step": step, "persistent": persistent},
+            timeout=max(60.0, self._http.timeout.read or 0.0),
+        )
 
 
 class EventSender:
@@ -158,8 +187,14 @@ class EventSender:
         max_queued: Bound of each queue; the oldest entries are dropped beyond it.
     """
 
-    def __init__(self, client: AgentClient, *, period_s: float = 1.0,
-                 max_queued: int = 10000, progress_file: Path | None = None) -> None:
+    def __init__(
+        self,
+        client: AgentClient,
+        *,
+        period_s: float = 1.0,
+        max_queued: int = 10000,
+        progress_file: Path | None = None,
+    ) -> None:
         self.client = client
         self.progress_file = progress_file
         self._last_step: int | None = None
@@ -174,8 +209,7 @@ class EventSender:
         self.sent = 0
         self.failures = 0
         self.last_error: str | None = None
-        self._thread = threading.Thread(target=self._run, name="tierwatch-ckpt-events",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="tierwatch-ckpt-events", daemon=True)
         self._thread.start()
 
     def event(self, event: CheckpointEvent) -> None:
@@ -194,8 +228,12 @@ class EventSender:
         if completed:
             self._last_step = progress.step
         with self._lock:
-            if self._progress and self._progress[-1].rank == progress.rank \
-                    and progress.layout is None and self._progress[-1].layout is None:
+            if (
+                self._progress
+                and self._progress[-1].rank == progress.rank
+                and progress.layout is None
+                and self._progress[-1].layout is None
+            ):
                 self._progress[-1] = progress
             else:
                 self._progress.append(progress)
@@ -229,8 +267,12 @@ class EventSender:
             restores = [self._restores.popleft() for _ in range(min(len(self._restores), 200))]
         return events, progress, restores
 
-    def _put_back(self, events: list[CheckpointEvent], progress: list[JobProgress],
-                  restores: list[RestoreReport]) -> None:
+    def _put_back(
+        self,
+        events: list[CheckpointEvent],
+        progress: list[JobProgress],
+        restores: list[RestoreReport],
+    ) -> None:
         with self._lock:
             self._events.extendleft(reversed(events))
             self._progress.extendleft(reversed(progress))

@@ -45,10 +45,10 @@ class CheckpointCollectives:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.train_group = train_group
         timeout = timedelta(seconds=timeout_s)
-        self.group = dist.new_group(backend="gloo", timeout=timeout) \
-            if self.distributed else None
-        self._ctrl_group = dist.new_group(backend="gloo", timeout=timeout) \
-            if self.distributed else None
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if self.distributed else None
+        self._ctrl_group = (
+            dist.new_group(backend="gloo", timeout=timeout) if self.distributed else None
+        )
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), index = rank, on the save group."""
@@ -84,8 +84,11 @@ class CheckpointCollectives:
             raise RuntimeError("no collective latency without torch.distributed")
         group = self.train_group
         backend = dist.get_backend(group)
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if backend == "nccl" and torch.cuda.is_available() else torch.device("cpu")
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl" and torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         x = torch.zeros(1, device=device)
         t0 = time.perf_counter()
         dist.all_reduce(x, group=group)

@@ -46,8 +46,10 @@ class History:
 
     def up_to(self, step: int) -> History:
         """This history without the steps above ``step`` (a rollback to ``step``)."""
-        return History(tuple(s for s in self.committed if s <= step),
-                       tuple(s for s in self.persisted if s <= step))
+        return History(
+            tuple(s for s in self.committed if s <= step),
+            tuple(s for s in self.persisted if s <= step),
+        )
 
 
 @dataclass(frozen=True)
@@ -68,9 +70,16 @@ class CommitDecision:
     why: str = ""
 
 
-def decide_commit(step: int, outcomes: list[str | None], history: History, *,
-                  persist_every: int, keep: Mapping[str, int], force_persist: bool = False,
-                  pinned: Iterable[int] = ()) -> tuple[CommitDecision, History]:
+def decide_commit(
+    step: int,
+    outcomes: list[str | None],
+    history: History,
+    *,
+    persist_every: int,
+    keep: Mapping[str, int],
+    force_persist: bool = False,
+    pinned: Iterable[int] = (),
+) -> tuple[CommitDecision, History]:
     """Decide commit, persistence and retention of ``step`` (see the module notes).
 
     Args:
@@ -89,25 +98,36 @@ def decide_commit(step: int, outcomes: list[str | None], history: History, *,
     if failed:
         return CommitDecision(committed=False, why="; ".join(failed)[:1800]), history
     last_persisted = history.persisted[-1] if history.persisted else None
-    persist = force_persist or last_persisted is None or \
-        step // persist_every > last_persisted // persist_every
+    persist = (
+        force_persist
+        or last_persisted is None
+        or step // persist_every > last_persisted // persist_every
+    )
     committed = [s for s in history.committed if s < step] + [step]
     persisted = list(history.persisted)
     if persist:
         persisted = [s for s in persisted if s < step] + [step]
     old_pins = {s for s in pinned if s < step}
     retain = {
-        "memory": sorted(set(committed[-keep["memory"]:]) | old_pins),
-        "peer": sorted(set(committed[-keep["peer"]:]) | old_pins),
-        "persistent": sorted(set(persisted[-keep["persistent"]:]) | old_pins),
+        "memory": sorted(set(committed[-keep["memory"] :]) | old_pins),
+        "peer": sorted(set(committed[-keep["peer"] :]) | old_pins),
+        "persistent": sorted(set(persisted[-keep["persistent"] :]) | old_pins),
     }
-    committed = committed[-max(keep["memory"], keep["peer"]):]
-    return (CommitDecision(committed=True, persist=persist, retain=retain),
-            History(tuple(committed), tuple(persisted)))
+    committed = committed[-max(keep["memory"], keep["peer"]) :]
+    return (
+        CommitDecision(committed=True, persist=persist, retain=retain),
+        History(tuple(committed), tuple(persisted)),
+    )
 
 
-def memory_evictions(steps: Iterable[int], *, retained: Iterable[int], newest: int,
-                     pinned: Iterable[int] = (), uploading: int | None = None) -> list[int]:
+def memory_evictions(
+    steps: Iterable[int],
+    *,
+    retained: Iterable[int],
+    newest: int,
+    pinned: Iterable[int] = (),
+    uploading: int | None = None,
+) -> list[int]:
     """The memory steps a rank removes its files of after committing ``newest``.
 
     Args:
@@ -123,5 +143,4 @@ def memory_evictions(steps: Iterable[int], *, retained: Iterable[int], newest: i
         The steps to evict, ascending.
     """
     keep = set(retained) | {newest} | set(pinned)
-    return sorted(s for s in steps
-                  if s not in keep and s < newest and s != uploading)
+    return sorted(s for s in steps if s not in keep and s < newest and s != uploading)

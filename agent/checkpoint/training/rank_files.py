@@ -50,16 +50,16 @@ class RankFiles:
     def names(self, step_dir: Path) -> list[str]:
         """This rank's file names present in ``step_dir``."""
         names = [p.name for p in step_dir.glob(f"__{self.rank}_*.distcp")]
-        names += [manifest_name(self.rank), commit_name(self.rank),
-                  tier_progress_name(self.rank)]
+        names += [manifest_name(self.rank), commit_name(self.rank), tier_progress_name(self.rank)]
         if self.rank == 0:
             names.append(METADATA)
         return [n for n in names if (step_dir / n).exists()]
 
     def remove_stale(self, step_dir: Path) -> None:
         """Remove this rank's files from ``step_dir`` (an earlier run of the same step)."""
-        for n in sorted(self.names(step_dir),
-                        key=lambda n: 0 if n.startswith(("manifest", "commit")) else 1):
+        for n in sorted(
+            self.names(step_dir), key=lambda n: 0 if n.startswith(("manifest", "commit")) else 1
+        ):
             with contextlib.suppress(FileNotFoundError):
                 (step_dir / n).unlink()
 

@@ -64,14 +64,18 @@ def _ask(ckpt: TieredCheckpointer, persistent: bool) -> dict[str, Any] | str:
     return last
 
 
-def _gather_views(ckpt: TieredCheckpointer, persistent: bool, *, tier: str | None = None
-                  ) -> tuple[dict[int, agreement.StepView], dict[int, agreement.StepView]]:
+def _gather_views(
+    ckpt: TieredCheckpointer, persistent: bool, *, tier: str | None = None
+) -> tuple[dict[int, agreement.StepView], dict[int, agreement.StepView]]:
     """Every rank's agent's answer, merged: ``(views of tier, views of every tier)`` (the
     same when ``tier`` is None); dead steps are left out (the ranks' fences and those the
     manifests list)."""
     answers = ckpt.collectives.all_gather(_ask(ckpt, persistent))
-    errors = [f"rank {r} ({ckpt.nodes_by_rank[r]}): {a}" for r, a in enumerate(answers)
-              if isinstance(a, str)]
+    errors = [
+        f"rank {r} ({ckpt.nodes_by_rank[r]}): {a}"
+        for r, a in enumerate(answers)
+        if isinstance(a, str)
+    ]
     if errors:
         raise CheckpointError("restore needs every node's agent: " + "; ".join(errors[:4]))
     fences = ckpt.fences
@@ -81,8 +85,9 @@ def _gather_views(ckpt: TieredCheckpointer, persistent: bool, *, tier: str | Non
     return agreement.merge_available(answers, tier=tier, fences=fences), every
 
 
-def _needed_files(template: dict[str, Any], staged_dir: Path, is_coordinator: bool,
-                  view: agreement.StepView) -> list[str]:
+def _needed_files(
+    template: dict[str, Any], staged_dir: Path, is_coordinator: bool, view: agreement.StepView
+) -> list[str]:
     """Files this rank's ``dcp.load`` reads, from DCP's own load plan (all files if the plan
     cannot be computed)."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -103,8 +108,9 @@ def _needed_files(template: dict[str, Any], staged_dir: Path, is_coordinator: bo
     return [n for n in agreement.all_file_names(view) if n != METADATA]
 
 
-def _check_model(template: dict[str, Any], staged_dir: Path, modules: list[str],
-                 job_id: str, step: int) -> str | None:
+def _check_model(
+    template: dict[str, Any], staged_dir: Path, modules: list[str], job_id: str, step: int
+) -> str | None:
     """Differences between the saved model and ours (None when they match)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -115,10 +121,16 @@ def _check_model(template: dict[str, Any], staged_dir: Path, modules: list[str],
         return f"cannot read .metadata of step {step}: {exc}"
     problems: list[str] = []
     for key in modules:
-        ours = {f"{key}.{k}": tuple(v.shape) for k, v in template[key].items()
-                if isinstance(v, torch.Tensor)}
-        saved = {k: tuple(v.size) for k, v in md.items()
-                 if k.startswith(f"{key}.") and isinstance(v, TensorStorageMetadata)}
+        ours = {
+            f"{key}.{k}": tuple(v.shape)
+            for k, v in template[key].items()
+            if isinstance(v, torch.Tensor)
+        }
+        saved = {
+            k: tuple(v.size)
+            for k, v in md.items()
+            if k.startswith(f"{key}.") and isinstance(v, TensorStorageMetadata)
+        }
         for k in sorted(set(ours) - set(saved))[:3]:
             problems.append(f"{k} is not in the checkpoint")
         for k in sorted(set(saved) - set(ours))[:3]:
@@ -127,10 +139,12 @@ def _check_model(template: dict[str, Any], staged_dir: Path, modules: list[str],
             if ours[k] != saved[k] and len(problems) < 6:
                 problems.append(f"{k}: checkpoint shape {list(saved[k])}, model {list(ours[k])}")
     if problems:
-        return (f"job_id {job_id!r} step {step} holds a different model: "
-                + "; ".join(problems[:6])
-                + ". Use another job_id, or free this one with `tierwatch-agent ckpt gc --job "
-                f"{job_id}` on every node")
+        return (
+            f"job_id {job_id!r} step {step} holds a different model: "
+            + "; ".join(problems[:6])
+            + ". Use another job_id, or free this one with `tierwatch-agent ckpt gc --job "
+            f"{job_id}` on every node"
+        )
     return None
 
 
@@ -159,11 +173,17 @@ class RestoreRun:
     loading: bool = False  # dcp.load began: a failure now may have torn the live state
 
 
-def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *, wanted: int | None,
-                  tier: str | None = None, request_id: int | None = None,
-                  last_done: int | None = None,
-                  on_loaded: Callable[[int], list[str]] | None = None,
-                  run: RestoreRun | None = None) -> int | None:
+def restore_state(
+    ckpt: TieredCheckpointer,
+    state: dict[str, Any],
+    *,
+    wanted: int | None,
+    tier: str | None = None,
+    request_id: int | None = None,
+    last_done: int | None = None,
+    on_loaded: Callable[[int], list[str]] | None = None,
+    run: RestoreRun | None = None,
+) -> int | None:
     """Run the restore protocol for ``ckpt`` into ``state`` (see the module docstring).
 
     Args:
@@ -190,18 +210,25 @@ def restore_state(ckpt: TieredCheckpointer, state: dict[str, Any], *, wanted: in
     if run is None:
         run = RestoreRun(request_id=request_id)
     try:
-        return _restore(ckpt, state, run, wanted=wanted, tier=tier, last_done=last_done,
-                        on_loaded=on_loaded)
+        return _restore(
+            ckpt, state, run, wanted=wanted, tier=tier, last_done=last_done, on_loaded=on_loaded
+        )
     except Exception as exc:
         if not run.reported:
-            _report(ckpt, run, None, {}, ok=False,
-                    message=f"{type(exc).__name__}: {exc}"[:2000])
+            _report(ckpt, run, None, {}, ok=False, message=f"{type(exc).__name__}: {exc}"[:2000])
         raise
 
 
-def _restore(ckpt: TieredCheckpointer, state: dict[str, Any], run: RestoreRun, *,
-             wanted: int | None, tier: str | None, last_done: int | None,
-             on_loaded: Callable[[int], list[str]] | None) -> int | None:
+def _restore(
+    ckpt: TieredCheckpointer,
+    state: dict[str, Any],
+    run: RestoreRun,
+    *,
+    wanted: int | None,
+    tier: str | None,
+    last_done: int | None,
+    on_loaded: Callable[[int], list[str]] | None,
+) -> int | None:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
 
@@ -220,8 +247,9 @@ def _restore(ckpt: TieredCheckpointer, state: dict[str, Any], run: RestoreRun, *
     phases: dict[str, float] = {}  # seconds per phase, for the report
     only = f" in the {tier} tier" if tier else ""
     for _attempt in range(MAX_ATTEMPTS):
-        chosen, reasons = agreement.choose_step(views, ckpt.world_size, excluded=excluded,
-                                                wanted=wanted)
+        chosen, reasons = agreement.choose_step(
+            views, ckpt.world_size, excluded=excluded, wanted=wanted
+        )
         if chosen is None and not persistent and may_persist:
             persistent = True
             views, every = _gather_views(ckpt, persistent, tier=tier)
@@ -229,15 +257,23 @@ def _restore(ckpt: TieredCheckpointer, state: dict[str, Any], run: RestoreRun, *
         if chosen is None:
             sizes = {m.world_size for v in views.values() for m in v.manifests.values()}
             if sizes - {ckpt.world_size}:
-                others = {s: max(st for st, v in views.items()
-                                 if any(m.world_size == s for m in v.manifests.values()))
-                          for s in sizes - {ckpt.world_size}}
-                listing = ", ".join(f"world_size {s} (newest step {n})"
-                                    for s, n in sorted(others.items()))
-                message = (f"job_id {ckpt.job_id!r} holds steps saved at {listing}, none at "
-                           f"world_size {ckpt.world_size}: restart at the same world size, or "
-                           "load a persistent step with plain torch.distributed.checkpoint "
-                           "and use a new job_id")
+                others = {
+                    s: max(
+                        st
+                        for st, v in views.items()
+                        if any(m.world_size == s for m in v.manifests.values())
+                    )
+                    for s in sizes - {ckpt.world_size}
+                }
+                listing = ", ".join(
+                    f"world_size {s} (newest step {n})" for s, n in sorted(others.items())
+                )
+                message = (
+                    f"job_id {ckpt.job_id!r} holds steps saved at {listing}, none at "
+                    f"world_size {ckpt.world_size}: restart at the same world size, or "
+                    "load a persistent step with plain torch.distributed.checkpoint "
+                    "and use a new job_id"
+                )
                 _report(ckpt, run, None, {}, ok=False, message=message)
                 raise CheckpointError(message)
             if wanted is None:
@@ -247,8 +283,10 @@ def _restore(ckpt: TieredCheckpointer, state: dict[str, Any], run: RestoreRun, *
             steps = agreement.restorable_steps(views, ckpt.world_size)
             steps = [s for s in steps if s not in excluded]
             why = reasons.get(wanted, "no tier holds any file of it")
-            raise CheckpointError(f"step {wanted} of {ckpt.job_id} cannot be restored{only} "
-                                  f"({why}); restorable steps{only}: {steps or 'none'}")
+            raise CheckpointError(
+                f"step {wanted} of {ckpt.job_id} cannot be restored{only} "
+                f"({why}); restorable steps{only}: {steps or 'none'}"
+            )
         view = views[chosen]
         signature = next(iter(view.manifests.values())).signature
         if adapter is None or template is None:
@@ -268,10 +306,12 @@ def _restore(ckpt: TieredCheckpointer, state: dict[str, Any], run: RestoreRun, *
         if problem is None:
             staged_dir = Path(answer["dir"])
             if signature != ours:
-                mismatch = _check_model(template, staged_dir, sorted(adapter.modules),
-                                        ckpt.job_id, chosen) or (
+                mismatch = _check_model(
+                    template, staged_dir, sorted(adapter.modules), ckpt.job_id, chosen
+                ) or (
                     f"job_id {ckpt.job_id!r} step {chosen} was saved from a different state "
-                    "(its signature differs); use another job_id")
+                    "(its signature differs); use another job_id"
+                )
         mismatches = [m for m in ckpt.collectives.all_gather(mismatch) if m]
         if mismatches:
             _report(ckpt, run, None, {}, ok=False, message=mismatches[0][:2000])
@@ -285,14 +325,20 @@ def _restore(ckpt: TieredCheckpointer, state: dict[str, Any], run: RestoreRun, *
                 problem = "; ".join(answer2.get("errors", []))[:1000]
             else:
                 phases["stage"] = phases.get("stage", 0.0) + time.monotonic() - t_stage
-                sources = {f["name"]: f"{f.get('tier')}:{f.get('holder')}"
-                           for f in [*answer.get("files", []), *answer2.get("files", [])]}
+                sources = {
+                    f["name"]: f"{f.get('tier')}:{f.get('holder')}"
+                    for f in [*answer.get("files", []), *answer2.get("files", [])]
+                }
         outcomes = ckpt.collectives.all_gather(problem)
         failed = [f"rank {r}: {p}" for r, p in enumerate(outcomes) if p]
         if not failed:
             break
-        log.warning("rank %d: step %d could not be staged (%s); choosing again", ckpt.rank,
-                    chosen, "; ".join(failed)[:500])
+        log.warning(
+            "rank %d: step %d could not be staged (%s); choosing again",
+            ckpt.rank,
+            chosen,
+            "; ".join(failed)[:500],
+        )
         if not persistent and may_persist:
             # the persistent tier is the next source of the bad files: retry this step with it
             persistent = True
@@ -309,8 +355,12 @@ def _restore(ckpt: TieredCheckpointer, state: dict[str, Any], run: RestoreRun, *
     phases["agree+stage"] = time.monotonic() - t0 - phases.get("template", 0.0)
     t_load = time.monotonic()
     run.loading = True
-    dcp_load(template, storage_reader=FileSystemReader(staged_dir),
-             process_group=ckpt.collectives.group, no_dist=not ckpt.collectives.distributed)
+    dcp_load(
+        template,
+        storage_reader=FileSystemReader(staged_dir),
+        process_group=ckpt.collectives.group,
+        no_dist=not ckpt.collectives.distributed,
+    )
     adapter.load(template)
     run.loading = False
     phases["load"] = time.monotonic() - t_load
@@ -318,21 +368,36 @@ def _restore(ckpt: TieredCheckpointer, state: dict[str, Any], run: RestoreRun, *
     history = None
     if ckpt.rank == 0:
         complete = agreement.restorable_steps(every, ckpt.world_size)
-        persisted = sorted({s for s in complete for src in every[s].sources.get(0, [])
-                            if src.tier == "persistent" and s <= chosen})
+        persisted = sorted(
+            {
+                s
+                for s in complete
+                for src in every[s].sources.get(0, [])
+                if src.tier == "persistent" and s <= chosen
+            }
+        )
         history = History.seeded([s for s in complete if s <= chosen], persisted)
     ckpt.restored(chosen, history=history)
     if last_done is None:
-        last = max([s for s in ckpt.collectives.all_gather(_last_trained(ckpt))
-                    if s is not None]
-                   + [s for s in every if every[s].manifests] + [chosen])
+        last = max(
+            [s for s in ckpt.collectives.all_gather(_last_trained(ckpt)) if s is not None]
+            + [s for s in every if every[s].manifests]
+            + [chosen]
+        )
     else:
         last = max(last_done, chosen)
     if on_loaded is not None:
         notes += on_loaded(chosen)
     timing = ", ".join(f"{k} {v:.3f} s" for k, v in phases.items() if k != "stage")
-    _report(ckpt, run, chosen, sources, ok=True, steps_lost=last - chosen,
-            message="; ".join([f"phases: {timing}", *notes])[:2000])
+    _report(
+        ckpt,
+        run,
+        chosen,
+        sources,
+        ok=True,
+        steps_lost=last - chosen,
+        message="; ".join([f"phases: {timing}", *notes])[:2000],
+    )
     return chosen
 
 
@@ -344,18 +409,37 @@ def _last_trained(ckpt: TieredCheckpointer) -> int | None:
         return None
 
 
-def _report(ckpt: TieredCheckpointer, run: RestoreRun, step: int | None, sources: dict[str, str],
-            *, ok: bool, message: str = "", steps_lost: int | None = None) -> None:
+def _report(
+    ckpt: TieredCheckpointer,
+    run: RestoreRun,
+    step: int | None,
+    sources: dict[str, str],
+    *,
+    ok: bool,
+    message: str = "",
+    steps_lost: int | None = None,
+) -> None:
     by_tier = Counter(v.split(":", 1)[0] for v in sources.values())
-    phase = None if run.request_id is None else ("loaded" if ok and step is not None
-                                                 else "failed")
+    phase = None if run.request_id is None else ("loaded" if ok and step is not None else "failed")
     report = RestoreReport(
-        job_id=ckpt.job_id, rank=ckpt.rank, world_size=ckpt.world_size, step=step,
-        ts=utcnow(), seconds=time.monotonic() - run.t0, steps_lost=steps_lost,
-        files_by_tier={k: v for k, v in by_tier.items()  # type: ignore[misc]
-                       if k in ("memory", "peer", "persistent")},
-        sources=dict(list(sources.items())[:4096]), ok=ok and phase != "failed",
-        message=message[:2000], request_id=run.request_id, phase=phase)
+        job_id=ckpt.job_id,
+        rank=ckpt.rank,
+        world_size=ckpt.world_size,
+        step=step,
+        ts=utcnow(),
+        seconds=time.monotonic() - run.t0,
+        steps_lost=steps_lost,
+        files_by_tier={
+            k: v
+            for k, v in by_tier.items()  # type: ignore[misc]
+            if k in ("memory", "peer", "persistent")
+        },
+        sources=dict(list(sources.items())[:4096]),
+        ok=ok and phase != "failed",
+        message=message[:2000],
+        request_id=run.request_id,
+        phase=phase,
+    )
     run.reported = True
     ckpt.record_restore(report)
     log.info("rank %d restore: %s", ckpt.rank, json.dumps(report.model_dump(mode="json"))[:500])

@@ -30,8 +30,7 @@ def newest_unserved(requests: Iterable[RestoreRequest], served: int) -> int:
     return max((r.request_id for r in requests if r.request_id > served), default=0)
 
 
-def pick_request(copies: Iterable[RestoreRequest | None], request_id: int
-                 ) -> RestoreRequest | None:
+def pick_request(copies: Iterable[RestoreRequest | None], request_id: int) -> RestoreRequest | None:
     """The agreed request's arguments from the ranks' copies (each rank's agent got the same
     command; a rank whose agent has not got this id contributes None)."""
     for c in copies:
@@ -62,8 +61,9 @@ class RequestPoller:
         self._stop = threading.Event()
         self.polls = 0
         self.failures = 0
-        self._thread = threading.Thread(target=self._run, name="tierwatch-ckpt-requests",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="tierwatch-ckpt-requests", daemon=True
+        )
         self._thread.start()
 
     def snapshot(self) -> list[RestoreRequest]:
@@ -110,8 +110,9 @@ class RollbackServer:
         timeline: What the ranks served (written to ``timeline.json`` on each change).
     """
 
-    def __init__(self, ckpt: TieredCheckpointer, poller: RequestPoller, timeline: Timeline,
-                 *, every: int) -> None:
+    def __init__(
+        self, ckpt: TieredCheckpointer, poller: RequestPoller, timeline: Timeline, *, every: int
+    ) -> None:
         self.ckpt = ckpt
         self.poller = poller
         self.timeline = timeline
@@ -135,7 +136,8 @@ class RollbackServer:
         if stale:
             self._retire(max(stale))
         agreed = self.ckpt.collectives.min_over_ranks(
-            newest_unserved(requests, self.timeline.served))
+            newest_unserved(requests, self.timeline.served)
+        )
         if agreed <= self.timeline.served:
             return None
         return self._serve(state, agreed, requests, last_done=None)
@@ -153,13 +155,20 @@ class RollbackServer:
             return None
         pending = self.poller.snapshot()
         agreed = self.ckpt.collectives.min_over_ranks(
-            newest_unserved(pending, self.timeline.served))
+            newest_unserved(pending, self.timeline.served)
+        )
         if agreed <= self.timeline.served:
             return None
         return self._serve(state, agreed, pending, last_done=last_done)
 
-    def _serve(self, state: dict[str, Any], request_id: int, pending: list[RestoreRequest],
-               *, last_done: int | None) -> int | None:
+    def _serve(
+        self,
+        state: dict[str, Any],
+        request_id: int,
+        pending: list[RestoreRequest],
+        *,
+        last_done: int | None,
+    ) -> int | None:
         """Carry out request ``request_id``, which every rank knows (collective; ``pending``:
         the requests this rank's agent listed)."""
         from tierwatch.agent.checkpoint.training.restore import RestoreRun, restore_state
@@ -170,32 +179,53 @@ class RollbackServer:
         assert request is not None  # the rank(s) whose newest id is request_id hold it
         for older in pending:
             if self.timeline.served < older.request_id < request_id:
-                self._report(older, "failed", message=(
-                    f"superseded by restore request {request_id} (step {request.step})"))
-        log.info("rank %d: restore request %d: rolling %s back to step %d%s (%s, by %s)",
-                 ckpt.rank, request_id, ckpt.job_id, request.step,
-                 f" from the {request.tier} tier" if request.tier else "",
-                 request.reason or "no reason given", request.actor or "unknown")
+                self._report(
+                    older,
+                    "failed",
+                    message=(f"superseded by restore request {request_id} (step {request.step})"),
+                )
+        log.info(
+            "rank %d: restore request %d: rolling %s back to step %d%s (%s, by %s)",
+            ckpt.rank,
+            request_id,
+            ckpt.job_id,
+            request.step,
+            f" from the {request.tier} tier" if request.tier else "",
+            request.reason or "no reason given",
+            request.actor or "unknown",
+        )
         ckpt.wait()
-        self._report(request, "staging", step=request.step, message=(
-            f"rolling back to step {request.step}"
-            + (f" from the {request.tier} tier" if request.tier else "")
-            + f": {request.reason or 'no reason given'} (by {request.actor or 'unknown'})"))
+        self._report(
+            request,
+            "staging",
+            step=request.step,
+            message=(
+                f"rolling back to step {request.step}"
+                + (f" from the {request.tier} tier" if request.tier else "")
+                + f": {request.reason or 'no reason given'} (by {request.actor or 'unknown'})"
+            ),
+        )
         loaded: int | None = None
         run = RestoreRun(request_id=request_id)
         try:
-            loaded = restore_state(ckpt, state, wanted=request.step, tier=request.tier,
-                                   request_id=request_id, last_done=last_done,
-                                   on_loaded=lambda s: self._drop_future(request, s),
-                                   run=run)
+            loaded = restore_state(
+                ckpt,
+                state,
+                wanted=request.step,
+                tier=request.tier,
+                request_id=request_id,
+                last_done=last_done,
+                on_loaded=lambda s: self._drop_future(request, s),
+                run=run,
+            )
         except (CheckpointError, ModelMismatchError) as exc:
             if run.loading:
                 raise CheckpointError(
                     f"restore request {request_id}: loading step {request.step} failed "
                     f"({exc}); the live state may be partly overwritten: restart the job "
-                    "(it loads the requested step at start)") from exc
-            log.error("rank %d: restore request %d not served: %s", ckpt.rank, request_id,
-                      exc)
+                    "(it loads the requested step at start)"
+                ) from exc
+            log.error("rank %d: restore request %d not served: %s", ckpt.rank, request_id, exc)
         if loaded is None:
             self._set_timeline(self.timeline.after(request_id, loaded_step=None))
         self._retire(request_id)
@@ -210,8 +240,9 @@ class RollbackServer:
         ckpt.drop_steps_after(step, why=why)
         notes: list[str] = []
         try:
-            answer = ckpt.client.rollback(ckpt.job_id, request_id=request.request_id,
-                                          step=step, persistent=ckpt.rank == 0)
+            answer = ckpt.client.rollback(
+                ckpt.job_id, request_id=request.request_id, step=step, persistent=ckpt.rank == 0
+            )
             notes += [f"agent {ckpt.node}: {e}" for e in answer.get("errors", [])]
         except AgentUnavailable as exc:
             notes.append(f"newer steps not dropped from the replicas/persistent tier: {exc}")
@@ -230,15 +261,27 @@ class RollbackServer:
         try:
             self.ckpt.client.retire_restore_requests(self.ckpt.job_id, request_id)
         except AgentUnavailable as exc:  # retired again at the next start
-            log.warning("rank %d: restore request %d not retired on the agent: %s",
-                        self.ckpt.rank, request_id, exc)
+            log.warning(
+                "rank %d: restore request %d not retired on the agent: %s",
+                self.ckpt.rank,
+                request_id,
+                exc,
+            )
 
-    def _report(self, request: RestoreRequest, phase: str, *, step: int | None = None,
-                message: str = "") -> None:
+    def _report(
+        self, request: RestoreRequest, phase: str, *, step: int | None = None, message: str = ""
+    ) -> None:
         ckpt = self.ckpt
-        report = RestoreReport(job_id=ckpt.job_id, rank=ckpt.rank,
-                               world_size=ckpt.world_size, step=step, ts=utcnow(),
-                               seconds=0.0, ok=phase != "failed", message=message[:2000],
-                               request_id=request.request_id,
-                               phase=phase)  # type: ignore[arg-type]
+        report = RestoreReport(
+            job_id=ckpt.job_id,
+            rank=ckpt.rank,
+            world_size=ckpt.world_size,
+            step=step,
+            ts=utcnow(),
+            seconds=0.0,
+            ok=phase != "failed",
+            message=message[:2000],
+            request_id=request.request_id,
+            phase=phase,
+        )  # type: ignore[arg-type]
         ckpt.events.restore(report)

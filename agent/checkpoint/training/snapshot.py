@@ -71,8 +71,9 @@ class SnapshotStager:
         self.allocations = 0
         self.staged_bytes = 0
 
-    def stage(self, state: dict[str, Any], lazy: LazyPredicate) -> tuple[dict[str, Any],
-                                                                         PendingCopies]:
+    def stage(
+        self, state: dict[str, Any], lazy: LazyPredicate
+    ) -> tuple[dict[str, Any], PendingCopies]:
         """Stage ``state``.
 
         Args:
@@ -91,29 +92,50 @@ class SnapshotStager:
             del self._buffers[path]
         return staged, pending
 
-    def _walk(self, value: Any, path: tuple[Any, ...], lazy: LazyPredicate,
-              pending: PendingCopies, seen: set[tuple[Any, ...]]) -> Any:
+    def _walk(
+        self,
+        value: Any,
+        path: tuple[Any, ...],
+        lazy: LazyPredicate,
+        pending: PendingCopies,
+        seen: set[tuple[Any, ...]],
+    ) -> Any:
         if isinstance(value, dict):
             return {k: self._walk(v, (*path, k), lazy, pending, seen) for k, v in value.items()}
         if isinstance(value, list):
             return [self._walk(v, (*path, i), lazy, pending, seen) for i, v in enumerate(value)]
         if DTensor is not None and isinstance(value, DTensor):
             local = self._tensor(value._local_tensor, path, lazy, pending, seen)
-            return DTensor.from_local(local, value.device_mesh, value.placements,
-                                      run_check=False, shape=value.shape,
-                                      stride=value.stride())
+            return DTensor.from_local(
+                local,
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
         if isinstance(value, torch.Tensor):
             return self._tensor(value, path, lazy, pending, seen)
         return copy.deepcopy(value)
 
-    def _tensor(self, t: torch.Tensor, path: tuple[Any, ...], lazy: LazyPredicate,
-                pending: PendingCopies, seen: set[tuple[Any, ...]]) -> torch.Tensor:
+    def _tensor(
+        self,
+        t: torch.Tensor,
+        path: tuple[Any, ...],
+        lazy: LazyPredicate,
+        pending: PendingCopies,
+        seen: set[tuple[Any, ...]],
+    ) -> torch.Tensor:
         seen.add(path)
         src = t.detach()
         buf = self._buffers.get(path)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu",
-                              pin_memory=src.is_cuda and torch.cuda.is_available())
+            buf = torch.empty(
+                src.shape,
+                dtype=src.dtype,
+                device="cpu",
+                pin_memory=src.is_cuda and torch.cuda.is_available(),
+            )
             self._buffers[path] = buf
             self.allocations += 1
         self.staged_bytes += buf.numel() * buf.element_size()

@@ -76,8 +76,10 @@ class RNGState:
                 size); names the rank and the keys present.
         """
         if self.key not in state_dict:
-            raise KeyError(f"RNG state has no entry for rank {self.rank} (keys: "
-                           f"{sorted(state_dict)[:8]}); it was saved at another world size")
+            raise KeyError(
+                f"RNG state has no entry for rank {self.rank} (keys: "
+                f"{sorted(state_dict)[:8]}); it was saved at another world size"
+            )
         state = state_dict[self.key]
         random.setstate(pickle.loads(state["python"]))  # noqa: S301 - our own checkpoint
         torch.set_rng_state(state["torch"].to(torch.uint8).cpu())
@@ -107,14 +109,25 @@ class ResumableDistributedSampler(DistributedSampler):
         shuffle, seed, drop_last: as for ``DistributedSampler``.
     """
 
-    def __init__(self, dataset: Dataset[Any] | int, num_replicas: int | None = None,
-                 rank: int | None = None, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False) -> None:
+    def __init__(
+        self,
+        dataset: Dataset[Any] | int,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
         if isinstance(dataset, int):
             dataset = _SizedRange(dataset)
-        super().__init__(dataset, num_replicas=_world_size() if num_replicas is None
-                         else num_replicas, rank=_rank() if rank is None else rank,
-                         shuffle=shuffle, seed=seed, drop_last=drop_last)
+        super().__init__(
+            dataset,
+            num_replicas=_world_size() if num_replicas is None else num_replicas,
+            rank=_rank() if rank is None else rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
         self.position = 0
 
     @property
@@ -148,8 +161,15 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def state_dict(self) -> dict[str, Any]:
         """The epoch and position of this rank (keyed by rank)."""
-        return {self.key: {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                           "num_replicas": self.num_replicas, "shuffle": self.shuffle}}
+        return {
+            self.key: {
+                "epoch": self.epoch,
+                "position": self.position,
+                "seed": self.seed,
+                "num_replicas": self.num_replicas,
+                "shuffle": self.shuffle,
+            }
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from a state saved by the same rank at the same world size.
@@ -160,13 +180,17 @@ class ResumableDistributedSampler(DistributedSampler):
                 order would differ).
         """
         if self.key not in state_dict:
-            raise KeyError(f"sampler state has no entry for rank {self.rank} (keys: "
-                           f"{sorted(state_dict)[:8]}); it was saved at another world size")
+            raise KeyError(
+                f"sampler state has no entry for rank {self.rank} (keys: "
+                f"{sorted(state_dict)[:8]}); it was saved at another world size"
+            )
         state = state_dict[self.key]
         for name in ("num_replicas", "seed", "shuffle"):
             if state[name] != getattr(self, name):
-                raise ValueError(f"sampler was saved with {name}={state[name]!r}, this one has "
-                                 f"{getattr(self, name)!r}: the sample order would differ")
+                raise ValueError(
+                    f"sampler was saved with {name}={state[name]!r}, this one has "
+                    f"{getattr(self, name)!r}: the sample order would differ"
+                )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
 

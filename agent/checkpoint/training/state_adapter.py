@@ -60,8 +60,10 @@ class StateAdapter:
 
     def __init__(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or not state:
-            raise CheckpointError("state must be a non-empty dict of name → model, optimizer, "
-                                  "scheduler, Stateful or value")
+            raise CheckpointError(
+                "state must be a non-empty dict of name → model, optimizer, "
+                "scheduler, Stateful or value"
+            )
         self.state = state
 
     @property
@@ -86,7 +88,8 @@ class StateAdapter:
                 return module
         raise CheckpointError(
             f"state[{key!r}] is an optimizer whose parameters belong to no nn.Module in state; "
-            "put the model it trains in the same state dict")
+            "put the model it trains in the same state dict"
+        )
 
     def live(self) -> LiveState:
         """The state dict to save (or to load into: optimizer state is initialised).

@@ -25,8 +25,9 @@ def persistent_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def make_agent(tmp_path: Path, receiver: Receiver, persistent_dir: Path
-               ) -> Iterator[Callable[..., CkptAgent]]:
+def make_agent(
+    tmp_path: Path, receiver: Receiver, persistent_dir: Path
+) -> Iterator[Callable[..., CkptAgent]]:
     """``make_agent("node-a", **kw) -> CkptAgent`` (not started); all stopped afterwards."""
     made: list[CkptAgent] = []
 

@@ -10,49 +10,106 @@ from tierwatch.agent.checkpoint.format.layout import METADATA, shard_name
 from tierwatch.agent.checkpoint.format.manifest import FileEntry, Manifest
 
 
-def m(rank: int, *, world: int = 2, signature: str = "sig", metadata: bool | None = None,
-      fences: list[tuple[int, int]] | None = None) -> Manifest:
+def m(
+    rank: int,
+    *,
+    world: int = 2,
+    signature: str = "sig",
+    metadata: bool | None = None,
+    fences: list[tuple[int, int]] | None = None,
+) -> Manifest:
     files = [FileEntry(name=shard_name(rank), size=10, xxh3="0" * 16)]
     if rank == 0 if metadata is None else metadata:
         files.append(FileEntry(name=METADATA, size=5, xxh3="1" * 16))
-    return Manifest(job_id="j", step=1, rank=rank, world_size=world, node=f"n{rank}",
-                    files=files, signature=signature, fences=fences or [])
+    return Manifest(
+        job_id="j",
+        step=1,
+        rank=rank,
+        world_size=world,
+        node=f"n{rank}",
+        files=files,
+        signature=signature,
+        fences=fences or [],
+    )
 
 
 ALL = {shard_name(0), shard_name(1), METADATA}
 
 
-@pytest.mark.parametrize(("manifests", "kwargs", "why"), [
-    pytest.param({0: m(0), 1: m(1)}, {}, None, id="complete"),
-    pytest.param({0: m(0), 1: m(1)}, {"world_size": 2, "present": ALL}, None,
-                 id="complete-with-files"),
-    pytest.param({}, {}, "no manifests", id="none"),
-    pytest.param({0: m(0), 1: m(1)}, {"conflicts": ["rank 1: copies differ"]},
-                 "rank 1: copies differ", id="conflict-first"),
-    pytest.param({0: m(0), 1: m(1, world=3)}, {},
-                 "ranks disagree on the world size (2: rank(s) [0]; 3: rank(s) [1])",
-                 id="world-sizes-disagree"),
-    pytest.param({0: m(0), 1: m(1, signature="other")}, {},
-                 "ranks disagree on the state signature (2 signatures)", id="signatures"),
-    pytest.param({0: m(0), 1: m(1)}, {"dead": "rolled away: restore request 3 went back "
-                                               "to step 0"},
-                 "rolled away: restore request 3 went back to step 0", id="dead"),
-    pytest.param({0: m(0, fences=[(7, 0)]), 1: m(1)}, {}, "different timelines",
-                 id="timelines"),
-    pytest.param({0: m(0)}, {}, "no manifest of rank(s) [1]", id="a-rank-missing"),
-    pytest.param({0: m(0), 1: m(1)}, {"world_size": 4}, "no manifest of rank(s) [2, 3]",
-                 id="fewer-ranks-than-the-job"),
-    pytest.param({0: m(0, world=4), 1: m(1, world=4)}, {"world_size": 2},
-                 "saved at another world size", id="another-world-size"),
-    pytest.param({0: m(0), 1: m(1), 2: m(2)}, {}, "saved at another world size",
-                 id="a-rank-beyond-the-world-size"),
-    pytest.param({0: m(0, metadata=False), 1: m(1)}, {}, "no single rank lists .metadata",
-                 id="no-metadata"),
-    pytest.param({0: m(0), 1: m(1, metadata=True)}, {}, "no single rank lists .metadata",
-                 id="two-metadata"),
-    pytest.param({0: m(0), 1: m(1)}, {"present": {shard_name(0), shard_name(1)}},
-                 "files missing: .metadata", id="metadata-not-written-yet"),
-])
+@pytest.mark.parametrize(
+    ("manifests", "kwargs", "why"),
+    [
+        pytest.param({0: m(0), 1: m(1)}, {}, None, id="complete"),
+        pytest.param(
+            {0: m(0), 1: m(1)}, {"world_size": 2, "present": ALL}, None, id="complete-with-files"
+        ),
+        pytest.param({}, {}, "no manifests", id="none"),
+        pytest.param(
+            {0: m(0), 1: m(1)},
+            {"conflicts": ["rank 1: copies differ"]},
+            "rank 1: copies differ",
+            id="conflict-first",
+        ),
+        pytest.param(
+            {0: m(0), 1: m(1, world=3)},
+            {},
+            "ranks disagree on the world size (2: rank(s) [0]; 3: rank(s) [1])",
+            id="world-sizes-disagree",
+        ),
+        pytest.param(
+            {0: m(0), 1: m(1, signature="other")},
+            {},
+            "ranks disagree on the state signature (2 signatures)",
+            id="signatures",
+        ),
+        pytest.param(
+            {0: m(0), 1: m(1)},
+            {"dead": "rolled away: restore request 3 went back to step 0"},
+            "rolled away: restore request 3 went back to step 0",
+            id="dead",
+        ),
+        pytest.param(
+            {0: m(0, fences=[(7, 0)]), 1: m(1)}, {}, "different timelines", id="timelines"
+        ),
+        pytest.param({0: m(0)}, {}, "no manifest of rank(s) [1]", id="a-rank-missing"),
+        pytest.param(
+            {0: m(0), 1: m(1)},
+            {"world_size": 4},
+            "no manifest of rank(s) [2, 3]",
+            id="fewer-ranks-than-the-job",
+        ),
+        pytest.param(
+            {0: m(0, world=4), 1: m(1, world=4)},
+            {"world_size": 2},
+            "saved at another world size",
+            id="another-world-size",
+        ),
+        pytest.param(
+            {0: m(0), 1: m(1), 2: m(2)},
+            {},
+            "saved at another world size",
+            id="a-rank-beyond-the-world-size",
+        ),
+        pytest.param(
+            {0: m(0, metadata=False), 1: m(1)},
+            {},
+            "no single rank lists .metadata",
+            id="no-metadata",
+        ),
+        pytest.param(
+            {0: m(0), 1: m(1, metadata=True)},
+            {},
+            "no single rank lists .metadata",
+            id="two-metadata",
+        ),
+        pytest.param(
+            {0: m(0), 1: m(1)},
+            {"present": {shard_name(0), shard_name(1)}},
+            "files missing: .metadata",
+            id="metadata-not-written-yet",
+        ),
+    ],
+)
 def test_step_problem(manifests, kwargs, why):
     got = step_problem(manifests, **kwargs)
     if why is None:
@@ -78,8 +135,7 @@ def test_restore_agreement_uses_the_same_rule():
 def test_ckpt_cli_uses_the_same_rule():
     from tierwatch.agent.checkpoint.tierstore.cli import StepCopy
 
-    copy = StepCopy("memory", "this node", 1, manifests={0: m(0)},
-                    names={shard_name(0), METADATA})
+    copy = StepCopy("memory", "this node", 1, manifests={0: m(0)}, names={shard_name(0), METADATA})
     assert copy.complete() == (False, step_problem({0: m(0)}, present=copy.names))
     copy.manifests[1] = m(1)
     copy.names.add(shard_name(1))

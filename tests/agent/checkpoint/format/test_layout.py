@@ -13,8 +13,9 @@ from tierwatch.agent.checkpoint.format.layout import (
 )
 
 
-@pytest.mark.parametrize("bad", ["", "../x", "a/b", ".hidden", "-x", "x" * 129, "abc\n",
-                                 "a b", "jöb", "a\x00b", 7])
+@pytest.mark.parametrize(
+    "bad", ["", "../x", "a/b", ".hidden", "-x", "x" * 129, "abc\n", "a b", "jöb", "a\x00b", 7]
+)
 def test_bad_job_and_node_names(bad) -> None:
     with pytest.raises(LayoutError):
         check_job_id(bad)
@@ -22,8 +23,17 @@ def test_bad_job_and_node_names(bad) -> None:
         check_node_name(bad)
 
 
-@pytest.mark.parametrize("bad", ["__0_0.distcp\n", "../.metadata", "manifest-0.json\n",
-                                 "x.distcp", ".metadata.tmp", "__a_0.distcp"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "__0_0.distcp\n",
+        "../.metadata",
+        "manifest-0.json\n",
+        "x.distcp",
+        ".metadata.tmp",
+        "__a_0.distcp",
+    ],
+)
 def test_bad_file_names(bad) -> None:
     with pytest.raises(LayoutError):
         check_file_name(bad)

@@ -19,8 +19,13 @@ NODE = "node-a"
 
 
 def ckpt(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(BIN / "tierwatch-agent"), "ckpt", *args], capture_output=True,
-                          text=True, timeout=60, env=base_env(**(env or {})))
+    return subprocess.run(
+        [str(BIN / "tierwatch-agent"), "ckpt", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=base_env(**(env or {})),
+    )
 
 
 @pytest.fixture
@@ -48,8 +53,11 @@ def test_ls_lists_steps_per_tier(place):
     out = ckpt("ls", "--job", JOB, *opts(place))
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    row = {(ln.split("│")[1].strip(), ln.split("│")[3].strip()): ln for ln in lines
-           if ln.count("│") >= 7}
+    row = {
+        (ln.split("│")[1].strip(), ln.split("│")[3].strip()): ln
+        for ln in lines
+        if ln.count("│") >= 7
+    }
     assert "yes" in row[("memory", "1")]
     assert "0-1" in row[("memory", "2")]
     assert "yes" in row[("persistent", "2")]
@@ -63,13 +71,14 @@ def test_ls_env_and_bad_input(place):
     mem, pers = place
     env = {"TIERWATCH_MEMORY_DIR": str(mem), "TIERWATCH_PERSISTENT_URL": f"file://{pers}"}
     assert ckpt("ls", "--job", JOB, env=env).returncode == 0
-    for args, needle in ((["ls"], "--job is required"),
-                         (["ls", "--job", "../etc"], "job_id"),
-                         (["ls", "--job", "nope", *opts(place)], "no job nope"),
-                         (["ls", "--job", JOB, "--step", "99", *opts(place)], "no step 99"),
-                         (["ls", "--job", JOB, "--persistent-url", "file:///x"],
-                          "--memory-dir"),
-                         (["verify", "--job", JOB, "--step", "-1", *opts(place)], "step")):
+    for args, needle in (
+        (["ls"], "--job is required"),
+        (["ls", "--job", "../etc"], "job_id"),
+        (["ls", "--job", "nope", *opts(place)], "no job nope"),
+        (["ls", "--job", JOB, "--step", "99", *opts(place)], "no step 99"),
+        (["ls", "--job", JOB, "--persistent-url", "file:///x"], "--memory-dir"),
+        (["verify", "--job", JOB, "--step", "-1", *opts(place)], "step"),
+    ):
         out = ckpt(*args)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert needle in out.stderr, (args, out.stderr)
@@ -103,7 +112,8 @@ def test_export_prefers_persistent_and_checks_every_file(place, tmp_path):
     assert "exported step 2" in out.stdout
     assert "from persistent" in out.stdout
     assert sorted(p.name for p in dest.iterdir()) == sorted(
-        [METADATA, shard_name(0), shard_name(1), manifest_name(0), manifest_name(1)])
+        [METADATA, shard_name(0), shard_name(1), manifest_name(0), manifest_name(1)]
+    )
     for r in (0, 1):
         for f in load_manifest(dest / manifest_name(r)).files:
             assert verify_file(dest / f.name, f) is None
@@ -116,8 +126,7 @@ def test_export_prefers_persistent_and_checks_every_file(place, tmp_path):
     again = ckpt("export", "--job", JOB, "--to", str(dest), *opts(place))
     assert again.returncode == 2
     assert "not an empty folder" in again.stderr
-    torn = ckpt("export", "--job", JOB, "--step", "3", "--to", str(tmp_path / "o3"),
-                *opts(place))
+    torn = ckpt("export", "--job", JOB, "--step", "3", "--to", str(tmp_path / "o3"), *opts(place))
     assert torn.returncode == 2
     assert "no complete step 3" in torn.stderr
     assert ckpt("export", "--job", JOB, *opts(place)).returncode == 2
@@ -210,8 +219,15 @@ def test_an_os_error_in_a_command_is_one_error_line(place, tmp_path, monkeypatch
 
 
 def test_ls_warns_about_a_missing_memory_folder(tmp_path):
-    out = ckpt("ls", "--job", JOB, "--memory-dir", str(tmp_path / "nonexistent"),
-               "--persistent-url", f"file://{tmp_path / 'p'}")
+    out = ckpt(
+        "ls",
+        "--job",
+        JOB,
+        "--memory-dir",
+        str(tmp_path / "nonexistent"),
+        "--persistent-url",
+        f"file://{tmp_path / 'p'}",
+    )
     assert out.returncode == 2
     assert "warning: memory folder" in out.stderr
     assert "does not exist" in out.stderr

@@ -21,28 +21,37 @@ from tierwatch.agent.runtime import AgentRuntime
 from tierwatch.agent.server import create_app
 
 JOB = "rb-job"
-GOOD = {"request_id": 3, "job_id": JOB, "step": 5, "tier": None, "reason": "SDC after 5",
-        "actor": "alice"}
+GOOD = {
+    "request_id": 3,
+    "job_id": JOB,
+    "step": 5,
+    "tier": None,
+    "reason": "SDC after 5",
+    "actor": "alice",
+}
 
 
 def command(**args) -> Command:
     return Command(id="cmd-1", kind="restore", args=args)
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    ({k: v for k, v in GOOD.items() if k != "request_id"}, "request_id is missing"),
-    ({**GOOD, "request_id": 0}, "request_id must be an integer"),
-    ({**GOOD, "request_id": True}, "request_id must be an integer"),
-    ({**GOOD, "step": -1}, "step must be an integer"),
-    ({**GOOD, "step": "5"}, "step must be an integer"),
-    ({k: v for k, v in GOOD.items() if k != "job_id"}, "job_id is missing"),
-    ({**GOOD, "job_id": "../etc"}, "job_id"),
-    ({**GOOD, "tier": "disk"}, "tier must be one of memory, peer, persistent"),
-    ({**GOOD, "reason": 5}, "reason must be text"),
-    ({**GOOD, "when": "now"}, "unknown args"),
-    ({**GOOD, "not_after": "tomorrow"}, "not_after must be an ISO 8601 time"),
-    ({**GOOD, "not_after": "2026-12-01T10:00:00"}, "not_after needs a UTC offset"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({k: v for k, v in GOOD.items() if k != "request_id"}, "request_id is missing"),
+        ({**GOOD, "request_id": 0}, "request_id must be an integer"),
+        ({**GOOD, "request_id": True}, "request_id must be an integer"),
+        ({**GOOD, "step": -1}, "step must be an integer"),
+        ({**GOOD, "step": "5"}, "step must be an integer"),
+        ({k: v for k, v in GOOD.items() if k != "job_id"}, "job_id is missing"),
+        ({**GOOD, "job_id": "../etc"}, "job_id"),
+        ({**GOOD, "tier": "disk"}, "tier must be one of memory, peer, persistent"),
+        ({**GOOD, "reason": 5}, "reason must be text"),
+        ({**GOOD, "when": "now"}, "unknown args"),
+        ({**GOOD, "not_after": "tomorrow"}, "not_after must be an ISO 8601 time"),
+        ({**GOOD, "not_after": "2026-12-01T10:00:00"}, "not_after needs a UTC offset"),
+    ],
+)
 def test_bad_restore_commands_are_refused_with_a_clear_message(args, message) -> None:
     with pytest.raises(ValueError, match=message):
         parse_restore_command(command(**args))
@@ -54,12 +63,20 @@ def test_other_kinds_are_not_restores() -> None:
 
 
 def make_runtime(receiver, tmp_path, persistent) -> AgentRuntime:
-    settings = AgentSettings(node="node-a", server=receiver.url, token=TOKEN, interval=0.2,
-                             spool_dir=tmp_path / "spool", listen="127.0.0.1:0",
-                             memory_dir=tmp_path / "memory",
-                             persistent_url=f"file://{persistent}", peer_token="p" * 20)
-    runtime = AgentRuntime(settings, collector=SimulatedCollector("node-a", gpus=1, seed=1),
-                           flush_timeout_s=2.0)
+    settings = AgentSettings(
+        node="node-a",
+        server=receiver.url,
+        token=TOKEN,
+        interval=0.2,
+        spool_dir=tmp_path / "spool",
+        listen="127.0.0.1:0",
+        memory_dir=tmp_path / "memory",
+        persistent_url=f"file://{persistent}",
+        peer_token="p" * 20,
+    )
+    runtime = AgentRuntime(
+        settings, collector=SimulatedCollector("node-a", gpus=1, seed=1), flush_timeout_s=2.0
+    )
     runtime.start(serve_api=False, checkpoints=True)
     return runtime
 
@@ -69,8 +86,9 @@ def test_requests_survive_a_restart_are_listed_and_retired(receiver, tmp_path) -
     try:
         assert runtime.ckpt is not None
         runtime.ckpt.add_restore_request(command(**GOOD))
-        runtime.ckpt.add_restore_request(command(**{**GOOD, "request_id": 4, "step": 6,
-                                                    "tier": "persistent"}))
+        runtime.ckpt.add_restore_request(
+            command(**{**GOOD, "request_id": 4, "step": 6, "tier": "persistent"})
+        )
         with pytest.raises(ValueError, match="tier"):
             runtime.ckpt.add_restore_request(command(**{**GOOD, "tier": "tape"}))
     finally:
@@ -79,19 +97,23 @@ def test_requests_survive_a_restart_are_listed_and_retired(receiver, tmp_path) -
     try:
         with TestClient(create_app(runtime), client=("127.0.0.1", 5000)) as client:
             got = client.get(f"/v1/ckpt/jobs/{JOB}/restore-requests").json()["requests"]
-            assert [(r["request_id"], r["step"], r["tier"], r["actor"]) for r in got] == \
-                [(3, 5, None, "alice"), (4, 6, "persistent", "alice")]
+            assert [(r["request_id"], r["step"], r["tier"], r["actor"]) for r in got] == [
+                (3, 5, None, "alice"),
+                (4, 6, "persistent", "alice"),
+            ]
             assert got[0]["reason"] == "SDC after 5"
             r = client.delete(f"/v1/ckpt/jobs/{JOB}/restore-requests/3")
             assert r.json() == {"retired": [3]}
-            assert [x["request_id"] for x in client.get(
-                f"/v1/ckpt/jobs/{JOB}/restore-requests").json()["requests"]] == [4]
+            assert [
+                x["request_id"]
+                for x in client.get(f"/v1/ckpt/jobs/{JOB}/restore-requests").json()["requests"]
+            ] == [4]
             # a retired request delivered again is not handed out again
             runtime.ckpt.add_restore_request(command(**GOOD))
-            assert client.delete(f"/v1/ckpt/jobs/{JOB}/restore-requests/9").json() == \
-                {"retired": [4]}
-            assert client.get(f"/v1/ckpt/jobs/{JOB}/restore-requests").json() == \
-                {"requests": []}
+            assert client.delete(f"/v1/ckpt/jobs/{JOB}/restore-requests/9").json() == {
+                "retired": [4]
+            }
+            assert client.get(f"/v1/ckpt/jobs/{JOB}/restore-requests").json() == {"requests": []}
             assert client.get("/v1/ckpt/jobs/..bad/restore-requests").status_code == 422
         with TestClient(create_app(runtime), client=("10.1.2.3", 5000)) as client:
             assert client.get(f"/v1/ckpt/jobs/{JOB}/restore-requests").status_code == 403
@@ -110,8 +132,7 @@ def test_a_request_the_server_gave_up_on_is_not_served(receiver, tmp_path) -> No
         past = (utcnow() - timedelta(seconds=1)).isoformat()
         future = (utcnow() + timedelta(hours=1)).isoformat()
         runtime.ckpt.add_restore_request(command(**{**GOOD, "not_after": past}))
-        runtime.ckpt.add_restore_request(command(**{**GOOD, "request_id": 4,
-                                                    "not_after": future}))
+        runtime.ckpt.add_restore_request(command(**{**GOOD, "request_id": 4, "not_after": future}))
         with TestClient(create_app(runtime), client=("127.0.0.1", 5000)) as client:
             got = client.get(f"/v1/ckpt/jobs/{JOB}/restore-requests").json()["requests"]
         assert [r["request_id"] for r in got] == [4]
@@ -129,33 +150,51 @@ def test_rollback_drops_newer_replicas_and_persistent_steps(receiver, tmp_path) 
         other = tmp_path / "node-b-memory"
         for step in (4, 5, 6, 7):
             write_step(other, job_id=JOB, step=step, node="node-b", layout=layout, seed=step)
-            shutil.copytree(MemoryLayout(other).step_dir(JOB, step),
-                            ml.replica_step_dir("node-b", JOB, step))
-            shutil.copytree(MemoryLayout(other).step_dir(JOB, step),
-                            persistent / JOB / step_dirname(step))
+            shutil.copytree(
+                MemoryLayout(other).step_dir(JOB, step), ml.replica_step_dir("node-b", JOB, step)
+            )
+            shutil.copytree(
+                MemoryLayout(other).step_dir(JOB, step), persistent / JOB / step_dirname(step)
+            )
         assert runtime.ckpt is not None
         with TestClient(create_app(runtime), client=("127.0.0.1", 5000)) as client:
-            r = client.post(f"/v1/ckpt/jobs/{JOB}/rollback",
-                            json={"request_id": 3, "step": 5, "persistent": True})
+            r = client.post(
+                f"/v1/ckpt/jobs/{JOB}/rollback",
+                json={"request_id": 3, "step": 5, "persistent": True},
+            )
             assert r.status_code == 200, r.text
-            assert r.json() == {"evicted": {"peer": [6, 7], "persistent": [6, 7]},
-                                "errors": []}
-            again = client.post(f"/v1/ckpt/jobs/{JOB}/rollback",
-                                json={"request_id": 3, "step": 5, "persistent": True})
+            assert r.json() == {"evicted": {"peer": [6, 7], "persistent": [6, 7]}, "errors": []}
+            again = client.post(
+                f"/v1/ckpt/jobs/{JOB}/rollback",
+                json={"request_id": 3, "step": 5, "persistent": True},
+            )
             assert again.json()["evicted"] == {"peer": [], "persistent": []}
-            assert client.post(f"/v1/ckpt/jobs/{JOB}/rollback",
-                               json={"request_id": 0, "step": 5}).status_code == 422
-        assert sorted(p.name for p in ml.replica_job_dir("node-b", JOB).iterdir()) == \
-            ["step-4", "step-5"]
+            assert (
+                client.post(
+                    f"/v1/ckpt/jobs/{JOB}/rollback", json={"request_id": 0, "step": 5}
+                ).status_code
+                == 422
+            )
+        assert sorted(p.name for p in ml.replica_job_dir("node-b", JOB).iterdir()) == [
+            "step-4",
+            "step-5",
+        ]
         assert sorted(p.name for p in (persistent / JOB).iterdir()) == ["step-4", "step-5"]
 
         def evicted() -> set[tuple[str, int, int | None]]:
             runtime.tick()
             return {(e.tier, e.step, e.rank) for e in ckpt_events(receiver, kind="evicted")}
 
-        wait_until(lambda: {("peer", 6, 1), ("peer", 7, 1), ("persistent", 6, None),
-                            ("persistent", 7, None)} <= evicted(), what="evicted events")
-        assert all("rolled back to step 5 by restore request 3" in e.message
-                   for e in ckpt_events(receiver, kind="evicted"))
+        wait_until(
+            lambda: (
+                {("peer", 6, 1), ("peer", 7, 1), ("persistent", 6, None), ("persistent", 7, None)}
+                <= evicted()
+            ),
+            what="evicted events",
+        )
+        assert all(
+            "rolled back to step 5 by restore request 3" in e.message
+            for e in ckpt_events(receiver, kind="evicted")
+        )
     finally:
         runtime.shutdown()

@@ -18,8 +18,16 @@ from tierwatch.agent.config import AgentSettings, parse_bytes
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("0", 0), ("123", 123), ("64KiB", 65536), ("8GiB", 8 * 1024**3), ("1.5G", 1_500_000_000),
-     ("2 MB", 2_000_000), ("512mib", 512 * 1024**2), (4096, 4096)],
+    [
+        ("0", 0),
+        ("123", 123),
+        ("64KiB", 65536),
+        ("8GiB", 8 * 1024**3),
+        ("1.5G", 1_500_000_000),
+        ("2 MB", 2_000_000),
+        ("512mib", 512 * 1024**2),
+        (4096, 4096),
+    ],
 )
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
@@ -53,13 +61,28 @@ def test_checkpoint_settings_from_env(monkeypatch, tmp_path):
         AgentSettings(node="gpu-1", memory_budget="much")
 
 
-@pytest.mark.parametrize("budget", ["eight gigs", "0", "0B", "-1", "-8GiB", "0.1",
-                                    "9000000PiB", "1" * 400])
+@pytest.mark.parametrize(
+    "budget", ["eight gigs", "0", "0B", "-1", "-8GiB", "0.1", "9000000PiB", "1" * 400]
+)
 def test_run_refuses_a_bad_memory_budget(budget):
     out = subprocess.run(
-        [str(BIN / "tierwatch-agent"), "run", "--node", "n", "--server", "http://x:1",
-         "--token", "t", "--memory-budget", budget],
-        capture_output=True, text=True, timeout=60, env=base_env())
+        [
+            str(BIN / "tierwatch-agent"),
+            "run",
+            "--node",
+            "n",
+            "--server",
+            "http://x:1",
+            "--token",
+            "t",
+            "--memory-budget",
+            budget,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=base_env(),
+    )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr  # one line, no traceback
@@ -109,12 +132,14 @@ def test_budget_counts_hard_links_once_and_reserves_uploads(tmp_path):
     assert store.used_bytes() == 4000
     data = b"y" * 5000
     digest = xxhash.xxh3_64(data).hexdigest()
-    up = store.begin_replica(src_node="node-b", job_id="j", step=1, name="__1_0.distcp",
-                             xxh3=digest, size=len(data))
+    up = store.begin_replica(
+        src_node="node-b", job_id="j", step=1, name="__1_0.distcp", xxh3=digest, size=len(data)
+    )
     assert store.used_bytes() == 9000  # the announced size is reserved
     with pytest.raises(StoreError) as exc:
-        store.begin_replica(src_node="node-b", job_id="j", step=1, name="__2_0.distcp",
-                            xxh3=digest, size=len(data))
+        store.begin_replica(
+            src_node="node-b", job_id="j", step=1, name="__2_0.distcp", xxh3=digest, size=len(data)
+        )
     assert exc.value.status == 507
     assert "9000 of 10000 bytes used" in exc.value.message
     up.write(data)
@@ -122,8 +147,9 @@ def test_budget_counts_hard_links_once_and_reserves_uploads(tmp_path):
     assert got.size == 5000
     assert store.used_bytes() == 9000
     # a body longer than announced is cut off at the budget, and nothing is left
-    up = store.begin_replica(src_node="node-b", job_id="j", step=2, name="__1_0.distcp",
-                             xxh3=digest, size=None)
+    up = store.begin_replica(
+        src_node="node-b", job_id="j", step=2, name="__1_0.distcp", xxh3=digest, size=None
+    )
     with pytest.raises(StoreError) as exc:
         up.write(b"z" * 2000)
     assert exc.value.status == 507
@@ -145,8 +171,14 @@ def _worker(tmp_path, events):
     from tierwatch.agent.checkpoint.tierstore.worker import TierWorker
 
     store = MemoryStore(tmp_path / "mem", node="node-a", budget_bytes=2**30)
-    return TierWorker(store, PersistentTier(f"file://{tmp_path / 'pers'}"), emit=events.append,
-                      peer_token=None, replication=1, scan_interval_s=0.1)
+    return TierWorker(
+        store,
+        PersistentTier(f"file://{tmp_path / 'pers'}"),
+        emit=events.append,
+        peer_token=None,
+        replication=1,
+        scan_interval_s=0.1,
+    )
 
 
 def test_commit_marker_removed_while_scanning_is_not_a_warning(tmp_path, monkeypatch):
@@ -176,8 +208,9 @@ def test_commit_marker_removed_while_scanning_is_not_a_warning(tmp_path, monkeyp
         logger.setLevel(old_level)
     assert not events
     assert not [r for r in records.records if r.levelno >= logging.WARNING]
-    assert [r for r in records.records if r.levelno == logging.DEBUG and "vanished" in
-            r.getMessage()]
+    assert [
+        r for r in records.records if r.levelno == logging.DEBUG and "vanished" in r.getMessage()
+    ]
 
 
 def test_unparsable_commit_marker_is_still_a_warning(tmp_path):

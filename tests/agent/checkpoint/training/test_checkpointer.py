@@ -32,8 +32,14 @@ def make_state(width: int = 16, seed: int = 0) -> dict:
     model = Net(width)
     optim = torch.optim.AdamW(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
-    return {"model": model, "optim": optim, "sched": sched, "rng": RNGState(),
-            "data": ResumableDistributedSampler(64, num_replicas=1, rank=0), "epoch": 0}
+    return {
+        "model": model,
+        "optim": optim,
+        "sched": sched,
+        "rng": RNGState(),
+        "data": ResumableDistributedSampler(64, num_replicas=1, rank=0),
+        "epoch": 0,
+    }
 
 
 def train_step(state: dict) -> None:
@@ -46,19 +52,25 @@ def train_step(state: dict) -> None:
 
 
 def snapshot(state: dict) -> dict:
-    return {"model": {k: v.clone() for k, v in state["model"].state_dict().items()},
-            "optim": json.dumps(state["optim"].state_dict()["param_groups"]),
-            "exp_avg": [s["exp_avg"].clone() for s in state["optim"].state.values()],
-            "sched": state["sched"].state_dict(), "epoch": state["epoch"],
-            "rng": torch.get_rng_state().clone()}
+    return {
+        "model": {k: v.clone() for k, v in state["model"].state_dict().items()},
+        "optim": json.dumps(state["optim"].state_dict()["param_groups"]),
+        "exp_avg": [s["exp_avg"].clone() for s in state["optim"].state.values()],
+        "sched": state["sched"].state_dict(),
+        "epoch": state["epoch"],
+        "rng": torch.get_rng_state().clone(),
+    }
 
 
 def same(a: dict, b: dict) -> bool:
-    return (all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-            and a["optim"] == b["optim"]
-            and all(torch.equal(x, y) for x, y in zip(a["exp_avg"], b["exp_avg"], strict=True))
-            and a["sched"] == b["sched"] and a["epoch"] == b["epoch"]
-            and torch.equal(a["rng"], b["rng"]))
+    return (
+        all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+        and a["optim"] == b["optim"]
+        and all(torch.equal(x, y) for x, y in zip(a["exp_avg"], b["exp_avg"], strict=True))
+        and a["sched"] == b["sched"]
+        and a["epoch"] == b["epoch"]
+        and torch.equal(a["rng"], b["rng"])
+    )
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +125,11 @@ def test_at_most_one_save_in_flight(node) -> None:
     # retention keeps the newest two memory steps, and the persist step (0) until the
     # agent has uploaded it
     persisted = node.memory_dir.parent.parent.parent / "persistent" / "unit-inflight"
-    wait_for(lambda: (persisted / "step-0" / ".metadata").exists(), timeout=30,
-             what="step 0 on the persistent tier")
+    wait_for(
+        lambda: (persisted / "step-0" / ".metadata").exists(),
+        timeout=30,
+        what="step 0 on the persistent tier",
+    )
     train_step(state)
     ckpt.save(4, state)
     ckpt.close()
@@ -136,15 +151,18 @@ def test_without_an_optimizer_staging_is_synchronous(node) -> None:
     again.close()
 
 
-@pytest.mark.parametrize(("call", "message"), [
-    (lambda c, s: c.save(-1, s), "step must be an integer"),
-    (lambda c, s: c.save(1.5, s), "step must be an integer"),
-    (lambda c, s: c.save(c._last_step + 1, {}), "non-empty dict"),
-    (lambda c, s: c.save(c._last_step + 1, {"a.b": 1}), "without '.'"),
-    (lambda c, s: c.save(c._last_step + 1, {"optim": s["optim"]}), "belong to no nn.Module"),
-    (lambda c, s: c.restore(s, step=12345), "cannot be restored"),
-    (lambda c, s: c.restore(s, step=-3), "integer ≥ 0"),
-])
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda c, s: c.save(-1, s), "step must be an integer"),
+        (lambda c, s: c.save(1.5, s), "step must be an integer"),
+        (lambda c, s: c.save(c._last_step + 1, {}), "non-empty dict"),
+        (lambda c, s: c.save(c._last_step + 1, {"a.b": 1}), "without '.'"),
+        (lambda c, s: c.save(c._last_step + 1, {"optim": s["optim"]}), "belong to no nn.Module"),
+        (lambda c, s: c.restore(s, step=12345), "cannot be restored"),
+        (lambda c, s: c.restore(s, step=-3), "integer ≥ 0"),
+    ],
+)
 def test_bad_calls_raise_clear_errors_and_lose_nothing(node, call, message) -> None:
     state = make_state()
     ckpt = TieredCheckpointer("unit-bad", node.url, latency_every=0)
@@ -173,8 +191,9 @@ def test_no_agent_and_no_memory_dir_is_a_clear_error(tmp_path, monkeypatch) -> N
     with pytest.raises(CheckpointError, match="memory_dir"):
         TieredCheckpointer("unit-noagent", "http://127.0.0.1:9")
     # with a memory folder the memory tier works without the agent
-    ckpt = TieredCheckpointer("unit-noagent", "http://127.0.0.1:9", memory_dir=tmp_path,
-                              latency_every=0)
+    ckpt = TieredCheckpointer(
+        "unit-noagent", "http://127.0.0.1:9", memory_dir=tmp_path, latency_every=0
+    )
     ckpt.save(0, {"w": torch.ones(2)})
     assert ckpt.wait() is True
     ckpt.close(timeout_s=2)

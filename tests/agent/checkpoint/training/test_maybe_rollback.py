@@ -20,45 +20,68 @@ from tierwatch.agent.checkpoint.training.rollback import newest_unserved, pick_r
 
 
 # -- pure: fences, timelines and which request the ranks agree on ---------------------------
-def manifest(step: int, rank: int, *, fences: list[tuple[int, int]] | None = None,
-             digest: str = "0" * 16) -> Manifest:
+def manifest(
+    step: int, rank: int, *, fences: list[tuple[int, int]] | None = None, digest: str = "0" * 16
+) -> Manifest:
     files = [FileEntry(name=f"__{rank}_0.distcp", size=10, xxh3=digest)]
     if rank == 0:
         files.append(FileEntry(name=".metadata", size=5, xxh3="1" * 16))
-    return Manifest(job_id="j", step=step, rank=rank, world_size=2, node=f"n{rank}",
-                    files=files, signature="sig", fences=fences or [])
+    return Manifest(
+        job_id="j",
+        step=step,
+        rank=rank,
+        world_size=2,
+        node=f"n{rank}",
+        files=files,
+        signature="sig",
+        fences=fences or [],
+    )
 
 
 def answer(*entries: tuple[str, Manifest]) -> dict:
-    return {"entries": [{"tier": t, "holder": m.node, "url": "", "step": m.step,
-                         "rank": m.rank, "manifest": m.model_dump(mode="json")}
-                        for t, m in entries]}
+    return {
+        "entries": [
+            {
+                "tier": t,
+                "holder": m.node,
+                "url": "",
+                "step": m.step,
+                "rank": m.rank,
+                "manifest": m.model_dump(mode="json"),
+            }
+            for t, m in entries
+        ]
+    }
 
 
 def test_steps_above_a_fence_of_an_older_timeline_are_dead() -> None:
     old = [manifest(s, r) for s in (50, 55, 60) for r in (0, 1)]
     # request 7 rolled back to 50; the new timeline saved 55 again (rank 0 only so far)
     new55 = manifest(55, 0, fences=[(7, 50)], digest="a" * 16)
-    views = agreement.merge_available([answer(*[("persistent", m) for m in old]),
-                                       answer(("memory", new55))])
+    views = agreement.merge_available(
+        [answer(*[("persistent", m) for m in old]), answer(("memory", new55))]
+    )
     # 60 is dead; so is the old 55: rank 1 has no 55 of timeline 7 yet, nothing mixes
     assert agreement.restorable_steps(views, 2) == [50]
     assert agreement.restorable(views[55], 2) == "no manifest of rank(s) [1]"
     assert views[55].manifests[0].timeline == 7  # the newer copy wins over the old one
     assert [s.tier for s in views[55].sources[0]] == ["memory"]
     # rank 1's new copy arrives: 55 of timeline 7 is whole
-    views = agreement.merge_available([
-        answer(*[("persistent", m) for m in old]),
-        answer(("memory", new55), ("peer", manifest(55, 1, fences=[(7, 50)], digest="b" * 16)))])
+    views = agreement.merge_available(
+        [
+            answer(*[("persistent", m) for m in old]),
+            answer(("memory", new55), ("peer", manifest(55, 1, fences=[(7, 50)], digest="b" * 16))),
+        ]
+    )
     assert agreement.choose_step(views, 2)[0] == 55
     # the ranks' own fence file alone (no new step saved yet) also kills the old future
-    plain = agreement.merge_available([answer(*[("memory", m) for m in old])],
-                                      fences=[(7, 50)])
+    plain = agreement.merge_available([answer(*[("memory", m) for m in old])], fences=[(7, 50)])
     assert sorted(plain) == [50]
     # a later rollback (9 → 52) on the new timeline keeps 50 (an ancestor), kills 55
-    nested = agreement.merge_available([answer(("memory", manifest(50, 0)),
-                                               ("memory", manifest(50, 1)),
-                                               ("memory", new55))], fences=[(9, 52)])
+    nested = agreement.merge_available(
+        [answer(("memory", manifest(50, 0)), ("memory", manifest(50, 1)), ("memory", new55))],
+        fences=[(9, 52)],
+    )
     assert sorted(nested) == [50]
     # never one step from two timelines (a fence that is not known anywhere)
     mixed = agreement.StepView(55, manifests={0: new55, 1: manifest(55, 1)})
@@ -67,11 +90,13 @@ def test_steps_above_a_fence_of_an_older_timeline_are_dead() -> None:
 
 def test_tier_filter_keeps_only_that_tiers_copies() -> None:
     a = [manifest(4, 0), manifest(4, 1)]
-    views = agreement.merge_available([answer(("memory", a[0]), ("persistent", a[0]),
-                                              ("persistent", a[1]))], tier="memory")
+    views = agreement.merge_available(
+        [answer(("memory", a[0]), ("persistent", a[0]), ("persistent", a[1]))], tier="memory"
+    )
     assert agreement.restorable_steps(views, 2) == []
-    views = agreement.merge_available([answer(("memory", a[0]), ("persistent", a[0]),
-                                              ("persistent", a[1]))], tier="persistent")
+    views = agreement.merge_available(
+        [answer(("memory", a[0]), ("persistent", a[0]), ("persistent", a[1]))], tier="persistent"
+    )
     assert agreement.restorable_steps(views, 2) == [4]
     assert {s.tier for ss in views[4].sources.values() for s in ss} == {"persistent"}
 
@@ -156,8 +181,7 @@ def pending(node, job: str) -> list[int]:
 def test_maybe_rollback_in_one_process(node) -> None:
     job = "rb-single"
     state = make_state()
-    ckpt = TieredCheckpointer(job, node.url, latency_every=0, keep_memory=20,
-                              request_poll_s=0.05)
+    ckpt = TieredCheckpointer(job, node.url, latency_every=0, keep_memory=20, request_poll_s=0.05)
     assert ckpt.maybe_rollback(state) is None  # nothing asked: nothing happens
     losses, at = {}, {}
     for step in range(8):
@@ -175,8 +199,7 @@ def test_maybe_rollback_in_one_process(node) -> None:
     assert state["sched"].last_epoch == 4
     report = ckpt.last_restore
     assert report is not None
-    assert (report.request_id, report.phase, report.step, report.steps_lost) == \
-        (1, "loaded", 3, 4)
+    assert (report.request_id, report.phase, report.step, report.steps_lost) == (1, "loaded", 3, 4)
     assert pending(node, job) == []  # retired
     # the diverged future is gone from memory and fenced off
     assert ckpt.layout.steps(job) == [0, 1, 2, 3]
@@ -195,8 +218,11 @@ def test_maybe_rollback_in_one_process(node) -> None:
     # a tier that does not hold the step: failed, retired, the state untouched
     before = weights(state)
     node.deliver(restore_command(request_id=2, job_id=job, step=4, tier="peer"))
-    wait_for(lambda: any(r.request_id == 2 for r in ckpt._poller.snapshot()), timeout=10,
-             what="the poller sees request 2")
+    wait_for(
+        lambda: any(r.request_id == 2 for r in ckpt._poller.snapshot()),
+        timeout=10,
+        what="the poller sees request 2",
+    )
     assert ckpt.maybe_rollback(state, step=5) is None
     assert ckpt.last_restore.phase == "failed"
     assert "peer tier" in ckpt.last_restore.message
@@ -218,9 +244,14 @@ def test_maybe_rollback_in_one_process(node) -> None:
     third.close()
     # the reports are in the agent's next batches (the spool: no server here)
     phases = {(r["request_id"], r["phase"]) for r in node.spooled_restores()}
-    wait_for(lambda: {(1, "staging"), (1, "loaded"), (2, "failed"), (3, "loaded")}
-             <= {(r["request_id"], r["phase"]) for r in node.spooled_restores()},
-             timeout=10, what=f"restore reports in the agent's batches (so far {phases})")
+    wait_for(
+        lambda: (
+            {(1, "staging"), (1, "loaded"), (2, "failed"), (3, "loaded")}
+            <= {(r["request_id"], r["phase"]) for r in node.spooled_restores()}
+        ),
+        timeout=10,
+        what=f"restore reports in the agent's batches (so far {phases})",
+    )
 
 
 def restore_command_until(*, request_id: int, job_id: str, step: int, expires_in_s: float):
@@ -229,10 +260,19 @@ def restore_command_until(*, request_id: int, job_id: str, step: int, expires_in
 
     from tierwatch.agent.protocol import Command, utcnow
 
-    return Command(id=f"cmd-{request_id}", kind="restore", args={
-        "request_id": request_id, "job_id": job_id, "step": step, "tier": None,
-        "reason": "pin test", "actor": "pytest",
-        "not_after": (utcnow() + timedelta(seconds=expires_in_s)).isoformat()})
+    return Command(
+        id=f"cmd-{request_id}",
+        kind="restore",
+        args={
+            "request_id": request_id,
+            "job_id": job_id,
+            "step": step,
+            "tier": None,
+            "reason": "pin test",
+            "actor": "pytest",
+            "not_after": (utcnow() + timedelta(seconds=expires_in_s)).isoformat(),
+        },
+    )
 
 
 @pytest.mark.e2e
@@ -241,8 +281,15 @@ def test_memory_retention_keeps_a_pinned_step_until_served_or_expired(node) -> N
     state = make_state()
     # persist_every large: only step 0 goes to the persistent tier (it may stay in memory
     # until uploaded, so the checks below leave it out)
-    ckpt = TieredCheckpointer(job, node.url, latency_every=0, keep_memory=2, keep_peer=2,
-                              persist_every=1000, request_poll_s=0.05)
+    ckpt = TieredCheckpointer(
+        job,
+        node.url,
+        latency_every=0,
+        keep_memory=2,
+        keep_peer=2,
+        persist_every=1000,
+        request_poll_s=0.05,
+    )
 
     def save(steps: range) -> list[int]:
         for step in steps:
@@ -262,8 +309,9 @@ def test_memory_retention_keeps_a_pinned_step_until_served_or_expired(node) -> N
     assert retain(6) == {"memory": [1, 5, 6], "peer": [1, 5, 6], "persistent": [0, 1]}
 
     # served (the ranks retire it): the next retention removes step 1
-    assert httpx.delete(f"{node.url}/v1/ckpt/jobs/{job}/restore-requests/1",
-                        timeout=5).json() == {"retired": [1]}
+    assert httpx.delete(f"{node.url}/v1/ckpt/jobs/{job}/restore-requests/1", timeout=5).json() == {
+        "retired": [1]
+    }
     wait_for(lambda: ckpt.pinned_steps() == {}, timeout=10, what="the pin released")
     assert save(range(7, 8)) == [6, 7]
     assert retain(7)["memory"] == [6, 7]

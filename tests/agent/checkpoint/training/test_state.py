@@ -34,8 +34,9 @@ def test_sampler_resumes_mid_epoch_in_the_same_order() -> None:
     it = iter(s)
     head = [next(it) for _ in range(10)]
     saved = s.state_dict()
-    assert saved == {"rank_1": {"epoch": 0, "position": 10, "seed": 7, "num_replicas": 2,
-                                "shuffle": True}}
+    assert saved == {
+        "rank_1": {"epoch": 0, "position": 10, "seed": 7, "num_replicas": 2, "shuffle": True}
+    }
     resumed = ResumableDistributedSampler(50, num_replicas=2, rank=1, seed=7)
     resumed.load_state_dict(saved)
     assert head + list(resumed) == order

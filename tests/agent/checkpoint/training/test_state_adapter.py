@@ -56,11 +56,14 @@ def test_signature_follows_shapes_not_values() -> None:
     assert StateAdapter(c).signature(StateAdapter(c).live().state_dict) != sig
 
 
-@pytest.mark.parametrize(("state", "message"), [
-    ({}, "non-empty dict"),
-    ({"a.b": 1}, "without '.'"),
-    ({"optim": make_state()["optim"]}, "belong to no nn.Module"),
-])
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        ({}, "non-empty dict"),
+        ({"a.b": 1}, "without '.'"),
+        ({"optim": make_state()["optim"]}, "belong to no nn.Module"),
+    ],
+)
 def test_bad_states_are_refused(state, message) -> None:
     with pytest.raises(CheckpointError, match=message):
         StateAdapter(state).live()
@@ -81,7 +84,8 @@ def test_rank_files_touch_only_their_rank(tmp_path) -> None:
     assert one.pending_upload([3]) is None
     assert one.remove(3)
     assert sorted(p.name for p in step_dir.iterdir()) == sorted(
-        [shard_name(0), manifest_name(0), commit_name(0), tier_progress_name(0), METADATA])
+        [shard_name(0), manifest_name(0), commit_name(0), tier_progress_name(0), METADATA]
+    )
     assert not one.remove(3)
     assert RankFiles(layout, "j", 0).remove(3)
     assert not step_dir.exists()
