@@ -23,6 +23,7 @@ from training import (
     start_cluster,
 )
 
+from tierwatch.agent.checkpoint.format.layout import parse_step_dirname, step_dirname
 from tierwatch.agent.checkpoint.format.manifest import load_manifest, verify_file
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -77,7 +78,8 @@ def wait_replicated(holder, src: str, job: str, step: int, timeout: float = 60) 
     d = holder.memory_dir / "replicas" / src / job
 
     def done() -> bool:
-        return any(int(p.parent.name.split("-")[1]) >= step for p in d.glob("step-*/commit-*.json"))
+        commits = d.glob("step-*/commit-*.json")
+        return any(parse_step_dirname(p.parent.name) >= step for p in commits)
 
     wait_for(done, timeout=timeout, what=f"replicas of {src}'s {job} step ≥{step} on {holder.name}")
 
@@ -215,7 +217,7 @@ def test_node_loss_restores_from_peer_then_all_memory_lost_from_persistent(
 
     # every node's memory is lost: the persistent tier brings the job back
     persisted = sorted(
-        int(p.parent.name.split("-")[1])
+        parse_step_dirname(p.parent.name)
         for p in (cluster.persistent_dir / job).glob("step-*/.metadata")
     )
     assert persisted
@@ -285,6 +287,14 @@ def test_restart_at_another_world_size_is_refused_not_started_from_scratch(
         log_dir=log,
     )
     assert cluster.wait_ranks(procs, 120) == [0, 0]
+    persisted = cluster.persistent_dir / "resized" / step_dirname(3)
+
+    def uploaded() -> bool:  # the agents finish the last upload after the ranks exit
+        names = [p.name for p in cluster.persistent_dir.rglob("*") if p.is_file()]
+        staged = [n for n in names if n.endswith(".staged") or n.startswith(".tmp-")]
+        return (persisted / ".metadata").exists() and not staged
+
+    wait_for(uploaded, timeout=60, what=f"{persisted} uploaded")
     before = sorted(p.name for p in cluster.persistent_dir.rglob("*") if p.is_file())
     job_file = cluster.nodes["node-a"].memory_dir / "jobs" / "resized" / "job.json"
     job_before = job_file.read_text()
@@ -399,14 +409,14 @@ def test_corrupt_file_in_each_tier_is_detected_and_another_source_used(
     newest = 7
     wait_replicated(a, "node-b", job, newest)
     wait_for(
-        lambda: (cluster.persistent_dir / job / f"step-{newest}" / ".metadata").exists(),
+        lambda: (cluster.persistent_dir / job / step_dirname(newest) / ".metadata").exists(),
         timeout=60,
         what="persistent step 7",
     )
     shard = "__1_0.distcp"
-    mem = b.memory_dir / "jobs" / job / f"step-{newest}" / shard
-    rep_copy = a.memory_dir / "replicas" / "node-b" / job / f"step-{newest}" / shard
-    per = cluster.persistent_dir / job / f"step-{newest}" / shard
+    mem = b.memory_dir / "jobs" / job / step_dirname(newest) / shard
+    rep_copy = a.memory_dir / "replicas" / "node-b" / job / step_dirname(newest) / shard
+    per = cluster.persistent_dir / job / step_dirname(newest) / shard
 
     def forget_staged() -> None:  # a verified staged copy would be reused otherwise
         for node in (a, b):

@@ -27,6 +27,7 @@ from training import (
     start_cluster,
 )
 
+from tierwatch.agent.checkpoint.format.layout import parse_step_dirname, step_dirname
 from tierwatch.agent.checkpoint.format.manifest import load_manifest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -203,7 +204,7 @@ def test_operator_rolls_a_running_job_back_and_the_ranks_agree(
         if "restore" not in p.parts
     ]
     holders += list((cluster.persistent_dir / job).glob("step-*/manifest-*.json"))
-    newer = [load_manifest(p) for p in holders if int(p.parent.name[5:]) > TARGET]
+    newer = [load_manifest(p) for p in holders if parse_step_dirname(p.parent.name) > TARGET]
     assert newer
     assert {tuple(m.fences) for m in newer} == {((first, TARGET),)}
 
@@ -317,4 +318,4 @@ def test_a_requested_step_outlives_retention_until_every_rank_acts(
     assert target not in committed_steps(a, job, 0)
     assert target not in committed_steps(b, job, 1)
     for holder, src in ((a, "node-b"), (b, "node-a")):
-        assert not (holder.memory_dir / "replicas" / src / job / f"step-{target}").exists()
+        assert not (holder.memory_dir / "replicas" / src / job / step_dirname(target)).exists()

@@ -23,6 +23,8 @@ import httpx
 import warm
 from procs import BIN, REPO_ROOT, Proc, Server, base_env, free_port, make_server, wait_for
 
+from tierwatch.agent.checkpoint.format.layout import parse_step_dirname
+
 PEER_TOKEN = "peer-" + "t" * 40
 TRAIN_GPT = REPO_ROOT / "examples" / "train_gpt.py"
 
@@ -433,7 +435,7 @@ def committed_steps(node: Node, job: str, rank: int) -> list[int]:
     d = node.memory_dir / "jobs" / job
     if not d.is_dir():
         return []
-    return sorted(int(p.parent.name.split("-")[1]) for p in d.glob(f"step-*/commit-{rank}.json"))
+    return sorted(parse_step_dirname(p.parent.name) for p in d.glob(f"step-*/commit-{rank}.json"))
 
 
 def read_losses(log_dir: Path, rank: int = 0) -> dict[int, float]:

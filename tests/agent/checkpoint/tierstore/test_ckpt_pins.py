@@ -23,6 +23,7 @@ from tierwatch.agent.checkpoint.format.layout import (
     MemoryLayout,
     commit_name,
     manifest_name,
+    parse_step_dirname,
     shard_name,
     step_dirname,
 )
@@ -100,7 +101,7 @@ def push_replica_step(
 
 def replica_steps(svc: CheckpointService) -> list[int]:
     d = svc.store.layout.replica_job_dir("node-b", JOB)
-    return sorted(int(p.name[5:]) for p in d.iterdir())
+    return sorted(parse_step_dirname(p.name) for p in d.iterdir())
 
 
 def test_replica_eviction_keeps_pinned_steps_until_retired_or_expired(tmp_path) -> None:
@@ -154,7 +155,7 @@ def test_persistent_retention_keeps_pinned_steps_until_retired_or_expired(tmp_pa
         )
         svc.worker.persistent_pass()  # upload, .metadata commit, retention
         assert (pdir / step_dirname(step) / METADATA).is_file()
-        return sorted(int(p.name[5:]) for p in pdir.iterdir())
+        return sorted(parse_step_dirname(p.name) for p in pdir.iterdir())
 
     ask(svc, 5, 2)
     assert persist(1) == [1]
