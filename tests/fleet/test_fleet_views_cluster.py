@@ -27,6 +27,13 @@ def count(html: str, state: str) -> int:
 
 
 @pytest.fixture
+def settings(settings):  # type: ignore[no-untyped-def]
+    """No background loop: the page's queries are counted on the app's engine, and the
+    leader's passes (command expiry, policy, alerts) would add theirs at random moments."""
+    return settings.model_copy(update={"background_tick_s": 0})
+
+
+@pytest.fixture
 def fleet(viewer, agent_token, session):  # type: ignore[no-untyped-def]
     """Four nodes, one per state: ok-1 healthy, hot-1 degraded, xid-1 unhealthy, gone-1
     unreachable (its last report an hour ago)."""
