@@ -39,12 +39,13 @@ demo: setup
 # SQLite file and PostgreSQL schema). `make test-fast` is the inner loop: no e2e, browser or
 # slow tests. `make soak` runs the long kill -9 trials, `make screenshot` the README's picture.
 TEST_WORKERS ?= 3
+XDIST := -n $(TEST_WORKERS) --dist worksteal
 
 test: setup lint
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(VENV)/bin/pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) -m "not e2e and not browser and not slow and not soak and not screenshot" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest $(XDIST) -m "not e2e and not browser and not slow and not soak and not screenshot" $(PYTEST_ARGS)
 
 soak: setup
 	$(VENV)/bin/pytest -m soak $(PYTEST_ARGS)
