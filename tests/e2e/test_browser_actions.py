@@ -17,30 +17,19 @@ from pathlib import Path
 import httpx
 import pytest
 from procs import wait_for
-from training import Gate, committed_steps, read_log, run_in_thread, runs_of, start_cluster
+from training import (
+    TINY_GPT,
+    Gate,
+    committed_steps,
+    read_log,
+    run_in_thread,
+    runs_of,
+    start_cluster,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow]
 
-SMALL = [
-    "--width",
-    "32",
-    "--layers",
-    "1",
-    "--block",
-    "32",
-    "--corpus-bytes",
-    "200000",
-    "--batch-size",
-    "4",
-    "--warmup",
-    "4",
-    "--keep-memory",
-    "40",
-    "--persist-every",
-    "5",
-    "--latency-every",
-    "0",
-]
+SMALL = [*TINY_GPT, "--keep-memory", "40", "--persist-every", "5", "--latency-every", "0"]
 JOB = "browser-rollback"
 
 

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from procs import wait_for
 from training import (
+    TINY_GPT,
     Cluster,
     committed_steps,
     read_losses,
@@ -28,21 +29,7 @@ from tierwatch.agent.checkpoint.format.manifest import load_manifest, verify_fil
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-SMALL = [
-    "--width",
-    "32",
-    "--layers",
-    "1",
-    "--block",
-    "32",
-    "--corpus-bytes",
-    "200000",
-    "--batch-size",
-    "4",
-    "--warmup",
-    "4",
-    "--exact-resume",
-]
+SMALL = [*TINY_GPT, "--exact-resume"]
 FOUR_ON_TWO = ["node-a", "node-a", "node-b", "node-b"]
 
 

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from procs import wait_for
 from training import (
+    TINY_GPT,
     Cluster,
     Gate,
     committed_steps,
@@ -33,26 +34,9 @@ from tierwatch.agent.checkpoint.format.manifest import load_manifest
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SMALL = [
-    "--width",
-    "32",
-    "--layers",
-    "1",
-    "--block",
-    "32",
-    "--corpus-bytes",
-    "200000",
-    "--batch-size",
-    "4",
-    "--warmup",
-    "4",
-    "--exact-resume",
-    "--keep-memory",
-    "40",
-    "--persist-every",
-    "5",
-    "--latency-every",
-    "0",
-]
+    *TINY_GPT, "--exact-resume", "--keep-memory", "40", "--persist-every", "5",
+    "--latency-every", "0",
+]  # fmt: skip
 PLACEMENT = ["node-a", "node-b"]
 TOTAL = 30
 SDC_AT = 8

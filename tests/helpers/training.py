@@ -29,6 +29,11 @@ PEER_TOKEN = "peer-" + "t" * 40
 TRAIN_GPT = REPO_ROOT / "examples" / "train_gpt.py"
 
 
+# The small GPT every checkpoint test trains (train_gpt.py's model and data options).
+TINY_GPT = ["--width", "32", "--layers", "1", "--block", "32", "--corpus-bytes", "200000",
+            "--batch-size", "4", "--warmup", "4"]  # fmt: skip
+
+
 @dataclass
 class Node:
     """One simulated node: its agent process and memory folder."""
@@ -489,6 +494,7 @@ __all__ = [
     "InProcessNode",
     "Node",
     "PEER_TOKEN",
+    "TINY_GPT",
     "committed_steps",
     "read_log",
     "read_losses",
