@@ -39,7 +39,9 @@ import signal
 import sys
 import sysconfig
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -196,6 +198,49 @@ def wait_gate(path: Path, step: int) -> None:
         time.sleep(0.005)
 
 
+def training_device(device: str, env: Mapping[str, str]) -> torch.device:
+    """The device this rank trains on: ``cuda:<LOCAL_RANK>`` for ``--device cuda`` (torchrun's
+    ``LOCAL_RANK``, default 0), else the CPU.
+
+    Raises:
+        ValueError: ``device`` is neither ``cpu`` nor ``cuda``, or LOCAL_RANK is no integer.
+    """
+    if device == "cpu":
+        return torch.device("cpu")
+    if device != "cuda":
+        raise ValueError(f"--device must be cpu or cuda, not {device!r}")
+    local_rank = env.get("LOCAL_RANK", "0")
+    if not local_rank.isdigit():
+        raise ValueError(f"LOCAL_RANK must be a non-negative integer, not {local_rank!r}")
+    return torch.device("cuda", int(local_rank))
+
+
+def init_kwargs(device: torch.device) -> dict[str, Any]:
+    """``torch.distributed.init_process_group`` arguments for a rank training on ``device``.
+
+    On CUDA: NCCL, bound to this rank's GPU with ``device_id`` (torch 2.13
+    ``distributed_c10d.init_process_group``: the group's ``bound_device_id``, which NCCL's
+    communicator, ``barrier()`` and tierwatch's latency probe use instead of guessing a GPU
+    from ``torch.cuda.current_device()``). On the CPU: gloo.
+    """
+    if device.type == "cuda":
+        return {"backend": "nccl", "device_id": device}
+    return {"backend": "gloo"}
+
+
+def init_distributed(device: torch.device) -> None:
+    """Select this rank's GPU (``torch.cuda.set_device``) and then initialise the default
+    process group with :func:`init_kwargs` (the env:// rendezvous: RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT).
+
+    Raises:
+        RuntimeError: from torch when the GPU does not exist or the rendezvous fails.
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any CUDA work: no stray context on cuda:0
+    dist.init_process_group(**init_kwargs(device))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--job-id", default="gpt-small")
@@ -240,7 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--log-dir", type=Path, default=Path("var/train"))
     p.add_argument("--final", action="store_true", help="write final state digests")
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: this rank trains on cuda:<LOCAL_RANK> (set_device + NCCL with device_id)",
+    )
     p.add_argument(
         "--latency-every",
         type=int,
@@ -264,15 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TIERWATCH_GO_FILE"):
         wait_for_go(os.environ["TIERWATCH_GO_FILE"])
     distributed = "RANK" in os.environ
+    device = training_device(args.device, os.environ)
     if distributed:
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        init_distributed(device)
+    elif device.type == "cuda":
+        torch.cuda.set_device(device)
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        if args.device == "cuda"
-        else torch.device("cpu")
-    )
 
     data = load_corpus(args.corpus_bytes)
     windows = (len(data) - 1) // args.block - 1
