@@ -368,11 +368,15 @@ class TieredCheckpointer:
 
     def _before_optimizer_step(self, *_args: Any) -> None:
         job = self._inflight
-        if job is not None and not job.copy_done.is_set():
+        if job is None:
+            return
+        if not job.copy_done.is_set():  # host copies made, CUDA copies enqueued
             t0 = time.monotonic()
             while not job.copy_done.wait(1.0):
                 self._check_worker()
             self._hook_wait += time.monotonic() - t0
+        # the step may now change the sources; on CUDA its stream waits for the copies
+        job.pending.before_optimizer_step()
 
     def _check_worker(self) -> None:
         """Raise if the background writer is gone (it never is, unless the interpreter is
@@ -554,13 +558,14 @@ class TieredCheckpointer:
         from torch.distributed.checkpoint import save as dcp_save
 
         t0 = time.monotonic()
-        job.pending.run()
+        # a tensor changed outside the hooked optimizer step makes a torn snapshot
+        torn = job.pending.run(issued=job.copy_done.set)
         job.copy_done.set()
 
         # 1. Agree that every rank can write (a rank that skipped dcp.save alone would
         #    leave the others waiting in its collectives).
         pins = self.pinned_steps()
-        reason = self._budget_problem(job.staged_bytes, pins)
+        reason = torn or self._budget_problem(job.staged_bytes, pins)
         verdicts = self.collectives.all_gather(reason)
         problems = [f"rank {r}: {v}" for r, v in enumerate(verdicts) if v]
         if problems:
@@ -714,7 +719,9 @@ class TieredCheckpointer:
     def _budget_problem(self, nbytes: int, pins: dict[int, list[int]] | None = None) -> str | None:
         if self.memory_budget <= 0:
             return None
-        used = _dir_bytes(self.layout.root)
+        # the pinned staging slab is node RAM too, and it cannot be swapped out
+        pinned_slab = self._stager.pinned_bytes
+        used = _dir_bytes(self.layout.root) + pinned_slab
         if used + nbytes > self.memory_budget:
             pinned = (
                 (
@@ -724,6 +731,10 @@ class TieredCheckpointer:
                 if pins
                 else ""
             )
+            if pinned_slab:
+                pinned += (
+                    f" (in use includes this rank's pinned staging slab: {_human(pinned_slab)})"
+                )
             return (
                 f"node {self.node} memory budget exceeded: {_human(used)} in use + "
                 f"{_human(nbytes)} for this step > budget {_human(self.memory_budget)}"
