@@ -9,7 +9,7 @@ DEMO_MTBF ?= 60
 DEMO_SEED ?= 3
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast soak screenshot setup vendor lint format bench clean
+.PHONY: demo test test-fast soak screenshot setup vendor lint format bench gpu-check clean
 
 LOCKS := requirements/runtime.lock requirements/train.lock requirements/dev.lock
 
@@ -69,3 +69,9 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) node_modules static/vendor var
+
+# The GPU check (bench/gpu_check.py, docs/benchmarks.md "GPU check"): on a machine with a
+# CUDA GPU, under 5 minutes on one H200; needs only the Python venv (no npm). Exits 2
+# without CUDA; `$(PY) bench/gpu_check.py --dry-run-cpu` checks the script on CPU tensors.
+gpu-check: $(VENV)/.installed
+	$(PY) bench/gpu_check.py
