@@ -119,6 +119,44 @@ def run(
             "s3:// needs s3fs) [TIERWATCH_PERSISTENT_URL]."
         ),
     ] = None,
+    persistent_options: Annotated[
+        str | None,
+        typer.Option(
+            help="fsspec storage options of the persistent URL, a JSON object, e.g. "
+            """'{"config_kwargs": {"retries": {"max_attempts": 10}}}' """
+            "[TIERWATCH_PERSISTENT_OPTIONS]."
+        ),
+    ] = None,
+    s3_endpoint_url: Annotated[
+        str | None,
+        typer.Option(
+            help="S3-compatible endpoint, e.g. http://minio:9000 (default AWS) "
+            "[TIERWATCH_S3_ENDPOINT_URL]."
+        ),
+    ] = None,
+    s3_region: Annotated[
+        str | None,
+        typer.Option(help="The bucket's region, e.g. eu-west-1 [TIERWATCH_S3_REGION]."),
+    ] = None,
+    s3_profile: Annotated[
+        str | None,
+        typer.Option(
+            help="AWS profile for the credentials (default: env, AWS_PROFILE, instance role) "
+            "[TIERWATCH_S3_PROFILE]."
+        ),
+    ] = None,
+    s3_part_size: Annotated[
+        str | None,
+        typer.Option(
+            help="Multipart upload part size, 5MiB-5GiB (default 16MiB) [TIERWATCH_S3_PART_SIZE]."
+        ),
+    ] = None,
+    s3_upload_concurrency: Annotated[
+        int | None,
+        typer.Option(
+            help="Parts of one file uploaded at once (default 8) [TIERWATCH_S3_UPLOAD_CONCURRENCY]."
+        ),
+    ] = None,
     replication: Annotated[
         int | None,
         typer.Option(
@@ -184,6 +222,12 @@ def run(
             "peer_token": peer_token,
             "advertise_url": advertise_url,
             "persistent_url": persistent_url,
+            "persistent_options": persistent_options,
+            "s3_endpoint_url": s3_endpoint_url,
+            "s3_region": s3_region,
+            "s3_profile": s3_profile,
+            "s3_part_size": s3_part_size,
+            "s3_upload_concurrency": s3_upload_concurrency,
             "replication": replication,
             "memory_budget": memory_budget,
             "ckpt_scan_interval": ckpt_scan_interval,

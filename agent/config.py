@@ -7,13 +7,14 @@ Every field can be set as ``TIERWATCH_<FIELD>`` (e.g. ``TIERWATCH_NODE=gpu-017``
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from tierwatch.agent.protocol import NODE_NAME_PATTERN
 
@@ -120,6 +121,45 @@ def parse_memory_budget(value: object) -> int:
     return size
 
 
+S3_DEFAULT_PART_SIZE = 16 * 1024**2
+S3_MIN_PART_SIZE = 5 * 1024**2
+S3_MAX_PART_SIZE = 5 * 1024**3
+_REGION_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_PROFILE_RE = re.compile(r"^[\w.@+=,-]{1,128}$")
+
+
+def parse_persistent_options(value: object) -> dict[str, Any] | None:
+    """Parse ``--persistent-options`` / ``TIERWATCH_PERSISTENT_OPTIONS``: a JSON object of
+    fsspec storage options for the persistent URL's filesystem.
+
+    Args:
+        value: A JSON text (``'{"endpoint_url": "http://minio:9000"}'``), a dict, or
+            None/empty (no options).
+
+    Returns:
+        The options (None when empty).
+
+    Raises:
+        ValueError: not JSON, or not a JSON object (the message shows an example).
+    """
+    if value is None or value == "" or value == {}:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(
+                f"--persistent-options (TIERWATCH_PERSISTENT_OPTIONS) is not valid JSON ({exc}); "
+                """use a JSON object such as '{"endpoint_url": "http://minio:9000"}'"""
+            ) from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(
+            "--persistent-options (TIERWATCH_PERSISTENT_OPTIONS) must be a JSON object of "
+            """fsspec storage options, such as '{"endpoint_url": "http://minio:9000"}'"""
+        )
+    return value or None
+
+
 class SettingsError(ValueError):
     """Settings are incomplete or inconsistent for what was asked (the message says what to set)."""
 
@@ -203,8 +243,24 @@ class AgentSettings(BaseSettings):
         advertise_url: URL other agents use to reach this agent (default
             ``http://<listen host>:<actual port>``).
         persistent_url: fsspec URL of the persistent tier (default
-            ``file://<cwd>/var/checkpoints``; ``s3://bucket/prefix`` works when s3fs is
-            installed: ``pip install 'tierwatch[s3]'``).
+            ``file://<cwd>/var/checkpoints``; ``s3://bucket/prefix`` for S3 and S3-compatible
+            stores).
+        persistent_options: fsspec storage options for the persistent URL's filesystem, a
+            JSON object (for s3fs: ``endpoint_url``, ``profile``, ``client_kwargs``,
+            ``config_kwargs``, …). Unknown s3fs options are refused.
+        s3_endpoint_url: S3 only: the endpoint of an S3-compatible store, e.g.
+            ``http://minio:9000`` (None: AWS, or ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``
+            as botocore reads them).
+        s3_region: S3 only: the bucket's region, e.g. ``eu-west-1`` (None: ``AWS_REGION`` /
+            ``AWS_DEFAULT_REGION`` or the profile's, as botocore resolves it).
+        s3_profile: S3 only: the profile in ``~/.aws/config`` / ``~/.aws/credentials`` whose
+            credentials to use (None: botocore's chain: ``AWS_ACCESS_KEY_ID`` +
+            ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, then a container or instance role).
+            Credentials themselves are never agent settings.
+        s3_part_size: S3 only: bytes per part of a multipart upload (5 MiB … 5 GiB); a file
+            up to this size is one ``PutObject``.
+        s3_upload_concurrency: S3 only: parts of one file uploaded at once (1 … 64); the
+            upload holds at most ``(concurrency + 1) * part_size`` bytes.
         replication: Number of peer nodes that hold a replica of each rank's files.
         memory_budget: Most bytes the memory folder may hold before peer uploads are refused
             (507): an int or a size such as ``8GiB``; default 50 % of the size of the
@@ -242,6 +298,12 @@ class AgentSettings(BaseSettings):
     peer_token: SecretStr | None = None
     advertise_url: str | None = None
     persistent_url: str | None = None
+    persistent_options: Annotated[dict[str, Any] | None, NoDecode] = None
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+    s3_profile: str | None = None
+    s3_part_size: int = S3_DEFAULT_PART_SIZE
+    s3_upload_concurrency: int = Field(8, ge=1, le=64)
     replication: int = Field(1, ge=0, le=64)
     memory_budget: int | None = None
     ckpt_scan_interval: float = Field(2.0, gt=0, le=3600)
@@ -279,6 +341,60 @@ class AgentSettings(BaseSettings):
         if "://" not in value:  # a plain path: make it a file:// URL
             value = "file://" + str(Path(value).expanduser().absolute())
         return value.rstrip("/")
+
+    @field_validator("persistent_options", mode="before")
+    @classmethod
+    def _persistent_options(cls, value: object) -> dict[str, Any] | None:
+        return parse_persistent_options(value)
+
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _s3_endpoint_url(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        value = value.strip().rstrip("/")
+        if not re.match(r"^https?://[^/\s]+$", value):
+            raise ValueError(
+                f"s3_endpoint_url {value!r}: use the store's http:// or https:// base URL "
+                "without a path, e.g. http://minio.example:9000"
+            )
+        return value
+
+    @field_validator("s3_region")
+    @classmethod
+    def _s3_region(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if not _REGION_RE.match(value.strip()):
+            raise ValueError(
+                f"s3_region {value!r}: use a region name such as us-east-1 or eu-west-1"
+            )
+        return value.strip()
+
+    @field_validator("s3_profile")
+    @classmethod
+    def _s3_profile(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if not _PROFILE_RE.match(value.strip()):
+            raise ValueError(f"s3_profile {value!r}: not a profile name of ~/.aws/config")
+        return value.strip()
+
+    @field_validator("s3_part_size", mode="before")
+    @classmethod
+    def _s3_part_size(cls, value: object) -> int:
+        if value is None or value == "":
+            return S3_DEFAULT_PART_SIZE
+        try:
+            size = parse_bytes(value)  # type: ignore[arg-type]
+        except (ValueError, OverflowError):
+            size = -1
+        if not S3_MIN_PART_SIZE <= size <= S3_MAX_PART_SIZE:
+            raise ValueError(
+                f"s3_part_size {value!r}: must be a size between 5MiB and 5GiB "
+                "(S3's part limits), e.g. 16MiB"
+            )
+        return size
 
     @field_validator("node")
     @classmethod
@@ -320,6 +436,11 @@ class AgentSettings(BaseSettings):
             raise ValueError("sim_job and sim_rank go together: set both or neither")
         return self
 
+    @model_validator(mode="after")
+    def _storage_options(self) -> AgentSettings:
+        self.persistent_storage_options()  # a conflict or a misplaced S3 setting fails here
+        return self
+
     @property
     def listen_host(self) -> str:
         """Host part of :attr:`listen`."""
@@ -358,6 +479,64 @@ class AgentSettings(BaseSettings):
     def resolved_persistent_url(self) -> str:
         """The persistent tier's fsspec URL (default ``file://<cwd>/var/checkpoints``)."""
         return self.persistent_url or "file://" + str(Path.cwd() / "var" / "checkpoints")
+
+    def persistent_storage_options(self) -> dict[str, Any]:
+        """The fsspec storage options for :meth:`resolved_persistent_url`:
+        :attr:`persistent_options`, plus (``s3://`` URLs) ``endpoint_url`` from
+        :attr:`s3_endpoint_url`, ``profile`` from :attr:`s3_profile` and
+        ``client_kwargs.region_name`` from :attr:`s3_region`. Credentials are left to
+        botocore's chain unless ``persistent_options`` names them.
+
+        Raises:
+            ValueError: an ``s3_*`` setting contradicts the same option in
+                ``persistent_options``, or is set for a URL that is not ``s3://`` (the
+                message names both settings); an option s3fs does not know (listing the
+                known ones).
+        """
+        options = json.loads(json.dumps(self.persistent_options or {}))  # a deep copy
+        given = {
+            "s3_endpoint_url": self.s3_endpoint_url,
+            "s3_region": self.s3_region,
+            "s3_profile": self.s3_profile,
+        }
+        url = self.resolved_persistent_url()
+        if url.partition("://")[0].lower() not in {"s3", "s3a"}:
+            misplaced = [f"{k} (TIERWATCH_{k.upper()})" for k, v in given.items() if v]
+            if misplaced:
+                raise ValueError(
+                    f"{', '.join(misplaced)}: S3 settings only work with an s3:// "
+                    f"persistent URL, and persistent_url is {url}: unset them or use an s3:// URL"
+                )
+            return options
+
+        def put(where: dict[str, Any], key: str, value: str | None, setting: str) -> None:
+            if value is None:
+                return
+            if key in where and where[key] != value:
+                raise ValueError(
+                    f"{setting} (TIERWATCH_{setting.upper()}) is {value!r} but "
+                    f"persistent_options sets {key} to {where[key]!r}: set one of them"
+                )
+            where[key] = value
+
+        put(options, "endpoint_url", self.s3_endpoint_url, "s3_endpoint_url")
+        put(options, "profile", self.s3_profile, "s3_profile")
+        if self.s3_region is not None:
+            client = options.get("client_kwargs")
+            if client is None:
+                client = options["client_kwargs"] = {}
+            if not isinstance(client, dict):
+                raise ValueError("persistent_options.client_kwargs must be a JSON object")
+            put(client, "region_name", self.s3_region, "s3_region")
+        from tierwatch.agent.checkpoint.tierstore.s3 import check_s3_options
+
+        try:
+            check_s3_options(options)
+        except ImportError:
+            raise ValueError(f"{url} needs s3fs: pip install s3fs") from None
+        except ValueError as exc:
+            raise ValueError(f"persistent_options: {exc}") from None
+        return options
 
     def resolved_memory_budget(self) -> int:
         """The memory budget in bytes: :attr:`memory_budget`, else 50 % of the size of the

@@ -21,9 +21,10 @@ from tierwatch.server.db import Base, make_engine, make_sessionmaker
 from tierwatch.server.main import create_app
 from tierwatch.server.tokens import create_token
 
-# The process fixtures (server, start_agent, browser) for e2e, security and browser tests;
+# The process fixtures (server, start_agent, browser) for e2e, security and browser tests,
+# and the loopback S3 server (s3_server, s3_bucket, throttled_proxy) for the persistent tier;
 # shared helper modules live in tests/helpers/ (on pytest's pythonpath).
-pytest_plugins = ["process_fixtures"]
+pytest_plugins = ["process_fixtures", "s3_server"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

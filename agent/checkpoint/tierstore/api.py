@@ -109,7 +109,12 @@ class CheckpointService:
         )
         url = settings.resolved_persistent_url()
         try:
-            self.persistent = PersistentTier(url)
+            self.persistent = PersistentTier(
+                url,
+                settings.persistent_storage_options(),
+                part_size=settings.s3_part_size,
+                upload_concurrency=settings.s3_upload_concurrency,
+            )
         except PersistentError as exc:  # the memory and peer tiers work without it
             self.persistent = PersistentTier.unavailable(url, str(exc))
         self.peer_token = settings.peer_token_value
@@ -125,7 +130,11 @@ class CheckpointService:
         )
         self._peer = PeerClient(self.peer_token) if self.peer_token else None
         self.restore_stager = RestoreStager(
-            self.store.layout, node=self.node, peer=self._peer, emit=emit
+            self.store.layout,
+            node=self.node,
+            peer=self._peer,
+            emit=emit,
+            persistent=self.persistent,
         )
         self.agent_info: dict[str, Any] = {}
 

@@ -199,8 +199,20 @@ class Place:
         from tierwatch.agent.checkpoint.tierstore.persister import PersistentError, PersistentTier
 
         if self._persistent is None:
-            try:
-                self._persistent = PersistentTier(self.persistent_url)
+            from pydantic import ValidationError
+
+            from tierwatch.agent.config import AgentSettings
+
+            try:  # storage options from the same TIERWATCH_* variables the agent reads
+                settings = AgentSettings(persistent_url=self.persistent_url)
+                self._persistent = PersistentTier(
+                    settings.resolved_persistent_url(),
+                    settings.persistent_storage_options(),
+                    part_size=settings.s3_part_size,
+                    upload_concurrency=settings.s3_upload_concurrency,
+                )
+            except ValidationError as exc:
+                raise Usage("; ".join(e["msg"] for e in exc.errors())) from None
             except PersistentError as exc:
                 raise Usage(str(exc)) from None
         return self._persistent

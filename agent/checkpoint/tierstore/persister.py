@@ -9,8 +9,16 @@ That agent uploads ``.metadata`` together with its rank's files, but as
 uploads finish); once every rank's manifest is in the folder it renames it to ``.metadata``.
 
 Writes: on a local filesystem (``file://``) each file goes to a temporary name, is fsync'd,
-renamed and its folder fsync'd; on an object store (``s3://`` with s3fs installed, …) a plain
-put is the commit (objects appear whole or not at all).
+renamed and its folder fsync'd; on S3 (``s3://``, see :mod:`.s3`) a file is one ``PutObject``
+or a parallel multipart upload, hashed in the same pass and completed only when it matches
+its manifest entry (objects appear whole or not at all); on other object stores a streamed
+write.
+
+Freshness: the tier is shared by every node's agent, so a listing is never answered from a
+cache. Object-store filesystems are opened with ``use_listings_cache=False`` (s3fs's directory
+cache never expires by default, so a long-running agent would miss other agents' uploads),
+every listing or existence check first drops what the filesystem cached for that folder, and
+each :class:`PersistentTier` has a filesystem instance of its own (``skip_instance_cache``).
 
 No torch here.
 """
@@ -42,6 +50,7 @@ from tierwatch.agent.checkpoint.format.manifest import (
     ManifestError,
     read_manifest,
 )
+from tierwatch.agent.checkpoint.tierstore import s3
 from tierwatch.agent.fsutil import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -59,28 +68,63 @@ class PersistentTier:
     """One fsspec URL as the persistent tier.
 
     Args:
-        url: ``file:///path``, ``s3://bucket/prefix`` (needs s3fs), or any fsspec URL.
+        url: ``file:///path``, ``s3://bucket/prefix``, or any fsspec URL.
+        storage_options: fsspec storage options for the URL's filesystem (for ``s3://``:
+            ``endpoint_url``, ``profile``, ``client_kwargs={"region_name": …}``, …; see
+            :meth:`tierwatch.agent.config.AgentSettings.persistent_storage_options`). None:
+            the filesystem's defaults (for S3, botocore's credential chain and region).
+        part_size: S3 only: bytes per multipart-upload part; files up to this size are one
+            ``PutObject`` (5 MiB … 5 GiB).
+        upload_concurrency: S3 only: parts of one file uploaded at once (1 … 64).
 
     Raises:
-        PersistentError: the URL's protocol is unknown or its filesystem package missing.
+        PersistentError: the URL's protocol is unknown, its filesystem package is missing,
+            or a storage option is unknown or malformed (the message names it).
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        part_size: int = s3.DEFAULT_PART_SIZE,
+        upload_concurrency: int = s3.DEFAULT_CONCURRENCY,
+    ) -> None:
         from fsspec.core import url_to_fs
 
         self.url = url.rstrip("/")
         self.error: str | None = None
+        self.part_size = part_size
+        self.upload_concurrency = upload_concurrency
+        options = dict(storage_options or {})
         try:
-            self.fs, self.root = url_to_fs(self.url)
-        except (ImportError, ValueError) as exc:
-            raise PersistentError(
-                f"persistent URL {self.url}: {exc} (for s3:// install s3fs: "
-                "pip install 'tierwatch[s3]')"
-            ) from None
+            if s3.is_s3_url(self.url):
+                s3.check_s3_options(options)
+            if not self.url.startswith(("file://", "local://")) and "://" in self.url:
+                options.setdefault("use_listings_cache", False)
+            options.setdefault("skip_instance_cache", True)
+            self.fs, self.root = url_to_fs(self.url, **options)
+        except (ImportError, ValueError, TypeError) as exc:
+            raise PersistentError(f"persistent URL {self.url}: {exc}") from None
+        self.storage_options = options
         protocol = self.fs.protocol
         protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
         self.local = "file" in protocols or "local" in protocols
+        self.s3 = s3.is_s3_fs(self.fs)
         self.root = self.root.rstrip("/") or "/"
+        self._errors = s3.store_errors()
+
+    def _explain(self, exc: BaseException) -> str:
+        """``exc`` as one line; for S3 with what to fix where the cause is known."""
+        if self.s3:
+            return s3.explain(exc, endpoint=self.storage_options.get("endpoint_url"))
+        return str(exc)
+
+    def _fresh(self, path: str) -> None:
+        """Drop what the filesystem cached about ``path`` (and its folder) before a read
+        that must see other agents' writes."""
+        if not self.local:
+            self.fs.invalidate_cache(path)
 
     @classmethod
     def unavailable(cls, url: str, error: str) -> PersistentTier:
@@ -93,6 +137,11 @@ class PersistentTier:
         tier.fs = _UnavailableFS(error)
         tier.root = "/"
         tier.local = False
+        tier.s3 = False
+        tier.storage_options = {}
+        tier.part_size = s3.DEFAULT_PART_SIZE
+        tier.upload_concurrency = s3.DEFAULT_CONCURRENCY
+        tier._errors = (OSError,)
         return tier
 
     @property
@@ -103,9 +152,24 @@ class PersistentTier:
     def write_problem(self) -> str | None:
         """Why files cannot be written here, when that is visible without writing: the URL
         is unusable, or (``file://``) its nearest existing folder is not a folder or not
-        writable. None when nothing is known to be wrong (object stores are not probed)."""
+        writable, or (S3) its bucket cannot be reached with the credentials in use (one
+        ``HeadBucket``). None when nothing is known to be wrong (other object stores are not
+        probed)."""
         if self.error is not None:
             return self.error
+        if self.s3:
+            bucket = self.root.split("/", 1)[0]
+            try:
+                self.fs.call_s3("head_bucket", Bucket=bucket)
+            except FileNotFoundError:
+                where = self.storage_options.get("endpoint_url") or "AWS S3"
+                return (
+                    f"{self.url}: bucket {bucket} does not exist at {where} (create the "
+                    "bucket first; the agent never creates buckets)"
+                )
+            except self._errors as exc:
+                return f"{self.url}: bucket {bucket}: {self._explain(exc)}"
+            return None
         if not self.local:
             return None
         path = Path(self.root)
@@ -138,11 +202,14 @@ class PersistentTier:
         """
         base = f"{self.root}/{check_job_id(job_id)}"
         try:
+            self._fresh(base)
             names = self.fs.ls(base, detail=False)
         except FileNotFoundError:
             return []
-        except (OSError, NotADirectoryError) as exc:
-            raise PersistentError(f"cannot list {self.url}/{job_id}: {exc}") from None
+        except self._errors as exc:
+            raise PersistentError(
+                f"cannot list {self.url}/{job_id}: {self._explain(exc)}"
+            ) from None
         out = []
         for n in names:
             step = parse_step_dirname(str(n).rstrip("/").rsplit("/", 1)[-1])
@@ -152,19 +219,28 @@ class PersistentTier:
 
     def names(self, job_id: str, step: int) -> list[str]:
         """File names in one step folder ([] when missing)."""
+        path = self._step_path(job_id, step)
         try:
-            names = self.fs.ls(self._step_path(job_id, step), detail=False)
+            self._fresh(path)
+            names = self.fs.ls(path, detail=False)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        except OSError as exc:
-            raise PersistentError(f"cannot list {self.step_url(job_id, step)}: {exc}") from None
+        except self._errors as exc:
+            raise PersistentError(
+                f"cannot list {self.step_url(job_id, step)}: {self._explain(exc)}"
+            ) from None
         return sorted(str(n).rstrip("/").rsplit("/", 1)[-1] for n in names)
 
     def has_metadata(self, job_id: str, step: int) -> bool:
-        """Whether the step's ``.metadata`` exists (the step is committed on this tier)."""
+        """Whether the step's ``.metadata`` exists (the step is committed on this tier; an
+        unreadable tier answers False)."""
+        return self._exists(self.file_path(job_id, step, METADATA))
+
+    def _exists(self, path: str) -> bool:
         try:
-            return bool(self.fs.exists(self.file_path(job_id, step, METADATA)))
-        except OSError:
+            self._fresh(path)
+            return bool(self.fs.exists(path))
+        except self._errors:
             return False
 
     def manifest_ranks(self, job_id: str, step: int) -> set[int]:
@@ -181,7 +257,7 @@ class PersistentTier:
             try:
                 with self.fs.open(self.file_path(job_id, step, name), "rb") as f:
                     m = read_manifest(f.read(), where=f"{self.step_url(job_id, step)}/{name}")
-            except (OSError, ManifestError):
+            except (*self._errors, ManifestError):
                 continue
             if m.job_id == job_id and m.step == step and m.rank == rank:
                 out.append(m)
@@ -201,9 +277,9 @@ class PersistentTier:
             return None
         except ManifestError:
             return None
-        except OSError as exc:
+        except self._errors as exc:
             raise PersistentError(
-                f"cannot read {self.step_url(job_id, step)}/{name}: {exc}"
+                f"cannot read {self.step_url(job_id, step)}/{name}: {self._explain(exc)}"
             ) from None
         if m.job_id != job_id or m.step != step or m.rank != rank:
             return None
@@ -213,9 +289,36 @@ class PersistentTier:
         """Open one file for reading (binary).
 
         Raises:
-            OSError / FileNotFoundError: it cannot be opened.
+            OSError / FileNotFoundError: it cannot be opened (for S3 the message says what
+                to fix where the cause is known).
         """
-        return self.fs.open(self.file_path(job_id, step, name), "rb")
+        return self._open(self.file_path(job_id, step, name))
+
+    def open_url(self, url: str) -> BinaryIO:
+        """Open a file of this tier by its full URL (``<url>/<job>/step-<N>/<name>``, as
+        ``available`` answers give it) for reading, with this tier's storage options.
+
+        Raises:
+            FileNotFoundError: the file does not exist.
+            OSError: it cannot be read, or ``url`` is not under this tier's URL (the message
+                says which URL this agent is configured for).
+        """
+        if not url.startswith(self.url + "/"):
+            raise OSError(
+                f"{url} is not under this agent's persistent URL {self.url} "
+                "(every agent of a job needs the same --persistent-url)"
+            )
+        return self._open(f"{self.root.rstrip('/')}/{url[len(self.url) + 1 :]}")
+
+    def _open(self, path: str) -> BinaryIO:
+        try:
+            return self.fs.open(path, "rb")
+        except FileNotFoundError:
+            raise
+        except self._errors as exc:
+            if isinstance(exc, OSError) and not self.s3:
+                raise
+            raise OSError(self._explain(exc)) from None
 
     # -- writing -------------------------------------------------------------------------
     def put_file(
@@ -256,6 +359,12 @@ class PersistentTier:
                 )
 
         n = 0
+
+        def update(chunk: bytes) -> None:
+            nonlocal n
+            h.update(chunk)
+            n += len(chunk)
+
         try:
             if self.local:
                 tmp = Path(dest).with_name(f".tmp-{name}.{uuid.uuid4().hex[:12]}")
@@ -276,6 +385,17 @@ class PersistentTier:
                     tmp.unlink(missing_ok=True)
                 fsync_dir(tmp.parent)
                 return n
+            if self.s3:  # no folders on S3 (and makedirs would create a missing bucket)
+                return s3.multipart_put(
+                    self.fs,
+                    local,
+                    dest,
+                    part_size=self.part_size,
+                    concurrency=self.upload_concurrency,
+                    update=update,
+                    check=check,
+                    progress=progress,
+                )
             self.fs.makedirs(self._step_path(job_id, step), exist_ok=True)
             with open(local, "rb") as src, self.fs.open(dest, "wb") as out:
                 while chunk := src.read(CHUNK):
@@ -292,15 +412,14 @@ class PersistentTier:
             return n
         except _Mismatch as exc:
             raise PersistentError(f"cannot write {where}: {exc}") from None
-        except OSError as exc:
-            raise PersistentError(f"cannot write {where} from {local}: {exc}") from None
+        except self._errors as exc:
+            raise PersistentError(
+                f"cannot write {where} from {local}: {self._explain(exc)}"
+            ) from None
 
     def has_staged_metadata(self, job_id: str, step: int) -> bool:
         """Whether ``.metadata.staged`` waits in the step folder for the other ranks."""
-        try:
-            return bool(self.fs.exists(self.file_path(job_id, step, STAGED_METADATA)))
-        except OSError:
-            return False
+        return self._exists(self.file_path(job_id, step, STAGED_METADATA))
 
     def commit_metadata(self, job_id: str, step: int) -> None:
         """Rename ``.metadata.staged`` to ``.metadata``: the step now exists on this tier
@@ -318,16 +437,16 @@ class PersistentTier:
                 fsync_dir(Path(dest).parent)
             else:
                 self.fs.mv(src, dest)
-        except OSError as exc:
+        except self._errors as exc:
             raise PersistentError(
-                f"cannot write {self.step_url(job_id, step)}/{METADATA}: {exc}"
+                f"cannot write {self.step_url(job_id, step)}/{METADATA}: {self._explain(exc)}"
             ) from None
 
     def remove_staged_metadata(self, job_id: str, step: int) -> None:
         """Remove ``.metadata.staged`` (a step given up on); missing is fine."""
         try:
             self.fs.rm(self.file_path(job_id, step, STAGED_METADATA))
-        except (FileNotFoundError, OSError):
+        except self._errors:
             pass
 
     def delete_step(self, job_id: str, step: int) -> None:
@@ -340,6 +459,7 @@ class PersistentTier:
         path = self._step_path(job_id, step)
         try:
             meta = self.file_path(job_id, step, METADATA)
+            self._fresh(meta)
             if self.fs.exists(meta):
                 self.fs.rm(meta)
             if self.local:
@@ -348,8 +468,10 @@ class PersistentTier:
                 self.fs.rm(path, recursive=True)
         except FileNotFoundError:
             return
-        except OSError as exc:
-            raise PersistentError(f"cannot delete {self.step_url(job_id, step)}: {exc}") from None
+        except self._errors as exc:
+            raise PersistentError(
+                f"cannot delete {self.step_url(job_id, step)}: {self._explain(exc)}"
+            ) from None
 
     def info(self) -> dict[str, Any]:
         """``{url, local, error}``."""

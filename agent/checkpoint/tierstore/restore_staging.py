@@ -5,7 +5,9 @@ For each requested file the sources are tried in the order given:
 - ``holder`` is this node, tier ``memory``: hard link from ``jobs/<job>/step-<N>/`` (a copy
   when a link is impossible); tier ``peer``: the same from ``replicas/<src>/<job>/step-<N>/``;
 - another holder: ``GET <url>/v1/peer/files/<job>/<N>/<name>?tier=…&src=…`` with the peer token;
-- tier ``persistent``: an fsspec read of ``<url>/<name>`` (``url`` is the step's URL).
+- tier ``persistent``: a read of ``<url>/<name>`` (``url`` is the step's URL) through this
+  agent's persistent tier, so with its storage options (S3 endpoint, credentials, region) and
+  never from a cached listing.
 
 Each staged file is checked (size and xxh3-64) before it is renamed into place; a file already
 staged with the right checksum is reused. A mismatch, a missing file or an unreachable source
@@ -36,6 +38,7 @@ from tierwatch.agent.checkpoint.format.layout import (
     parse_step_dirname,
 )
 from tierwatch.agent.checkpoint.format.manifest import CHUNK, FileEntry, verify_file
+from tierwatch.agent.checkpoint.tierstore.persister import PersistentTier
 from tierwatch.agent.checkpoint.tierstore.replicator import PeerClient, PeerError
 from tierwatch.agent.protocol import CheckpointEvent, utcnow
 
@@ -95,15 +98,24 @@ class RestoreStager:
         peer: Client for other agents' peer endpoints (None: no peer token, other holders
             cannot be asked).
         emit: Receives a ``failed`` event per bad source.
+        persistent: This agent's persistent tier, which reads ``persistent`` sources (None:
+            such sources fail with a message saying so).
     """
 
     def __init__(
-        self, layout: MemoryLayout, *, node: str, peer: PeerClient | None, emit: EventSink
+        self,
+        layout: MemoryLayout,
+        *,
+        node: str,
+        peer: PeerClient | None,
+        emit: EventSink,
+        persistent: PersistentTier | None = None,
     ) -> None:
         self.layout = layout
         self.node = node
         self.peer = peer
         self.emit = emit
+        self.persistent = persistent
         self._locks: dict[Path, threading.Lock] = {}
         self._locks_lock = threading.Lock()
         self._origin: dict[Path, tuple[str, str]] = {}
@@ -242,19 +254,17 @@ class RestoreStager:
             )
 
     def _fetch_persistent(self, f: StageFile, source: StageSource, tmp: Path) -> None:
-        import fsspec
-
         if not source.url:
             raise StageError("a persistent source needs url (the step's fsspec URL)")
+        if self.persistent is None:
+            raise StageError("this agent has no persistent tier to read from")
         url = f"{source.url.rstrip('/')}/{f.name}"
         try:
-            with fsspec.open(url, "rb") as src, open(tmp, "wb") as out:
+            with self.persistent.open_url(url) as src, open(tmp, "wb") as out:
                 while chunk := src.read(CHUNK):
                     out.write(chunk)
         except FileNotFoundError:
             raise StageError(f"missing: {url} does not exist") from None
-        except (ImportError, ValueError) as exc:
-            raise StageError(f"cannot open {url}: {exc}") from None
 
 
 def _rank_of(name: str) -> int | None:
