@@ -368,7 +368,7 @@ class TieredCheckpointer:
 
     def _before_optimizer_step(self, *_args: Any) -> None:
         job = self._inflight
-        if job is None:
+        if job is None or job.done.is_set():
             return
         if not job.copy_done.is_set():  # host copies made, CUDA copies enqueued
             t0 = time.monotonic()

@@ -69,7 +69,9 @@ class TorchCuda:
         return torch.cuda.Stream(device=device)
 
     def new_event(self) -> Any:
-        return torch.cuda.Event()
+        # blocking: the writer's synchronize() sleeps instead of spinning a core training
+        # (its data loader) may need (cudaEventBlockingSync; torch/cuda/streams.py)
+        return torch.cuda.Event(blocking=True)
 
     def set_device(self, device: torch.device) -> None:
         torch.cuda.set_device(device)

@@ -243,7 +243,9 @@ class SnapshotStager:
                 self._build(v, (*path, i), lazy, pending, by_device) for i, v in enumerate(value)
             ]
         if DTensor is not None and isinstance(value, DTensor):
-            local = self._tensor(value._local_tensor, path, lazy, pending, by_device)
+            # watch the DTensor itself: an in-place op on it bumps its version counter (shared
+            # with the parameter it was detached from), not its local tensor's
+            local = self._tensor(value._local_tensor, path, lazy, pending, by_device, watch=value)
             return host_dtensor(value, local)
         if isinstance(value, torch.Tensor):
             return self._tensor(value, path, lazy, pending, by_device)
@@ -256,19 +258,22 @@ class SnapshotStager:
         lazy: LazyPredicate,
         pending: PendingCopies,
         by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]],
+        *,
+        watch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         src = t.detach()
+        watched = src if watch is None else watch
         buf = self._buffers[path]
         self.staged_bytes += buf.nbytes
         is_lazy = lazy(path, t)
         if src.is_cuda:
             if is_lazy:
-                pending.versions.watch(path, src)
+                pending.versions.watch(path, watched)
             else:
                 src = src.clone()  # in stream order on the training thread's current stream
             by_device.setdefault(src.device, []).append((buf, src))
         elif is_lazy:
-            pending.versions.watch(path, src)
+            pending.versions.watch(path, watched)
             pending.host_pairs.append((buf, src))
         else:
             buf.copy_(src)
