@@ -306,7 +306,7 @@ def timing_summary(timing: Mapping[str, Any]) -> dict[str, Any]:
 
 
 TIERED = "TieredCheckpointer"
-ASYNC = "dcp.async_save + DefaultStager (pinned)"
+ASYNC = "dcp.async_save + DefaultStager"
 
 
 # -- report --------------------------------------------------------------------------------
@@ -421,20 +421,26 @@ def render(results: Mapping[str, Any]) -> str:
 
 
 INTRO = """\
-`make gpu-check` on a machine with a CUDA GPU (it runs `make setup`, then
-`.venv/bin/python bench/gpu_check.py`; under 5 minutes on one H200). It trains FSDP2 at
-world size 1 (NCCL) and with 2 processes sharing the GPU (gloo with CUDA tensors), saving
-every step through TieredCheckpointer, and checks each committed step bit-equal (loaded with
-plain DCP from the memory tier) to a synchronous `.cpu()` copy taken at `save()`; runs the
-latency probe and the NVML collector against the real GPU; and times TieredCheckpointer
-against `dcp.async_save` with a pinned-memory `DefaultStager` (same model, interval and
-/dev/shm destination). The module docstring says how each figure is measured.
+`make gpu-check` on a machine with a CUDA GPU (it builds `.venv` as `make setup` does, then
+runs `.venv/bin/python bench/gpu_check.py`; meant to take under 5 minutes on one H200). It
+trains FSDP2 at world size 1 (NCCL) and with 2 processes sharing the GPU (gloo with CUDA
+tensors), saving every step through TieredCheckpointer, and checks each committed step bit-
+equal (loaded with plain DCP from the memory tier) to a synchronous `.cpu()` copy taken at
+`save()`; runs the latency probe and the NVML collector against the real GPU; and times
+TieredCheckpointer against `dcp.async_save` with a pinned-memory `DefaultStager` (same
+model, interval and /dev/shm destination). The module docstring says how each figure is
+measured.
 
-Assumptions about the machine: Python 3.11, a CUDA build of torch (the locks pin torch; on a
-machine whose `.venv` is not carried along, `make setup` installs from the package
-registries, so they must be reachable, or carry `.venv`), a writable /dev/shm with room for
-about 3 GiB, and nothing else: the agent, the ranks and their rendezvous listen on
-127.0.0.1 only. Without CUDA the command exits with code 2 (`no CUDA device: ...`);
+Assumptions about the machine: Python 3.11 and a CUDA build of torch. `make gpu-check`
+builds `.venv` from the locks when it is missing or older than them (pip only, no npm);
+`torch==2.13.0` from PyPI is the CUDA build on Linux x86_64, so the package registry must be
+reachable from the machine. Do not carry this repository's `.venv` to a GPU machine: it
+holds the CPU wheel (`2.13.0+cpu`), and the check would exit 2. A device machine that copies
+the working tree gets no `.venv`, so it builds one. Also a writable /dev/shm with room for
+about 3 GiB; nothing else: the agent, the ranks and their rendezvous listen on 127.0.0.1
+only, and no server is needed.
+
+Without CUDA the command exits with code 2 (`no CUDA device: ...`);
 `bench/gpu_check.py --dry-run-cpu` runs the same flow on CPU tensors with tiny sizes (a
 check of the script, not a GPU result)."""
 

@@ -163,10 +163,10 @@ def test_render_marks_failures() -> None:
 def test_write_doc_replaces_only_its_section() -> None:
     page = (
         "# Benchmarks\n\n## Ingest\n\ni\n\n"
-        "## GPU check (bench/gpu_check.py)\n\nold\n\n## Demo\n\nd\n"
+        "## GPU check (bench/gpu_check.py)\n\nstale result\n\n## Demo\n\nd\n"
     )
     out = gpu_check.write_doc(page, "new block")
-    assert "old" not in out
+    assert "stale result" not in out
     assert "new block" in out
     assert out.index("## Ingest") < out.index("## GPU check") < out.index("## Demo")
     assert out.endswith("## Demo\n\nd\n")
