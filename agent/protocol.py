@@ -215,6 +215,11 @@ class JobProgress(_Model):
 
     ``layout`` (node of every rank, index = rank) is sent by rank 0 when it starts and now and
     then, so the server knows the job's world_size and rank→node placement.
+
+    ``starting`` marks the report rank 0 sends when it starts, before its restore or first
+    save accepted the start (a start at another world size, or of another model, is refused
+    then): it gives a job the server does not know yet its world_size and layout, and changes
+    neither for a known job (the server waits for a report of a trained step).
     """
 
     job_id: JobId
@@ -224,6 +229,7 @@ class JobProgress(_Model):
     step_time_s: Annotated[float, Field(ge=0, le=10**6)] | None = None
     ts: AwareDatetime
     layout: Annotated[list[NodeName], Field(max_length=65536)] | None = None
+    starting: bool = False
 
 
 class RestoreReport(_Model):

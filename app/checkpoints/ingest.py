@@ -230,7 +230,11 @@ def _update_jobs(
     """Apply progress (world_size, layout, step time, current step) and event steps to jobs.
 
     The newest progress report (by its time) sets world_size, layout and step time; the
-    current step only grows (the highest step of any progress or checkpoint event).
+    current step only grows (the highest step of any progress or checkpoint event). A
+    ``starting`` report (rank 0's, before its start was accepted) sets world_size and
+    layout only for a job without a world size: a start that is refused (another world
+    size, another model) leaves a known job's as they were, and the first save's report,
+    which carries the layout too, changes them once the start is accepted.
 
     Returns:
         Ids of jobs whose world_size is now known (or changed): their ledger rows
@@ -241,6 +245,8 @@ def _update_jobs(
         for p in sorted(b.progress, key=lambda p: p.ts):
             j = jobs[p.job_id]
             _raise_step(j, p.step, p.ts)
+            if p.starting and j["world_size"] is not None:
+                continue  # may still be refused: never rewrites a known job
             if j["progress_ts"] is None or p.ts >= j["progress_ts"]:
                 if p.world_size != j["world_size"] and p.layout is None:
                     j["layout"] = None  # a layout of another world size no longer applies

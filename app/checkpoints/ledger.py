@@ -5,6 +5,14 @@ Rules (docs/checkpointing.md, docs/design.md "Checkpoint model"):
 - A step is **committed** in a tier when every rank ``0 … world_size − 1`` has a
   ``committed`` event for that (step, tier), or one ``committed`` event with rank None
   committed the whole step. Ranks outside ``0 … world_size − 1`` never count.
+- The **newest committed step** of a tier (``newest_committed_step``) is the newest step
+  that became complete in it, also after retention evicted it: retention removes a step
+  only after a newer one committed in that tier, which the server may not have seen yet
+  (a rank's ``committed`` and ``evicted`` of one step often arrive in one report). A step a
+  restore abandoned (above the restored step, committed before the restore) no longer
+  counts. The memory tier's figure is at least that of every tier fed from it
+  (``FED_FROM_MEMORY``): a step those tiers hold was committed in memory first
+  (``with_memory_floor``).
 - The **lag** of a tier is ``training_step − newest committed step`` (steps); a tier with
   no committed step lags ``training_step + 1`` (every step since step 0 is at risk).
 - **Work at risk** of a failure class is the lag of the fastest tier that survives it and
@@ -19,8 +27,12 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from datetime import datetime
 
 TIERS: tuple[str, ...] = ("memory", "peer", "persistent")
+# Tiers whose copies are made from the memory tier's files of a committed step (the agents
+# replicate and upload only steps the ranks committed in memory: docs/checkpointing.md).
+FED_FROM_MEMORY: tuple[str, ...] = ("peer", "persistent")
 
 # Tiers a failure class leaves intact, fastest first (what its recovery may read).
 SURVIVED_BY: dict[str, tuple[str, ...]] = {
@@ -139,10 +151,57 @@ def median(values: Iterable[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
+def abandoned(
+    step: int, committed_at: datetime | None, restores: Iterable[tuple[int, datetime]]
+) -> bool:
+    """Whether a restore abandoned a tier's copy of ``step``.
+
+    Args:
+        step: the ledger row's step.
+        committed_at: when the row became complete (the newest counted ``committed`` event;
+            None: unknown, never abandoned).
+        restores: ``(restored step, ts)`` of the job's successful restores that loaded a step.
+
+    Returns:
+        True when some restore loaded an older step after this copy was committed: the ranks
+        went on from the restored step (a rollback also evicts the newer steps), so this copy
+        belongs to an abandoned timeline. A copy committed after the restore (the step saved
+        again) is not abandoned. Clocks of the job's nodes are assumed to agree within a step.
+    """
+    if committed_at is None:
+        return False
+    return any(step > restored and committed_at <= ts for restored, ts in restores)
+
+
 def newest_committed_step(rows: Sequence[tuple[int, bool, bool]]) -> int | None:
-    """The newest step that is complete and not evicted, from ``(step, complete, evicted)``."""
-    steps = [step for step, complete, evicted in rows if complete and not evicted]
+    """The newest committed step of one tier, from ``(step, complete, abandoned)`` rows.
+
+    A step counts once it is complete, whether or not retention evicted it since (a tier's
+    newest committed step is evicted only after a newer one committed, so the newest step
+    ever complete is never ahead of the tier); an abandoned step (``abandoned``) does not.
+
+    Returns:
+        The step, or None when no step counts.
+    """
+    steps = [step for step, complete, gone in rows if complete and not gone]
     return max(steps) if steps else None
+
+
+def with_memory_floor(newest: Mapping[str, int | None]) -> dict[str, int | None]:
+    """Newest committed step per tier, memory raised to the tiers fed from it.
+
+    Args:
+        newest: each tier's own newest committed step (None: none).
+
+    Returns:
+        The same mapping, with memory's step ``max(memory, *FED_FROM_MEMORY)``: a step
+        complete in peer or persistent was committed in memory first, whose own events
+        (sent by the ranks through their agent) often arrive later than the agents' events.
+    """
+    out = dict(newest)
+    fed = [s for t in ("memory", *FED_FROM_MEMORY) if (s := out.get(t)) is not None]
+    out["memory"] = max(fed) if fed else None
+    return out
 
 
 # -- observed failures ----------------------------------------------------------------------

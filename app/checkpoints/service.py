@@ -4,7 +4,9 @@ advice, history for charts, and pruning.
 Definitions (see ``ledger`` for the pure rules):
 
 - training step: the job's highest reported step.
-- newest committed step of a tier: the newest ledger row that is complete and not evicted.
+- newest committed step of a tier: the newest ledger row that is complete and not abandoned
+  by a restore, evicted or not (``ledger.newest_committed_step``); memory's is raised to the
+  tiers fed from it (``ledger.with_memory_floor``).
 - lag: ``training_step − newest`` steps (``training_step + 1`` with none); in seconds, the
   time between when the two steps were trained (both seen in progress history), else
   ``lag_steps × median step time``.
@@ -30,7 +32,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import delete, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from tierwatch.server.checkpoints import advice, ledger
 from tierwatch.server.checkpoints.models import (
@@ -106,22 +108,64 @@ def _trained_at(session: Session, job: Job, steps: set[int]) -> dict[int, dateti
     return dict(session.execute(q).all())  # type: ignore[arg-type]
 
 
-def _newest_rows(session: Session, job: Job) -> dict[str, LedgerRow]:
-    """Newest committed (complete, not evicted) ledger row per tier."""
-    newest = (
-        select(LedgerRow.tier, func.max(LedgerRow.step).label("step"))
+def _abandoned() -> Any:
+    """SQL for ``ledger.abandoned`` of a ``LedgerRow``: a successful restore of the job
+    loaded an older step at or after the row's (newest counted) commit."""
+    restore = aliased(RestoreRow)
+    return (
+        select(restore.id)
         .where(
-            LedgerRow.job_pk == job.id, LedgerRow.complete.is_(True), LedgerRow.evicted.is_(False)
+            restore.job_pk == LedgerRow.job_pk,
+            restore.ok.is_(True),
+            restore.step.is_not(None),
+            restore.step < LedgerRow.step,
+            restore.ts >= LedgerRow.committed_at,
         )
-        .group_by(LedgerRow.tier)
-        .subquery()
+        .exists()
     )
-    q = (
-        select(LedgerRow)
-        .join(newest, (LedgerRow.tier == newest.c.tier) & (LedgerRow.step == newest.c.step))
-        .where(LedgerRow.job_pk == job.id)
-    )
-    return {r.tier: r for r in session.scalars(q)}
+
+
+def _counted(query: Any) -> Any:
+    """``query`` over ``LedgerRow`` restricted to the rows that count as committed: complete
+    and not abandoned (``ledger.newest_committed_step``; retention evictions do not matter)."""
+    return query.where(LedgerRow.complete.is_(True), ~_abandoned())
+
+
+@dataclass
+class _Newest:
+    """A tier's newest committed step and the figures shown with it: when it became
+    committed, its size (bytes) and the tier's commit time (seconds).
+
+    For memory raised to a fed tier's step (the ranks' own memory events are late), the
+    commit time and size are the fed tier's (memory committed the same files before it) and
+    the commit seconds unknown (None)."""
+
+    step: int
+    committed_at: datetime | None
+    bytes: int | None
+    seconds: float | None
+
+    @classmethod
+    def of(cls, row: LedgerRow) -> _Newest:
+        return cls(row.step, row.committed_at, row.bytes, row.seconds)
+
+
+def _newest_rows(session: Session, job: Job) -> dict[str, _Newest]:
+    """Newest committed step per tier (see the module docstring), with its figures.
+
+    One indexed query per tier: newest step first, the first row that counts."""
+    own: dict[str, LedgerRow] = {}
+    for tier in ledger.TIERS:
+        q = _counted(select(LedgerRow).where(LedgerRow.job_pk == job.id, LedgerRow.tier == tier))
+        row = session.scalar(q.order_by(LedgerRow.step.desc()).limit(1))
+        if row is not None:
+            own[tier] = row
+    out = {t: _Newest.of(r) for t, r in own.items()}
+    step = ledger.with_memory_floor({t: r.step for t, r in own.items()})["memory"]
+    if step is not None and ("memory" not in own or own["memory"].step != step):
+        fed = next(r for r in own.values() if r.step == step)
+        out["memory"] = _Newest(step, fed.committed_at, fed.bytes, None)
+    return out
 
 
 def _lag(facts: _JobFacts, newest_step: int | None) -> tuple[int | None, float | None]:
@@ -135,14 +179,14 @@ def _lag(facts: _JobFacts, newest_step: int | None) -> tuple[int | None, float |
     return steps, ledger.lag_seconds(steps, facts.step_time_s, gap)
 
 
-def _facts(session: Session, job: Job, newest: dict[str, LedgerRow]) -> _JobFacts:
+def _facts(session: Session, job: Job, newest: dict[str, _Newest]) -> _JobFacts:
     steps = {r.step for r in newest.values()}
     if job.step is not None:
         steps.add(job.step)
     return _JobFacts(job, _median_step_time(session, job), _trained_at(session, job, steps))
 
 
-def _tier_summary(facts: _JobFacts, row: LedgerRow | None) -> dict[str, Any]:
+def _tier_summary(facts: _JobFacts, row: _Newest | None) -> dict[str, Any]:
     steps, seconds = _lag(facts, row.step if row else None)
     return {
         "newest_step": row.step if row else None,
@@ -207,12 +251,14 @@ def _recent_event_values(
 
 
 def _pending(session: Session, job: Job, tier: str, newest_step: int | None) -> dict | None:
-    """The newest step of a tier still waiting for ranks (newer than the newest committed)."""
+    """The newest step of a tier still waiting for ranks (newer than the newest committed;
+    not evicted, not abandoned by a restore)."""
     q = select(LedgerRow).where(
         LedgerRow.job_pk == job.id,
         LedgerRow.tier == tier,
         LedgerRow.complete.is_(False),
         LedgerRow.evicted.is_(False),
+        ~_abandoned(),
     )
     if newest_step is not None:
         q = q.where(LedgerRow.step > newest_step)
@@ -496,12 +542,13 @@ def prune(
         result = session.execute(delete(table).where(col < cut))
         deleted[table.__tablename__] = result.rowcount  # type: ignore[attr-defined]
     newest_steps = (
-        select(
-            LedgerRow.job_pk.label("job_pk"),
-            LedgerRow.tier.label("tier"),
-            func.max(LedgerRow.step).label("step"),
+        _counted(
+            select(
+                LedgerRow.job_pk.label("job_pk"),
+                LedgerRow.tier.label("tier"),
+                func.max(LedgerRow.step).label("step"),
+            )
         )
-        .where(LedgerRow.complete.is_(True), LedgerRow.evicted.is_(False))
         .group_by(LedgerRow.job_pk, LedgerRow.tier)
         .subquery()
     )

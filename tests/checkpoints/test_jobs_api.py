@@ -309,16 +309,28 @@ def test_events_newest_first_with_failures(client, scripted):
     }
 
 
-def test_evicting_the_newest_memory_step_leaves_no_memory_step(client, scripted):
+def test_an_evicted_newest_step_counts_until_a_restore_abandons_it(client, scripted):
+    """Retention evicts a tier's newest committed step only after a newer one committed
+    (docs/checkpointing.md "Ledger"), so the eviction alone leaves step 20 the newest; a
+    restore of step 10 abandons it (and step 10, evicted from memory, was reached there)."""
     agents, viewer = scripted
     agents.post("n1", checkpoint_events=[ev("evicted", 20, "memory", 0, 72.0)])
     job = job_json(client, viewer)
+    assert (job["tiers"]["memory"]["newest_step"], job["tiers"]["memory"]["lag_steps"]) == (20, 15)
+    assert job["at_risk"]["process"]["step"] == 20
+    restored = [
+        RestoreReport(
+            job_id=JOB, rank=r, world_size=WORLD, step=10, ts=at(80.0), seconds=1.0, steps_lost=25
+        )
+        for r in range(WORLD)
+    ]
+    agents.post("n1", restores=restored[:2])
+    agents.post("n2", restores=restored[2:])
+    job = job_json(client, viewer)
     memory = job["tiers"]["memory"]
-    assert memory["newest_step"] is None
-    assert memory["lag_steps"] == 36  # step 35 + 1: everything at risk
-    assert memory["lag_s"] == 72.0  # 36 steps x 2 s median step time
-    # a process failure is now recovered from the peer tier
-    assert job["at_risk"]["process"] == {"tier": "peer", "step": 10, "steps": 25, "seconds": 50.0}
+    assert (memory["newest_step"], memory["lag_steps"], memory["lag_s"]) == (10, 25, 50.0)
+    assert memory["pending"] is None  # step 30, committed before the restore, is not waited for
+    assert job["at_risk"]["process"] == {"tier": "memory", "step": 10, "steps": 25, "seconds": 50.0}
 
 
 def test_late_rank_completes_a_step_and_replays_count_once(client, scripted):

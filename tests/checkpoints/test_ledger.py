@@ -1,18 +1,25 @@
-"""Ledger rules (pure): completeness, lag in steps and seconds, recovery tier per failure."""
+"""Ledger rules (pure): completeness, newest committed step, lag in steps and seconds,
+recovery tier per failure."""
 
 from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from tierwatch.server.checkpoints.ledger import (
     Completeness,
+    abandoned,
     completeness,
     lag_seconds,
     lag_steps,
     median,
     newest_committed_step,
     recovery_tier,
+    with_memory_floor,
 )
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 @pytest.mark.parametrize(
@@ -95,13 +102,48 @@ def test_recovery_tier_refuses_unknown_class():
     ("rows", "expected"),
     [
         ([(10, True, False), (20, True, False), (30, False, False)], 20),
-        ([(10, True, False), (20, True, True)], 10),  # evicted no longer counts
+        ([(10, True, False), (20, True, True)], 10),  # abandoned by a restore
         ([(10, False, False)], None),
         ([], None),
     ],
 )
 def test_newest_committed_step(rows, expected):
     assert newest_committed_step(rows) == expected
+
+
+@pytest.mark.parametrize(
+    ("step", "committed", "restores", "expected"),
+    [
+        (9, 1.0, [(7, 2.0)], True),  # above the restored step, committed before
+        (9, 3.0, [(7, 2.0)], False),  # saved again after the restore
+        (7, 1.0, [(7, 2.0)], False),  # the restored step itself
+        (9, 1.0, [(9, 2.0), (3, 0.5)], False),  # the older restore came before the commit
+        (9, None, [(7, 2.0)], False),  # commit time unknown
+    ],
+)
+def test_abandoned(step, committed, restores, expected):
+    restored = [(s, T0 + timedelta(seconds=t)) for s, t in restores]
+    when = None if committed is None else T0 + timedelta(seconds=committed)
+    assert abandoned(step, when, restored) is expected
+
+
+@pytest.mark.parametrize(
+    ("own", "expected"),
+    [
+        ({"memory": 4, "peer": 6, "persistent": 5}, {"memory": 6, "peer": 6, "persistent": 5}),
+        (
+            {"memory": None, "peer": None, "persistent": 5},
+            {"memory": 5, "peer": None, "persistent": 5},
+        ),
+        (
+            {"memory": 9, "peer": 6, "persistent": None},
+            {"memory": 9, "peer": 6, "persistent": None},
+        ),
+        ({}, {"memory": None}),
+    ],
+)
+def test_memory_is_never_below_the_tiers_fed_from_it(own, expected):
+    assert with_memory_floor(own) == expected
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import subprocess
+import threading
 from pathlib import Path
 
 import httpx
@@ -14,7 +15,7 @@ import pytest
 from procs import wait_for
 from sqlalchemy import text
 from test_checkpoint_training import FOUR_ON_TWO, SMALL
-from training import Cluster, committed_steps, read_losses, start_cluster
+from training import Cluster, committed_steps, read_losses, run_in_thread, start_cluster
 
 from tierwatch.server.db import make_engine
 
@@ -43,6 +44,33 @@ def args(job_id: str, steps: int, log: Path, *extra: str) -> list[str]:
     return ["--job-id", job_id, "--steps", str(steps), "--log-dir", str(log), *SMALL, *extra]
 
 
+def sample_tiers(c: Cluster, token: str, job_id: str, procs: list, every_s: float) -> list:
+    """``{tier: newest_step}`` of the job, read from the API every ``every_s`` seconds while
+    any of ``procs`` runs (oldest first)."""
+    out: list[dict[str, int | None]] = []
+    stop = threading.Event()
+    while not stop.wait(every_s) and any(p.running for p in procs):
+        with contextlib.suppress(httpx.HTTPStatusError):  # 404 until the job is reported
+            out.append({t: v["newest_step"] for t, v in job(c, token, job_id)["tiers"].items()})
+    return out
+
+
+def check_samples(samples: list[dict[str, int | None]]) -> None:
+    """The ledger's newest committed steps, sampled during a run: a tier's figure is never
+    null once the tier committed a step, and memory's is never below the tiers fed from it
+    (docs/checkpointing.md "Ledger")."""
+    seen: set[str] = set()
+    for i, s in enumerate(samples):
+        for tier, step in s.items():
+            assert step is not None or tier not in seen, (i, tier, samples)
+            if step is not None:
+                seen.add(tier)
+        for fed in ("peer", "persistent"):
+            if s[fed] is not None:
+                assert s["memory"] is not None, (i, fed, samples)
+                assert s["memory"] >= s[fed], (i, fed, samples)
+
+
 def test_server_shows_all_three_tiers_of_a_training_job(cluster: Cluster, tmp_path: Path) -> None:
     cluster.add_node("node-a")
     cluster.add_node("node-b")
@@ -53,7 +81,11 @@ def test_server_shows_all_three_tiers_of_a_training_job(cluster: Cluster, tmp_pa
         placement=FOUR_ON_TWO,
         log_dir=log,
     )
+    # sampled while the job trains (a step every few tenths of a second, one agent report a
+    # second: a batch carries a rank's commit and its eviction of the same step)
+    sampler = run_in_thread(lambda: sample_tiers(cluster, viewer, "tiers", procs, 0.2))
     assert cluster.wait_ranks(procs, 240) == [0, 0, 0, 0]
+    samples = sampler.join(30)
 
     def settled() -> dict | None:
         j = job(cluster, viewer, "tiers")
@@ -68,6 +100,8 @@ def test_server_shows_all_three_tiers_of_a_training_job(cluster: Cluster, tmp_pa
         return j if ok else None
 
     j = wait_for(settled, timeout=60, what="memory, peer and persistent at 11 on the server")
+    assert any(s["memory"] is not None for s in samples), samples
+    check_samples(samples)
     assert j["world_size"] == 4
     assert j["layout"] == FOUR_ON_TWO
     assert j["tiers"]["memory"]["lag_steps"] == 0

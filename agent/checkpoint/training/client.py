@@ -223,10 +223,14 @@ class EventSender:
         Args:
             progress: the report.
             completed: ``progress.step`` was really trained (False for the layout report a
-                rank sends at start); only completed steps go to the progress file.
+                rank sends at start: it is sent with ``starting`` set, so the server never
+                lets a start that may still be refused change a known job); only completed
+                steps go to the progress file.
         """
         if completed:
             self._last_step = progress.step
+        else:
+            progress = progress.model_copy(update={"starting": True})
         with self._lock:
             if (
                 self._progress

@@ -192,7 +192,7 @@ def restore_state(
             completely is not restorable. None: every tier, fastest first.
         request_id: The operator request served (set on the reports, with ``phase``).
         last_done: This rank's newest completed step, for ``steps_lost`` (None: the newest
-            any rank's progress file or any tier knows).
+            step any rank's progress file records; step folders in the tiers never count).
         on_loaded: Called with the step once it is loaded into ``state``, before the
             outcome is reported; returns notes for the report's message.
         run: The attempt's record (default: a new one); after a failure, its ``loading``
@@ -378,10 +378,12 @@ def _restore(
         )
         history = History.seeded([s for s in complete if s <= chosen], persisted)
     ckpt.restored(chosen, history=history)
+    # steps_lost counts to the newest step the ranks themselves recorded (their progress
+    # files, or the loop's own step), never to step folders a tier holds: a planted or
+    # forged step-<N>/ must not inflate it (docs/checkpointing.md "Ledger")
     if last_done is None:
         last = max(
             [s for s in ckpt.collectives.all_gather(_last_trained(ckpt)) if s is not None]
-            + [s for s in every if every[s].manifests]
             + [chosen]
         )
     else:

@@ -241,3 +241,51 @@ def test_saving_another_model_under_a_used_job_id_is_refused(node) -> None:
     assert "ckpt gc --job unit-foreign" in str(err.value)
     again.close()
     assert (again.job_dir / "step-0" / "commit-0.json").exists()  # nothing evicted
+
+
+def test_steps_lost_counts_to_the_last_step_trained_not_to_a_planted_step(node) -> None:
+    """A step folder planted in the memory tier (a manifest claiming step 999, its files
+    missing) is tried and refused by the restore, and never enters ``steps_lost``: that
+    counts from the restored step to the newest step the rank's progress file records."""
+    state = make_state()
+    ckpt = TieredCheckpointer("unit-lost", node.url, latency_every=0)
+    for step in range(4):
+        train_step(state)
+        ckpt.save(step, state)
+    assert ckpt.wait() is True
+    ckpt.close()
+    planted = ckpt.job_dir / step_dirname(999)
+    planted.mkdir()
+    manifest = json.loads((ckpt.job_dir / step_dirname(3) / "manifest-0.json").read_text())
+    manifest["step"] = 999
+    (planted / "manifest-0.json").write_text(json.dumps(manifest))
+    assert json.loads(ckpt.progress_file.read_text())["step"] == 3
+
+    again = TieredCheckpointer("unit-lost", node.url, latency_every=0)
+    assert again.restore(make_state(seed=1)) == 3
+    report = again.last_restore
+    assert report is not None
+    assert (report.step, report.steps_lost) == (3, 0)
+    again.close()
+
+
+def test_the_report_sent_at_start_is_marked_starting() -> None:
+    """Rank 0's layout report at start may still be refused (another world size or model):
+    it goes out with ``starting`` set, so the server never lets it rewrite a known job."""
+    from tierwatch.agent.checkpoint.training.client import EventSender
+    from tierwatch.agent.protocol import JobProgress, utcnow
+
+    class Agent:
+        def __init__(self) -> None:
+            self.progress: list[dict] = []
+
+        def post_events(self, *, events: list, progress: list, restores: list) -> None:
+            self.progress += progress
+
+    agent = Agent()
+    sender = EventSender(agent, period_s=3600)  # type: ignore[arg-type]
+    report = JobProgress(job_id="j", rank=0, world_size=2, step=0, ts=utcnow(), layout=["a", "b"])
+    sender.progress(report, completed=False)
+    sender.progress(report.model_copy(update={"step": 1, "layout": None}))
+    assert sender.close(timeout_s=2) is True
+    assert [(p["step"], p["starting"]) for p in agent.progress] == [(0, True), (1, False)]
