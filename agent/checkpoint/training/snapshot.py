@@ -37,6 +37,7 @@ CUDA mesh is what DCP's own CPU state dicts hold (``_create_cpu_state_dict`` in
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,8 @@ try:  # DTensor is public from torch 2.4
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - older torch
     DTensor = None  # type: ignore[assignment,misc]
+
+log = logging.getLogger(__name__)
 
 Path = tuple[Any, ...]
 LazyPredicate = Callable[[Path, torch.Tensor], bool]
@@ -135,6 +138,8 @@ class SnapshotStager:
         allocations: How many buffers (or slabs) were allocated so far (a save with unchanged
             paths, shapes and dtypes allocates none).
         staged_bytes: Bytes of tensor data in the last staged state dict.
+        pin_error: Why ``cudaHostRegister`` refused the slab (then staged unpinned: the copies
+            are right but not asynchronous), or None.
     """
 
     def __init__(self, *, slab: bool | None = None, copier: DeviceCopier | None = None) -> None:
@@ -144,6 +149,7 @@ class SnapshotStager:
         self._slab: HostSlab | None = None
         self.allocations = 0
         self.staged_bytes = 0
+        self.pin_error: str | None = None
 
     @property
     def pinned_bytes(self) -> int:
@@ -172,8 +178,6 @@ class SnapshotStager:
             The staged state dict (same structure; tensors replaced by host buffers, DTensors
             by DTensors over host buffers, other values deep-copied) and the pending copies.
 
-        Raises:
-            RuntimeError: pinning the slab failed (``cudaHostRegister``).
         """
         leaves: list[tuple[Path, torch.Tensor]] = []
         _collect(state, (), leaves)
@@ -217,11 +221,20 @@ class SnapshotStager:
 
     def _prepare_slab(self, leaves: list[tuple[Path, torch.Tensor]], *, pin: bool) -> None:
         specs = [TensorSpec.of(path, t) for path, t in leaves]
+        pin = pin and self.pin_error is None  # a refused pin is not retried every save
         if self._slab is not None and self._slab.fits(specs, pin=pin):
             return
         if self._slab is not None:
             self._slab.release()  # no copy into it is in flight: save() waited for the last
-        self._slab = HostSlab(specs, pin=pin)
+            self._slab = None
+        try:
+            self._slab = HostSlab(specs, pin=pin)
+        except RuntimeError as exc:  # cudaHostRegister refused: copies still right, not async
+            if not pin:
+                raise
+            log.warning("cannot pin the staging slab (%s); staging unpinned", exc)
+            self.pin_error = str(exc)
+            self._slab = HostSlab(specs, pin=False)
         self._buffers = dict(self._slab.views)
         self.allocations += 1
 

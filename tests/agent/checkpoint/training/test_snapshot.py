@@ -213,6 +213,55 @@ def test_per_tensor_buffers_on_cpu_as_before() -> None:
     assert stager.allocations == 2
 
 
+class FakePinning:
+    """cudaHostRegister/Unregister stand-ins (torch.cuda._pin_memory_utils)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, refuse: bool = False) -> None:
+        from torch.cuda import _pin_memory_utils
+
+        self.pinned: list[tuple[int, int]] = []
+        self.unpinned: list[int] = []
+
+        def pin(ptr: int, size: int) -> None:
+            if refuse:
+                raise RuntimeError("Registering memory failed with cudaError: 2.")
+            self.pinned.append((ptr, size))
+
+        monkeypatch.setattr(_pin_memory_utils, "pin_memory", pin)
+        monkeypatch.setattr(_pin_memory_utils, "unpin_memory", self.unpinned.append)
+
+
+def test_a_pinned_slab_is_pinned_once_whole_and_unpinned_when_replaced(monkeypatch) -> None:
+    pinning = FakePinning(monkeypatch)
+    stager = SnapshotStager(slab=True)
+    leaves = [(("w",), torch.zeros(100)), (("b",), torch.zeros(3))]
+    stager._prepare_slab(leaves, pin=True)
+    stager._prepare_slab(leaves, pin=True)  # the same tensors: reused, not pinned again
+    slab = stager._slab
+    assert slab is not None
+    assert pinning.pinned == [(stager.buffer(("w",)).data_ptr(), slab.nbytes)]
+    assert stager.pinned_bytes == slab.nbytes == 3 * ALIGN  # 400 bytes → 512, then 12 → 256
+    stager._prepare_slab([(("w",), torch.zeros(200))], pin=True)  # a new shape
+    assert pinning.unpinned == [pinning.pinned[0][0]]
+    assert len(pinning.pinned) == 2
+    assert stager.allocations == 2
+    stager._slab.release()  # with the fake, not the real cudaHostUnregister at GC
+    assert pinning.unpinned == [ptr for ptr, _ in pinning.pinned]
+
+
+def test_a_refused_pin_stages_unpinned_and_is_not_retried(monkeypatch, caplog) -> None:
+    FakePinning(monkeypatch, refuse=True)
+    stager = SnapshotStager(slab=True)
+    leaves = [(("w",), torch.zeros(10))]
+    stager._prepare_slab(leaves, pin=True)
+    assert stager.pin_error is not None
+    assert "cudaError" in stager.pin_error
+    assert stager.pinned_bytes == 0
+    assert "cannot pin" in caplog.text
+    stager._prepare_slab(leaves, pin=True)
+    assert stager.allocations == 1  # the unpinned slab fits: no new attempt
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs CUDA")
 def test_a_cuda_state_is_staged_into_one_pinned_slab() -> None:
     state = {"w": torch.randn(1000, 3, device="cuda"), "b": torch.randn(7, device="cuda")}
