@@ -36,6 +36,7 @@ CUDA mesh is what DCP's own CPU state dicts hold (``_create_cpu_state_dict`` in
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Callable
@@ -97,18 +98,28 @@ class PendingCopies:
             outside the hooked optimizer step; names it by its state-dict path), or None.
         """
         copier = self.copier
-        if copier is not None:
-            for batch in self.batches:
-                copier.issue(batch)
-        for dst, src in self.host_pairs:
-            dst.copy_(src)
-        if not self.batches:
-            self.versions.close()
-        if issued is not None:
-            issued()
-        if copier is not None:
-            for batch in self.batches:
-                copier.wait(batch)
+        ok = False
+        try:
+            if copier is not None:
+                for batch in self.batches:
+                    copier.issue(batch)
+            for dst, src in self.host_pairs:
+                dst.copy_(src)
+            if not self.batches:
+                self.versions.close()
+            if issued is not None:
+                issued()
+            ok = True
+        finally:
+            # the sources and clones stay referenced until every enqueued copy has landed,
+            # also when a copy failed (that first error is the one raised)
+            if copier is not None:
+                for batch in self.batches:
+                    if ok:
+                        copier.wait(batch)
+                    else:
+                        with contextlib.suppress(Exception):
+                            copier.wait(batch)
         self.versions.close()
         self.host_pairs.clear()
         self.pairs.clear()

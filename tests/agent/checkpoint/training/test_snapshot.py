@@ -333,7 +333,7 @@ class FakeCuda:
 
     def new_event(self):
         self.events += 1
-        return FakeEvent(self.log, ("ready", "done")[self.events % 2 == 0])
+        return FakeEvent(self.log, f"event{self.events}")
 
     def set_device(self, device) -> None:
         self.log.append(("set_device", str(device), threading.current_thread().name))
@@ -391,15 +391,16 @@ def test_the_copy_protocol_orders_training_and_the_writer_with_events() -> None:
     assert torch.equal(dst, torch.arange(4.0))  # the fake copy ran before the step
     assert batch.pairs == []
     assert pending.pairs == []
+    ready, done = "event1", "event2"
     assert fake.log == [
-        ("record", "ready", f"default:{training}:cuda:3", training),
+        ("record", ready, f"default:{training}:cuda:3", training),
         ("set_device", "cuda:3", "writer"),
         ("new_stream", "cuda:3"),
-        ("wait_event", "copy:cuda:3", "ready", "writer"),
+        ("wait_event", "copy:cuda:3", ready, "writer"),
         ("copy", "copy:cuda:3"),
-        ("record", "done", "copy:cuda:3", "writer"),
-        ("wait_event", f"default:{training}:cuda:3", "done", training),
-        ("synchronize", "done", "writer"),
+        ("record", done, "copy:cuda:3", "writer"),
+        ("wait_event", f"default:{training}:cuda:3", done, training),
+        ("synchronize", done, "writer"),
     ]
 
 
@@ -432,3 +433,26 @@ def test_without_device_batches_the_writer_checks_versions_before_releasing_trai
     assert pending.run(issued=issued) is None
     assert seen == [True]
     assert torch.equal(dst, torch.zeros(3))
+
+
+def test_a_failed_copy_still_waits_for_the_copies_already_enqueued() -> None:
+    class FailingOnSecondDevice(FakeCuda):
+        def copy(self, dst, src) -> None:
+            if self.current.get(threading.current_thread().name) == "copy:cuda:1":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            super().copy(dst, src)
+
+    fake = FailingOnSecondDevice()
+    copier = DeviceCopier(fake)
+    batches = []
+    for index in (0, 1):
+        batch = copier.mark_ready(torch.device("cuda", index))
+        batch.pairs.append((torch.zeros(2), torch.ones(2)))
+        batches.append(batch)
+    pending = PendingCopies(batches=batches, copier=copier)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        pending.run()
+    recorded = [e[1] for e in fake.log if e[0] == "record" and e[2] == "copy:cuda:0"]
+    assert len(recorded) == 1  # cuda:0's done event
+    assert ("synchronize", recorded[0], threading.current_thread().name) in fake.log
+    assert batches[0].pairs == []  # released only after its copy landed
