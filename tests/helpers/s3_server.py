@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,17 +168,28 @@ def s3_bucket(s3_server: MotoServer) -> S3Bucket:
 
 @dataclass
 class ThrottledProxy:
-    """A TCP proxy on 127.0.0.1 in front of ``target_port``: bytes from clients are
-    forwarded at most ``rate`` bytes per second per connection while :attr:`rate` is set
-    (None: at full speed). :attr:`seen` holds the request lines (``"PUT /bucket/key"``) that
-    clients started sending, so a test knows an upload is under way."""
+    """A TCP proxy on 127.0.0.1 in front of ``target_port``, standing for a slow or stalled
+    network between one agent and the store.
+
+    - :attr:`rate`: bytes per second per connection from clients (None: full speed);
+    - :attr:`hold`: while set, client bytes are read but not forwarded (a stalled link);
+      :attr:`hold_on`: a connection stalls from the first request line this returns True
+      for (until both are cleared); :meth:`drop` closes every connection and discards what
+      was held, so nothing of it ever reaches the server;
+    - :attr:`seen`: the request lines (``"PUT /bucket/key"``) clients started sending, so a
+      test knows an upload is under way.
+    """
 
     target_port: int
     rate: float | None = None
+    hold: bool = False
+    hold_on: Callable[[str], bool] | None = None
     port: int = 0
     seen: list[str] = field(default_factory=list)
     _sock: socket.socket | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
+    _conns: list[socket.socket] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def url(self) -> str:
@@ -194,10 +205,18 @@ class ThrottledProxy:
         threading.Thread(target=self._accept, daemon=True, name="s3-proxy").start()
         return self
 
+    def drop(self) -> None:
+        """Close every open connection; held bytes are discarded."""
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            _close(s)
+
     def stop(self) -> None:
         self._stop.set()
         if self._sock is not None:
             self._sock.close()
+        self.drop()
 
     def _accept(self) -> None:
         assert self._sock is not None
@@ -209,11 +228,15 @@ class ThrottledProxy:
             except OSError:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            with self._lock:
+                self._conns += [client, upstream]
             threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, outgoing: bool) -> None:
         tail = b""
+        held: list[bytes] = []
+        stalled = False
         try:
             while not self._stop.is_set():
                 rate = self.rate if outgoing else None
@@ -222,24 +245,42 @@ class ThrottledProxy:
                     break
                 if outgoing:
                     text = tail + data
-                    self.seen += [  # a line wholly inside the tail was counted before
+                    lines = [  # a line wholly inside the tail was counted before
                         f"{m[1].decode()} {m[2].decode()}"
                         for m in re.finditer(rb"(PUT|POST|GET|DELETE|HEAD) (/\S*) HTTP/1", text)
                         if m.end() > len(tail)
                     ]
+                    self.seen += lines
                     tail = text[-200:]
+                    held.append(data)
+                    hold_on = self.hold_on
+                    stalled = stalled or bool(hold_on and any(hold_on(x) for x in lines))
+                    while (
+                        (self.hold or (stalled and self.hold_on is not None))
+                        and not self._stop.is_set()
+                        and src.fileno() != -1
+                    ):
+                        time.sleep(0.01)
+                    stalled = stalled and self.hold_on is not None
+                    if src.fileno() == -1:  # dropped while held
+                        break
+                    data, held = b"".join(held), []
                 if rate:
                     time.sleep(len(data) / rate)
                 dst.sendall(data)
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.close()
+            _close(src)
+            _close(dst)
+
+
+def _close(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    s.close()
 
 
 @pytest.fixture
