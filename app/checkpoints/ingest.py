@@ -229,12 +229,14 @@ def _update_jobs(
 ) -> set[int]:
     """Apply progress (world_size, layout, step time, current step) and event steps to jobs.
 
-    The newest progress report (by its time) sets world_size, layout and step time; the
-    current step only grows (the highest step of any progress or checkpoint event). A
-    ``starting`` report (rank 0's, before its start was accepted) sets world_size and
-    layout only for a job without a world size: a start that is refused (another world
-    size, another model) leaves a known job's as they were, and the first save's report,
-    which carries the layout too, changes them once the start is accepted.
+    The newest progress report (by its time) sets world_size, layout and step time; an
+    older one (another node's newer report came first) only fills in a missing layout of
+    the job's world size. The current step only grows (the highest step of any progress or
+    checkpoint event). A ``starting`` report (rank 0's, before its start was accepted) sets
+    world_size and layout only for a job without a world size, else it only fills in a
+    missing layout of that world size: a start that is refused (another world size, another
+    model) leaves a known job's as they were; the first save's report, which carries the
+    layout too, changes them once the start is accepted.
 
     Returns:
         Ids of jobs whose world_size is now known (or changed): their ledger rows
@@ -245,17 +247,22 @@ def _update_jobs(
         for p in sorted(b.progress, key=lambda p: p.ts):
             j = jobs[p.job_id]
             _raise_step(j, p.step, p.ts)
-            if p.starting and j["world_size"] is not None:
-                continue  # may still be refused: never rewrites a known job
-            if j["progress_ts"] is None or p.ts >= j["progress_ts"]:
-                if p.world_size != j["world_size"] and p.layout is None:
-                    j["layout"] = None  # a layout of another world size no longer applies
-                j["world_size"] = p.world_size
-                if p.layout is not None:
+            if (p.starting and j["world_size"] is not None) or (
+                j["progress_ts"] is not None and p.ts < j["progress_ts"]
+            ):
+                # not the newest report (or a start that may still be refused): it only
+                # fills in a missing layout of the job's world size
+                if p.layout is not None and j["layout"] is None and p.world_size == j["world_size"]:
                     j["layout"] = list(p.layout)
-                if p.step_time_s is not None:
-                    j["step_time_s"] = p.step_time_s
-                j["progress_ts"] = p.ts
+                continue
+            if p.world_size != j["world_size"] and p.layout is None:
+                j["layout"] = None  # a layout of another world size no longer applies
+            j["world_size"] = p.world_size
+            if p.layout is not None:
+                j["layout"] = list(p.layout)
+            if p.step_time_s is not None:
+                j["step_time_s"] = p.step_time_s
+            j["progress_ts"] = p.ts
         for e in b.checkpoint_events:
             j = jobs[e.job_id]
             _raise_step(j, e.step, e.ts)

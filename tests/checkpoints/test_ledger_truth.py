@@ -235,3 +235,18 @@ def test_a_refused_start_does_not_rewrite_the_jobs_world_size_or_layout(client, 
     agents.post("n1", progress=[first])
     job = client.get(f"/api/v1/jobs/{JOB}", headers=auth(viewer)).json()
     assert (job["world_size"], job["layout"]) == (1, ["n1"])
+
+
+def test_the_layout_of_a_start_survives_another_nodes_newer_report_arriving_first(
+    client, make_token
+):
+    """n2's report (rank 1, step 2, no layout) reaches the server before n1's, which holds
+    rank 0's start report and its first save's report with the layout."""
+    agents, viewer = Agents(client, make_token), make_token("viewer")
+    agents.post("n2", progress=[progress(1, 2)])
+    start = JobProgress(
+        job_id=JOB, rank=0, world_size=2, step=0, ts=at(0.0), layout=["n1", "n2"], starting=True
+    )
+    agents.post("n1", progress=[start, progress(0, 0, layout=["n1", "n2"]), progress(0, 1)])
+    job = client.get(f"/api/v1/jobs/{JOB}", headers=auth(viewer)).json()
+    assert (job["world_size"], job["layout"], job["step"]) == (2, ["n1", "n2"], 2)

@@ -263,9 +263,17 @@ def test_same_job_id_with_another_model_is_refused(cluster: Cluster, tmp_path: P
     assert "ckpt gc --job reused" in out
 
 
+@pytest.fixture
+def cluster_with_server(tmp_path: Path):
+    c = start_cluster(tmp_path / "cluster", with_server=True)
+    yield c
+    c.stop()
+
+
 def test_restart_at_another_world_size_is_refused_not_started_from_scratch(
-    cluster: Cluster, tmp_path: Path
+    cluster_with_server: Cluster, tmp_path: Path
 ) -> None:
+    cluster = cluster_with_server
     cluster.add_node("node-a")
     cluster.add_node("node-b")
     log = tmp_path / "log"
@@ -296,6 +304,20 @@ def test_restart_at_another_world_size_is_refused_not_started_from_scratch(
     after = sorted(p.name for p in cluster.persistent_dir.rglob("*") if p.is_file())
     assert after == before  # nothing of the 2-rank job was overwritten
     assert job_file.read_text() == job_before
+
+    # the server keeps the 2-rank job's world size and layout: the refused start's report
+    # (sent before its refused restore's outcome, through the same agent) changed nothing
+    assert cluster.server is not None
+    viewer = {"Authorization": f"Bearer {cluster.server.token('viewer')}"}
+
+    def refusal_seen() -> dict | None:
+        r = httpx.get(f"{cluster.server.url}/api/v1/jobs/resized", headers=viewer, timeout=10)
+        j = r.json() if r.status_code == 200 else {}
+        refused = [x for x in j.get("restores", []) if not x["ok"] and x["world_size"] == 1]
+        return j if refused else None
+
+    j = wait_for(refusal_seen, timeout=30, what="the refused restore on the server")
+    assert (j["world_size"], j["layout"]) == (2, ["node-a", "node-b"])
 
 
 def test_launcher_stops_the_job_when_a_rank_dies(cluster: Cluster, tmp_path: Path) -> None:
