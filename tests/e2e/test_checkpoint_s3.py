@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from procs import wait_for
 from s3_server import S3Bucket, ThrottledProxy
-from training import TINY_GPT, read_losses, start_cluster
+from training import TINY_GPT, read_losses, run_in_thread, start_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -56,9 +56,9 @@ def test_two_nodes_on_s3_survive_an_agent_killed_mid_upload_and_the_loss_of_all_
 
         # 2 nodes × 2 ranks commit persistent steps: every rank's manifest, then .metadata
         wait_for(
-            lambda: len(committed_on_s3(s3_bucket)) >= 2,
+            lambda: committed_on_s3(s3_bucket),
             timeout=120,
-            what=f"two steps committed on S3\n{a.proc.log_tail()}\n{b.proc.log_tail()}",
+            what=f"a step committed on S3\n{a.proc.log_tail()}\n{b.proc.log_tail()}",
         )
 
         # node-b's link stalls at its first upload of a newer step; then its agent is killed
@@ -115,7 +115,9 @@ def test_two_nodes_on_s3_survive_an_agent_killed_mid_upload_and_the_loss_of_all_
         # all memory is lost; the job comes back from S3, bit for bit
         for node in (a, b):
             node.wipe_memory()
-            node.start()
+        b_up = run_in_thread(b.start)  # both agents start at once
+        a.start()
+        b_up.join(60)
         ranks = cluster.launch(
             train_args(restorable + 3, log2), placement=FOUR_ON_TWO, log_dir=log2
         )

@@ -153,8 +153,8 @@ def test_kill_9_mid_multipart_upload_leaves_no_object_and_the_previous_step_rest
     one = write_step(mem, job_id=JOB, step=1, node="node-a", layout=["node-a"], persist=True)
     persist(t, mem, one, 1, commit=True)
     big = tmp_path / "big"
-    big.write_bytes(os.urandom(30 * MiB))
-    throttled_proxy.rate = 8 * MiB  # ~4 s for the whole file: it is killed well before
+    big.write_bytes(os.urandom(12 * MiB))
+    throttled_proxy.rate = 4 * MiB  # ~3 s for the whole file: it is killed after one part
     proc = subprocess.Popen(
         [sys.executable, "-c", _UPLOAD, s3_bucket.url(), throttled_proxy.url, str(big)],
         env={**os.environ, **AWS_ENV, "PYTHONPATH": str(REPO_ROOT)},
