@@ -42,9 +42,13 @@ def _context() -> Any:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(["warm_rank"])
             saved = dict(os.environ)
+            # Python 3.11's fork server ignores the sys.path it is handed and preloads with
+            # its own, from PYTHONPATH: without this folder on it, importing warm_rank fails,
+            # the failure is swallowed, and every child imports torch again (about 2 s each).
+            server_path = os.pathsep.join([STARTUP_ENV["PYTHONPATH"], str(Path(__file__).parent)])
             try:  # the server inherits the environment it is started with
                 os.environ.clear()
-                os.environ.update(base_env(**STARTUP_ENV))
+                os.environ.update(base_env(**{**STARTUP_ENV, "PYTHONPATH": server_path}))
                 forkserver.ensure_running()
             finally:
                 os.environ.clear()

@@ -22,6 +22,10 @@ import tierwatch
 
 tierwatch.TieredCheckpointer  # noqa: B018 - imports the training library (a lazy attribute)
 
+# The process that imported this module: the fork server's pid in a forked rank (a rank that
+# imported it itself paid torch's start-up; tests/test_warm_ranks.py checks it does not).
+IMPORTED_IN = os.getpid()
+
 
 def run_script(script: str, args: list[str], env: dict[str, str], log_path: str) -> None:
     """Run ``script`` with ``args`` as ``__main__`` in this process.
