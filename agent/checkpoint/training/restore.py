@@ -216,6 +216,9 @@ def restore_state(
     except Exception as exc:
         if not run.reported:
             _report(ckpt, run, None, {}, ok=False, message=f"{type(exc).__name__}: {exc}"[:2000])
+        # A refused restore usually ends the process right away (its daemon sender with it):
+        # hand the outcome to the agent now, so the refusal reaches the server.
+        ckpt.events.flush(REFUSAL_FLUSH_S)
         raise
 
 
@@ -401,6 +404,9 @@ def _restore(
         message="; ".join([f"phases: {timing}", *notes])[:2000],
     )
     return chosen
+
+
+REFUSAL_FLUSH_S = 5.0  # the longest a failed restore waits to hand its report to the agent
 
 
 def _last_trained(ckpt: TieredCheckpointer) -> int | None:

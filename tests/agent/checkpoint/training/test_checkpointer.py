@@ -13,6 +13,7 @@ from training import start_cluster
 
 from tierwatch import CheckpointError, ResumableDistributedSampler, RNGState, TieredCheckpointer
 from tierwatch.agent.checkpoint.format.layout import step_dirname
+from tierwatch.agent.checkpoint.training.errors import ModelMismatchError
 
 pytestmark = pytest.mark.e2e
 
@@ -289,3 +290,34 @@ def test_the_report_sent_at_start_is_marked_starting() -> None:
     sender.progress(report.model_copy(update={"step": 1, "layout": None}))
     assert sender.close(timeout_s=2) is True
     assert [(p["step"], p["starting"]) for p in agent.progress] == [(0, True), (1, False)]
+
+
+def test_a_refused_restore_hands_its_report_to_the_agent_before_raising(node) -> None:
+    """The process usually exits right after a refused restore, and the event sender's
+    daemon thread with it: the refusal is delivered before the error propagates."""
+    from tierwatch.agent.checkpoint.training.client import EventSender
+
+    state = make_state(width=16)
+    ckpt = TieredCheckpointer("unit-refused", node.url, latency_every=0)
+    train_step(state)
+    ckpt.save(0, state)
+    ckpt.close()
+
+    class Agent:
+        def __init__(self) -> None:
+            self.restores: list[dict] = []
+
+        def post_events(self, *, events: list, progress: list, restores: list) -> None:
+            self.restores += restores
+
+    again = TieredCheckpointer("unit-refused", node.url, latency_every=0)
+    agent = Agent()
+    sender = EventSender(agent, period_s=3600)  # type: ignore[arg-type]
+    sender._stop.set()  # no background delivery: only an explicit flush sends
+    sender._wake.set()
+    sender._thread.join(5)
+    again.events = sender
+    with pytest.raises(ModelMismatchError):
+        again.restore(make_state(width=32))
+    assert [(r["ok"], r["step"]) for r in agent.restores] == [(False, None)]
+    again.close()
