@@ -45,7 +45,7 @@ test: setup lint
 	$(VENV)/bin/pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(VENV)/bin/pytest $(XDIST) -m "not e2e and not browser and not slow and not soak and not screenshot" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest $(XDIST) -m "not e2e and not browser and not slow and not soak and not screenshot and not gpu" $(PYTEST_ARGS)
 
 soak: setup
 	$(VENV)/bin/pytest -m soak $(PYTEST_ARGS)
@@ -74,4 +74,5 @@ clean:
 # CUDA GPU, under 5 minutes on one H200; needs only the Python venv (no npm). Exits 2
 # without CUDA; `$(PY) bench/gpu_check.py --dry-run-cpu` checks the script on CPU tensors.
 gpu-check: $(VENV)/.installed
+	$(VENV)/bin/pytest -m gpu $(PYTEST_ARGS)
 	$(PY) bench/gpu_check.py

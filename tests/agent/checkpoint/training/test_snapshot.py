@@ -262,7 +262,7 @@ def test_a_refused_pin_stages_unpinned_and_is_not_retried(monkeypatch, caplog) -
     assert stager.allocations == 1  # the unpinned slab fits: no new attempt
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs CUDA")
+@pytest.mark.gpu
 def test_a_cuda_state_is_staged_into_one_pinned_slab() -> None:
     state = {"w": torch.randn(1000, 3, device="cuda"), "b": torch.randn(7, device="cuda")}
     stager = SnapshotStager()
