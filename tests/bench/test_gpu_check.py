@@ -3,14 +3,12 @@ comparison, the NVML verdict, the timing arithmetic and the benchmarks page sect
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import gpu_check  # noqa: E402
+from bench import gpu_check
 
 
 def test_arguments() -> None:
