@@ -43,6 +43,58 @@ BACKENDS = [
 ]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test marked ``one_backend`` runs on PostgreSQL when it is configured (what a cluster
+    runs), else on SQLite: its other backend's copy is deselected, not skipped. For
+    multi-process tests outside tests/e2e whose subject is not the SQL."""
+    keep = "postgres" if PG_URL else "sqlite"
+    chosen, dropped = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        backend = callspec.params.get("database_url") if callspec is not None else None
+        if item.get_closest_marker("one_backend") and backend not in (None, keep):
+            dropped.append(item)
+        else:
+            chosen.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = chosen
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        items[:] = spread_heavy_tests(items, workers)
+
+
+def spread_heavy_tests(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
+    """The collection reordered so each xdist worker starts with its share of the heavy
+    (``e2e``/``slow``) tests.
+
+    ``--dist worksteal`` first hands worker i the i-th contiguous chunk of the collection
+    (``remaining // (workers - i)`` items) and later steals from the tail of a worker's queue.
+    In collection order, the multi-process tests all sit in one chunk (tests/e2e), so one
+    worker ran them back to back while the others ran out of work and stole its light tail.
+    Here the heavy tests are dealt round-robin into the chunks and lead each one; the light
+    tests fill the chunks up to xdist's sizes, so a steal takes light tests. Every worker
+    computes the same order (it must: xdist checks that the collections agree).
+    """
+    heavy = [i for i in items if i.get_closest_marker("e2e") or i.get_closest_marker("slow")]
+    heavy_ids = {id(i) for i in heavy}
+    light = [i for i in items if id(i) not in heavy_ids]
+    sizes, remaining = [], len(items)
+    for w in range(workers):
+        sizes.append(remaining // (workers - w))
+        remaining -= sizes[-1]
+    chunks: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    for n, item in enumerate(heavy):
+        chunks[n % workers].append(item)
+    rest = iter(light)
+    for chunk, size in zip(chunks, sizes, strict=True):
+        while len(chunk) < size:
+            chunk.append(next(rest))
+    ordered = [i for chunk in chunks for i in chunk]
+    ordered += list(rest)  # (only when the heavy tests outnumber a chunk)
+    return ordered
+
+
 @pytest.fixture(scope="session", params=BACKENDS)
 def database_url(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory

@@ -230,6 +230,7 @@ def _assert_inert(page, url: str, seen: list[str], *, expect_text: tuple[str, ..
 
 @pytest.mark.e2e
 @pytest.mark.browser
+@pytest.mark.one_backend  # what the browser does with the pages is not the SQL's business
 def test_payloads_are_shown_inert_in_the_browser(browser, server, make_token):
     tokens = {
         "agent_n1": make_token("agent", "n1"),

@@ -10,6 +10,10 @@ import pytest
 
 BIN = Path(sys.executable).parent / "tierwatch-server"
 
+# The CLI's own behaviour (output, errors, exit codes) runs on one backend: the SQL behind its
+# token and audit commands is tested on both in-process; migrations keep both backends here.
+one_backend = pytest.mark.one_backend
+
 
 def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -26,6 +30,7 @@ def cli_env(db_url, monkeypatch) -> dict[str, str]:
     return env
 
 
+@one_backend
 def test_token_create_prints_only_the_token(cli_env, session):
     from tierwatch.server.tokens import lookup_token
 
@@ -41,6 +46,7 @@ def test_token_create_prints_only_the_token(cli_env, session):
     assert token not in row.token_hash  # only the hash is stored
 
 
+@one_backend
 def test_agent_token_for_node_not_yet_seen(cli_env, session):
     from tierwatch.server.tokens import lookup_token
 
@@ -49,6 +55,7 @@ def test_agent_token_for_node_not_yet_seen(cli_env, session):
     assert lookup_token(session, out.stdout.strip()).node_name == "gpu-node-17"
 
 
+@one_backend
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -65,6 +72,7 @@ def test_token_create_refuses_bad_input(cli_env, args, message):
     assert message in out.stderr
 
 
+@one_backend
 def test_token_list_and_revoke(cli_env):
     run("token", "create", "--role", "admin", "--label", "ops", env=cli_env)
     listing = run("token", "list", env=cli_env).stdout.splitlines()
@@ -78,6 +86,7 @@ def test_token_list_and_revoke(cli_env):
     assert "no token with id 99999" in missing.stderr
 
 
+@one_backend
 def test_serve_refuses_to_start_without_secret_outside_dev(cli_env):
     out = run("serve", "--port", "1", env=cli_env)
     assert out.returncode == 2
@@ -92,6 +101,7 @@ def test_migrate_is_idempotent(cli_env):
     assert run("migrate", env=cli_env).returncode == 0
 
 
+@one_backend
 @pytest.mark.parametrize(
     ("env", "args", "message"),
     [
@@ -117,6 +127,7 @@ def test_configuration_mistakes_are_one_clear_line(cli_env, env, args, message):
     assert "Traceback" not in out.stderr
 
 
+@one_backend
 def test_unmigrated_database_says_to_migrate(cli_env, tmp_path):
     out = run(
         "token", "list", env={**cli_env, "TIERWATCH_DATABASE_URL": f"sqlite:///{tmp_path}/new.db"}
@@ -125,6 +136,7 @@ def test_unmigrated_database_says_to_migrate(cli_env, tmp_path):
     assert "run `tierwatch-server migrate` first" in out.stderr
 
 
+@one_backend
 def test_token_create_and_revoke_are_audited(cli_env, session):
     from tierwatch.server.actions.audit import query
 
@@ -141,6 +153,7 @@ def test_token_create_and_revoke_are_audited(cli_env, session):
     assert entries[0].actor.startswith("cli@")
 
 
+@one_backend
 def test_unusable_isolation_settings_are_one_line_errors(cli_env):
     env = {**cli_env, "TIERWATCH_DEV": "1"}
     out = run(
