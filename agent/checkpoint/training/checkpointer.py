@@ -121,6 +121,9 @@ class _SaveJob:
     copy_done: threading.Event = field(default_factory=threading.Event)
     committed: bool = False
     error: str | None = None
+    # why this rank cannot write the step, known in save() (staging failed): the writer
+    # still enters the step's collectives with it, so every rank learns the cause
+    refused: str | None = None
     write_s: float = 0.0
     blocking_s: float = 0.0  # time the training thread spent in save()
     persist: bool = False  # the caller asked for the persistent tier
@@ -388,6 +391,42 @@ class TieredCheckpointer:
             )
 
     # -- save --------------------------------------------------------------------------------
+    def _stage_state(self, state: dict[str, Any]) -> tuple[dict[str, Any], PendingCopies]:
+        """Stage ``state`` for a save (see :meth:`save`): the staged state dict and the
+        copies left for the writer.
+
+        Raises:
+            CheckpointError: the job id holds steps of another model or world size here.
+            Exception: what staging raised (a bad state, a CUDA error in a clone).
+        """
+        adapter = StateAdapter(state)
+        live = adapter.live()
+        if self._signature is None:
+            signature = adapter.signature(live.state_dict)
+            self._refuse_foreign_steps(signature)
+            self._signature = signature
+            self._write_job_file()
+        lazy_allowed = bool(live.optim_keys)
+        self._hook_optimizers(adapter)
+
+        def lazy(path: tuple[Any, ...], t: torch.Tensor) -> bool:
+            if not lazy_allowed:
+                return False
+            return path[0] in live.optim_keys or data_ptr(t) in live.param_ptrs
+
+        return self._stager.stage(live.state_dict, lazy)
+
+    def _queue_refused(self, step: int, t0: float, why: str) -> None:
+        """Queue ``step`` for the writer as refused by this rank (``why``): it enters the
+        step's first exchange with that verdict, so every rank drops the step together."""
+        job = _SaveJob(
+            step=step, staged={}, pending=PendingCopies(), staged_bytes=0, started=t0, refused=why
+        )
+        job.copy_done.set()
+        self._inflight = job
+        self._last_step, self._last_save_at = step, t0
+        self._queue.put(job)
+
     def save(self, step: int, state: dict[str, Any], *, persist: bool | None = None) -> None:
         """Checkpoint ``state`` as it is after ``step`` completed.
 
@@ -417,22 +456,13 @@ class TieredCheckpointer:
             )
         self._finish_inflight()
 
-        adapter = StateAdapter(state)
-        live = adapter.live()
-        if self._signature is None:
-            signature = adapter.signature(live.state_dict)
-            self._refuse_foreign_steps(signature)
-            self._signature = signature
-            self._write_job_file()
-        lazy_allowed = bool(live.optim_keys)
-        self._hook_optimizers(adapter)
-
-        def lazy(path: tuple[Any, ...], t: torch.Tensor) -> bool:
-            if not lazy_allowed:
-                return False
-            return path[0] in live.optim_keys or data_ptr(t) in live.param_ptrs
-
-        staged, pending = self._stager.stage(live.state_dict, lazy)
+        try:
+            staged, pending = self._stage_state(state)
+        except Exception as exc:
+            # the other ranks' writers wait in this step's first exchange: refuse the step
+            # there, with the cause, rather than leave them waiting for timeout_s
+            self._queue_refused(step, t0, f"staging failed: {describe_error(exc)}")
+            raise
         job = _SaveJob(
             step=step,
             staged=staged,
@@ -559,7 +589,13 @@ class TieredCheckpointer:
 
         t0 = time.monotonic()
         # a tensor changed outside the hooked optimizer step makes a torn snapshot
-        torn = job.pending.run(issued=job.copy_done.set)
+        torn = job.refused
+        if torn is None:
+            try:
+                torn = job.pending.run(issued=job.copy_done.set)
+            except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error: this rank's verdict
+                # below, so the other ranks learn of it at once instead of after timeout_s
+                torn = f"snapshot copy failed: {describe_error(exc)}"[:1500]
         job.copy_done.set()
 
         # 1. Agree that every rank can write (a rank that skipped dcp.save alone would

@@ -15,19 +15,92 @@ three places, each on its own group so none waits behind another:
   GPU the group is bound to (see :func:`probe_device`) and is timed with CUDA events, so
   the host never waits for the whole device.
 
+Every collective of the save group is entered by every rank, also by a rank that failed
+before it: a rank-local failure is an *outcome* (:class:`RankOutcome`) that the others
+receive in the collective, so all ranks give up together with the cause, instead of waiting
+for ``timeout_s``. A phase that may take one rank much longer than ``timeout_s`` (a restore
+fetching its files from the persistent tier) runs under :meth:`CheckpointCollectives.
+gather_outcomes`: the waiting ranks exchange a heartbeat every ``heartbeat_s`` (at most
+``timeout_s`` / 4), so no single collective waits longer than that, however long the fetch
+(docs/checkpointing.md "Collective failures").
+
 Without ``torch.distributed`` initialised, every collective is the identity of one rank.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tierwatch.agent.checkpoint.training.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_MAX_S = 5.0  # the longest pause between two heartbeats of a slow phase (seconds)
+PROGRESS_LOG_S = 30.0  # how often a waiting rank logs whom it waits for (seconds)
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """What one rank's part of a phase gave, as exchanged with the other ranks.
+
+    Attributes:
+        rank: The rank it comes from.
+        value: The phase's result on that rank (None when it failed).
+        error: Why it failed on that rank (``"ExcType: first line"``), else None.
+    """
+
+    rank: int
+    value: Any = None
+    error: str | None = None
+
+
+def failure_text(exc: BaseException) -> str:
+    """``"ExcType: first line of the message"`` (at most 1500 characters), for an outcome."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:1500]
+
+
+def values_or_raise(
+    outcomes: Sequence[RankOutcome], *, what: str, nodes: Sequence[str] | None = None
+) -> list[Any]:
+    """Every rank's value, or the failure of every rank that failed, raised the same way on
+    every rank (all ranks hold the same ``outcomes``, so all give up together).
+
+    Args:
+        outcomes: One per rank, index = rank (:meth:`CheckpointCollectives.gather_outcomes`).
+        what: The phase, for the message (e.g. ``"restore of job x: staging step 4"``).
+        nodes: Node name per rank, to name where each failure happened.
+
+    Returns:
+        ``[outcome.value for outcome in outcomes]``.
+
+    Raises:
+        CheckpointError: some rank failed; the message names each such rank (and its node)
+            with its cause, e.g. ``… failed on rank 1 (node-b): RuntimeError: …``.
+    """
+    failed = [o for o in outcomes if o.error is not None]
+    if failed:
+        where = [
+            f"rank {o.rank}"
+            + (f" ({nodes[o.rank]})" if nodes and o.rank < len(nodes) else "")
+            + f": {o.error}"
+            for o in failed[:4]
+        ]
+        more = f" and {len(failed) - 4} more" if len(failed) > 4 else ""
+        raise CheckpointError(
+            f"{what} failed on {'; '.join(where)}{more}; every rank gave up"[:2000]
+        )
+    return [o.value for o in outcomes]
 
 
 def probe_device(
@@ -96,16 +169,24 @@ class CheckpointCollectives:
     """Rank, world size and the collectives of one checkpointer.
 
     Args:
-        timeout_s: Timeout of the save and control groups' collectives (seconds).
+        timeout_s: Timeout of the save and control groups' collectives (seconds): the
+            longest one collective waits for a rank that does not enter it (a dead or hung
+            rank). A rank that is merely slow in a phase run by :meth:`gather_outcomes`
+            keeps the others' collectives short with its heartbeats.
         train_group: The job's training group, for :meth:`latency_ms` (None: WORLD).
 
     Attributes:
         distributed: Whether ``torch.distributed`` is initialised (else one process).
         rank, world_size: This process's rank and the job's world size.
         group: The save group (None when not distributed), for DCP's ``process_group``.
+        timeout_s: As given.
+        heartbeat_s: Seconds between two heartbeats of :meth:`gather_outcomes`:
+            ``timeout_s`` / 4, at most :data:`HEARTBEAT_MAX_S`, at least 0.05.
     """
 
     def __init__(self, *, timeout_s: float, train_group: Any = None) -> None:
+        self.timeout_s = float(timeout_s)
+        self.heartbeat_s = max(0.05, min(HEARTBEAT_MAX_S, self.timeout_s / 4))
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -140,6 +221,70 @@ class CheckpointCollectives:
     def all_gather_control(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, index = rank, on the control group."""
         return self._all_gather(obj, self._ctrl_group)
+
+    def gather_outcomes(
+        self, fn: Callable[[], Any], *, what: str, limit_s: float | None = None
+    ) -> list[RankOutcome]:
+        """Run ``fn()`` on this rank, however long it takes, and return every rank's outcome.
+
+        Every rank calls this at the same point. ``fn`` runs on a helper thread; meanwhile
+        the calling thread all-gathers on the save group, every :attr:`heartbeat_s` seconds,
+        either "still running" or this rank's outcome (an exception from ``fn`` is an
+        outcome, ``error`` set: it never skips the collective). The rounds end when every
+        rank sent its outcome. So a rank whose ``fn`` takes minutes (a restore's fetch from
+        the persistent tier) makes no collective of the others wait longer than about
+        :attr:`heartbeat_s`, which is below ``timeout_s``; a rank that dies or hangs outside
+        ``fn`` still ends the others' wait after ``timeout_s`` (gloo's error).
+
+        ``fn`` must not use the save group itself (the heartbeats run on it meanwhile).
+
+        Args:
+            fn: This rank's part of the phase (no arguments), e.g. staging its files.
+            what: The phase, for the helper thread's name and the progress log.
+            limit_s: The longest this rank's ``fn`` may take (seconds; None: unbounded):
+                past it the rank's outcome is an error (``fn`` is left running, detached).
+
+        Returns:
+            One :class:`RankOutcome` per rank, index = rank, the same on every rank.
+
+        Raises:
+            RuntimeError: a heartbeat collective failed (gloo: a rank is gone, or did not
+                enter it within ``timeout_s``).
+        """
+        done = threading.Event()
+        box: list[RankOutcome] = []
+
+        def run() -> None:
+            try:
+                box.append(RankOutcome(self.rank, value=fn()))
+            except BaseException as exc:  # noqa: BLE001 - becomes this rank's outcome
+                box.append(RankOutcome(self.rank, error=failure_text(exc)))
+            finally:
+                done.set()
+
+        if not self.distributed:
+            run()
+            return box
+        threading.Thread(target=run, name=f"tierwatch-ckpt-{what[:40]}", daemon=True).start()
+        t0 = last_log = time.monotonic()
+        mine: RankOutcome | None = None
+        while True:
+            done.wait(self.heartbeat_s)
+            elapsed = time.monotonic() - t0
+            if mine is None and done.is_set():
+                mine = box[0]
+            elif mine is None and limit_s is not None and elapsed > limit_s:
+                mine = RankOutcome(self.rank, error=f"{what} did not finish within {limit_s:.0f} s")
+            # a float (seconds so far) while running, the outcome once done
+            sent: RankOutcome | float = mine if mine is not None else round(elapsed, 1)
+            got = self._all_gather(sent, self.group)
+            if all(isinstance(g, RankOutcome) for g in got):
+                return got
+            now = time.monotonic()
+            if now - last_log >= PROGRESS_LOG_S:
+                last_log = now
+                slow = [f"rank {r} ({g:.0f} s)" for r, g in enumerate(got) if isinstance(g, float)]
+                log.info("rank %d: %s: waiting for %s", self.rank, what, ", ".join(slow))
 
     def latency_device(self) -> torch.device:
         """The device :meth:`latency_ms` all-reduces on (:func:`probe_device`'s rules).

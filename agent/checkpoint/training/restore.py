@@ -15,6 +15,16 @@
    scheduler, RNG and sampler. The outcome is reported to the agent (step, files per tier,
    seconds, steps lost), a failure too.
 
+Every rank enters every collective of the protocol, also after a failure of its own (an
+agent that answers nonsense, a fetch that raises, a load that fails on one rank): the failure
+is its outcome, and all ranks raise the same :class:`CheckpointError` naming the rank, its
+node and the cause. The phases in which one rank may take minutes (asking the agents, which
+may list the persistent tier; staging, which may fetch from it) run under
+:meth:`~.collectives.CheckpointCollectives.gather_outcomes`, whose heartbeats keep every
+collective of the waiting ranks shorter than the checkpointer's ``timeout_s``; a phase is
+bounded by :data:`FETCH_LIMIT_S` per rank instead (docs/checkpointing.md "Collective
+failures").
+
 Steps rolled away by an operator's restore request (dead manifests, see
 :mod:`~tierwatch.agent.checkpoint.format.agreement`) are never candidates. Serving a request,
 ``tier`` restricts every stage to that tier's copies (a step it does not hold completely is
@@ -29,6 +39,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +48,11 @@ import torch
 from tierwatch.agent.checkpoint.format import agreement
 from tierwatch.agent.checkpoint.format.layout import METADATA
 from tierwatch.agent.checkpoint.training.client import AgentUnavailable
+from tierwatch.agent.checkpoint.training.collectives import (
+    RankOutcome,
+    failure_text,
+    values_or_raise,
+)
 from tierwatch.agent.checkpoint.training.commit_decision import History
 from tierwatch.agent.checkpoint.training.errors import CheckpointError, ModelMismatchError
 from tierwatch.agent.checkpoint.training.state_adapter import StateAdapter
@@ -50,6 +66,10 @@ __all__ = ["ModelMismatchError", "RestoreRun", "restore_state"]
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 8
+# The longest one rank's part of a slow phase (asking its agent, staging a step's files) may
+# take (seconds): AgentClient's stage timeout (1800 s) ends a stuck fetch first; this bounds
+# the phase whatever the client does. The other ranks wait in heartbeats meanwhile.
+FETCH_LIMIT_S = 1860.0
 
 
 def _ask(ckpt: TieredCheckpointer, persistent: bool) -> dict[str, Any] | str:
@@ -70,7 +90,13 @@ def _gather_views(
     """Every rank's agent's answer, merged: ``(views of tier, views of every tier)`` (the
     same when ``tier`` is None); dead steps are left out (the ranks' fences and those the
     manifests list)."""
-    answers = ckpt.collectives.all_gather(_ask(ckpt, persistent))
+    answers = values_or_raise(
+        ckpt.collectives.gather_outcomes(
+            partial(_ask, ckpt, persistent), what="asking the agents", limit_s=FETCH_LIMIT_S
+        ),
+        what=f"restore of {ckpt.job_id}: asking the agents which steps they hold",
+        nodes=ckpt.nodes_by_rank,
+    )
     errors = [
         f"rank {r} ({ckpt.nodes_by_rank[r]}): {a}"
         for r, a in enumerate(answers)
@@ -155,6 +181,80 @@ def _stage(ckpt: TieredCheckpointer, step: int, files: list[dict[str, Any]]) -> 
         return {"ok": False, "errors": [str(exc)], "files": []}
 
 
+def _stage_metadata(
+    ckpt: TieredCheckpointer,
+    step: int,
+    view: agreement.StepView,
+    adapter: StateAdapter | None,
+    template: dict[str, Any] | None,
+    prep_error: Exception | None,
+    out: dict[str, Any],
+) -> str | None:
+    """This rank's first staging phase (on a helper thread): stage ``.metadata`` of ``step``
+    and compare the saved model with ours.
+
+    Puts the agent's ``answer``, the staging ``problem`` (None when staged) and the
+    ``staged_dir`` into ``out``.
+
+    Returns:
+        Why the step holds a different model, or None.
+
+    Raises:
+        Exception: ``prep_error`` (building the template failed on this rank), or what the
+            agent client or the comparison raised: the phase's failure on this rank.
+    """
+    if prep_error is not None:
+        raise prep_error
+    assert adapter is not None
+    assert template is not None
+    answer = _stage(ckpt, step, agreement.stage_request(view, [METADATA], node=ckpt.node))
+    out["answer"] = answer
+    out["problem"] = None if answer.get("ok") else "; ".join(answer.get("errors", []))[:1000]
+    if out["problem"] is not None:
+        return None
+    staged_dir = out["staged_dir"] = Path(answer["dir"])
+    signature = next(iter(view.manifests.values())).signature
+    if signature == adapter.signature(template):
+        return None
+    return _check_model(template, staged_dir, sorted(adapter.modules), ckpt.job_id, step) or (
+        f"job_id {ckpt.job_id!r} step {step} was saved from a different state "
+        "(its signature differs); use another job_id"
+    )
+
+
+def _stage_files(
+    ckpt: TieredCheckpointer,
+    step: int,
+    view: agreement.StepView,
+    template: dict[str, Any] | None,
+    staged_dir: Path | None,
+    problem: str | None,
+    out: dict[str, Any],
+) -> str | None:
+    """This rank's second staging phase (on a helper thread): stage the files its own
+    ``dcp.load`` reads (DCP's load plan), unless the first phase had a ``problem``.
+
+    Puts the agent's ``answer`` into ``out``.
+
+    Returns:
+        Why this rank could not stage the step (a staging problem: the ranks choose again),
+        or None.
+
+    Raises:
+        Exception: what the agent client or the load plan raised (the phase's failure on
+            this rank: every rank gives up).
+    """
+    if problem is not None or staged_dir is None:
+        return problem or "the .metadata was not staged"
+    assert template is not None
+    files = _needed_files(template, staged_dir, ckpt.rank == 0, view)
+    answer = _stage(ckpt, step, agreement.stage_request(view, files, node=ckpt.node))
+    out["answer"] = answer
+    if not answer.get("ok"):
+        return "; ".join(answer.get("errors", []))[:1000]
+    return None
+
+
 @dataclass
 class RestoreRun:
     """One restore attempt: when it began, the request it serves, what was reported.
@@ -234,6 +334,9 @@ def _restore(
 ) -> int | None:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tierwatch.agent.checkpoint.training.checkpointer import describe_error
 
     t0 = run.t0
     excluded: set[int] = set()
@@ -291,48 +394,57 @@ def _restore(
                 f"({why}); restorable steps{only}: {steps or 'none'}"
             )
         view = views[chosen]
-        signature = next(iter(view.manifests.values())).signature
+        prep_error: Exception | None = None  # raised in the next phase: every rank learns it
         if adapter is None or template is None:
             t_tpl = time.monotonic()
-            adapter = StateAdapter(state)
-            # a state dict of the right structure to load into (optimizer state initialised)
-            template = adapter.live().state_dict
+            try:
+                adapter = StateAdapter(state)
+                # a state dict of the right structure to load into (optimizer state initialised)
+                template = adapter.live().state_dict
+            except Exception as exc:  # noqa: BLE001 - the next phase's outcome on this rank
+                prep_error = exc
             phases["template"] = time.monotonic() - t_tpl
-        ours = adapter.signature(template)
 
-        meta = agreement.stage_request(view, [METADATA], node=ckpt.node)
+        # each phase below may fetch from the persistent tier (minutes on one rank): the
+        # others wait in heartbeats, and a rank's exception is its outcome, not a skipped
+        # collective
         t_stage = time.monotonic()
-        answer = _stage(ckpt, chosen, meta)
+        first: dict[str, Any] = {}
+        mismatches = values_or_raise(
+            ckpt.collectives.gather_outcomes(
+                partial(_stage_metadata, ckpt, chosen, view, adapter, template, prep_error, first),
+                what=f"staging .metadata of step {chosen}",
+                limit_s=FETCH_LIMIT_S,
+            ),
+            what=f"restore of {ckpt.job_id}: staging .metadata of step {chosen}",
+            nodes=ckpt.nodes_by_rank,
+        )
+        answer: dict[str, Any] = first.get("answer", {})
         notes += [f"step {chosen}: {e}" for e in answer.get("errors", [])]
-        problem = None if answer.get("ok") else "; ".join(answer.get("errors", []))[:1000]
-        mismatch = None
-        if problem is None:
-            staged_dir = Path(answer["dir"])
-            if signature != ours:
-                mismatch = _check_model(
-                    template, staged_dir, sorted(adapter.modules), ckpt.job_id, chosen
-                ) or (
-                    f"job_id {ckpt.job_id!r} step {chosen} was saved from a different state "
-                    "(its signature differs); use another job_id"
-                )
-        mismatches = [m for m in ckpt.collectives.all_gather(mismatch) if m]
+        problem: str | None = first.get("problem")
+        staged_dir = first.get("staged_dir")
+        mismatches = [m for m in mismatches if m]
         if mismatches:
             _report(ckpt, run, None, {}, ok=False, message=mismatches[0][:2000])
             raise ModelMismatchError(mismatches[0])
-        files: list[str] = []
-        if problem is None and staged_dir is not None:
-            files = _needed_files(template, staged_dir, ckpt.rank == 0, view)
-            answer2 = _stage(ckpt, chosen, agreement.stage_request(view, files, node=ckpt.node))
-            notes += [f"step {chosen}: {e}" for e in answer2.get("errors", [])]
-            if not answer2.get("ok"):
-                problem = "; ".join(answer2.get("errors", []))[:1000]
-            else:
-                phases["stage"] = phases.get("stage", 0.0) + time.monotonic() - t_stage
-                sources = {
-                    f["name"]: f"{f.get('tier')}:{f.get('holder')}"
-                    for f in [*answer.get("files", []), *answer2.get("files", [])]
-                }
-        outcomes = ckpt.collectives.all_gather(problem)
+        second: dict[str, Any] = {}
+        outcomes = values_or_raise(
+            ckpt.collectives.gather_outcomes(
+                partial(_stage_files, ckpt, chosen, view, template, staged_dir, problem, second),
+                what=f"staging the files of step {chosen}",
+                limit_s=FETCH_LIMIT_S,
+            ),
+            what=f"restore of {ckpt.job_id}: staging the files of step {chosen}",
+            nodes=ckpt.nodes_by_rank,
+        )
+        answer2: dict[str, Any] = second.get("answer", {})
+        notes += [f"step {chosen}: {e}" for e in answer2.get("errors", [])]
+        if problem is None and answer2.get("ok"):
+            phases["stage"] = phases.get("stage", 0.0) + time.monotonic() - t_stage
+            sources = {
+                f["name"]: f"{f.get('tier')}:{f.get('holder')}"
+                for f in [*answer.get("files", []), *answer2.get("files", [])]
+            }
         failed = [f"rank {r}: {p}" for r, p in enumerate(outcomes) if p]
         if not failed:
             break
@@ -358,13 +470,29 @@ def _restore(
     phases["agree+stage"] = time.monotonic() - t0 - phases.get("template", 0.0)
     t_load = time.monotonic()
     run.loading = True
-    dcp_load(
-        template,
-        storage_reader=FileSystemReader(staged_dir),
-        process_group=ckpt.collectives.group,
-        no_dist=not ckpt.collectives.distributed,
+    load_error: str | None = None
+    try:
+        dcp_load(
+            template,
+            storage_reader=FileSystemReader(staged_dir),
+            process_group=ckpt.collectives.group,
+            no_dist=not ckpt.collectives.distributed,
+        )
+        adapter.load(template)
+    except Exception as exc:  # noqa: BLE001 - every rank learns of it below
+        load_error = failure_text(exc)
+    except CheckpointException as exc:  # DCP's (a BaseException), names each failed rank
+        load_error = describe_error(exc)[:1500]
+    # a rank whose load failed alone must not leave the others training on (they would
+    # wait in the job's next collective): every rank learns every rank's load outcome, with
+    # the newest step it recorded (for steps_lost)
+    lasts = values_or_raise(
+        ckpt.collectives.all_gather(
+            RankOutcome(ckpt.rank, value=_last_trained(ckpt), error=load_error)
+        ),
+        what=f"restore of {ckpt.job_id}: loading step {chosen}",
+        nodes=ckpt.nodes_by_rank,
     )
-    adapter.load(template)
     run.loading = False
     phases["load"] = time.monotonic() - t_load
 
@@ -385,10 +513,7 @@ def _restore(
     # files, or the loop's own step), never to step folders a tier holds: a planted or
     # forged step-<N>/ must not inflate it (docs/checkpointing.md "Ledger")
     if last_done is None:
-        last = max(
-            [s for s in ckpt.collectives.all_gather(_last_trained(ckpt)) if s is not None]
-            + [chosen]
-        )
+        last = max([s for s in lasts if s is not None] + [chosen])
     else:
         last = max(last_done, chosen)
     if on_loaded is not None:

@@ -155,3 +155,22 @@ def test_nccl_probe_uses_the_groups_bound_device(
     c.latency_ms()
     assert fake_cuda.all_reduce_devices == [torch.device("cuda", 1)] * 2
     assert fake_cuda.device_syncs == 0
+
+
+def test_an_exception_in_a_phase_is_the_ranks_outcome_and_names_rank_and_node(
+    gloo_world: None,
+) -> None:
+    from tierwatch.agent.checkpoint.training.collectives import RankOutcome, values_or_raise
+    from tierwatch.agent.checkpoint.training.errors import CheckpointError
+
+    c = CheckpointCollectives(timeout_s=2)
+    assert c.heartbeat_s == pytest.approx(0.5)  # timeout_s / 4, so a heartbeat never times out
+
+    def fetch() -> int:
+        raise RuntimeError("GetObject 503\nthe traceback's other lines")
+
+    outcomes = c.gather_outcomes(fetch, what="staging")
+    assert outcomes == [RankOutcome(0, error="RuntimeError: GetObject 503")]
+    with pytest.raises(CheckpointError, match=r"staging failed on rank 0 \(node-a\): Runtime"):
+        values_or_raise(outcomes, what="staging", nodes=["node-a"])
+    assert values_or_raise(c.gather_outcomes(lambda: 7, what="staging"), what="x") == [7]
