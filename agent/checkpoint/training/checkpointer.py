@@ -443,6 +443,9 @@ class TieredCheckpointer:
         Raises:
             CheckpointError: a bad step or state, the job id holds steps of another model or
                 world size in this node's memory tier, or the checkpointer is closed.
+            Exception: staging failed on this rank (e.g. a CUDA error in a clone). The step
+                is refused on every rank all the same (a ``failed`` event there names this
+                rank and the cause), so the ranks' next saves stay in step.
         """
         t0 = time.monotonic()
         if self.closed:
