@@ -85,6 +85,7 @@ from tierwatch.agent.checkpoint.format.rollback import Timeline, describe_pins
 from tierwatch.agent.checkpoint.training.client import AgentClient, AgentUnavailable, EventSender
 from tierwatch.agent.checkpoint.training.collectives import CheckpointCollectives
 from tierwatch.agent.checkpoint.training.commit_decision import (
+    CommitDecision,
     History,
     decide_commit,
     memory_evictions,
@@ -669,7 +670,7 @@ class TieredCheckpointer:
         pinned = sorted({s for _, steps in gathered for s in steps})
         decision = None
         if self.rank == 0:
-            decision, self._history = decide_commit(
+            decision, self._history = self._decide(
                 job.step,
                 outcomes,
                 self._history,
@@ -710,6 +711,17 @@ class TieredCheckpointer:
             self.client.notify(self.job_id, job.step)
         except AgentUnavailable as exc:
             log.debug("notify failed (the agent scans on its own): %s", exc)
+
+    def _decide(
+        self, step: int, outcomes: list[str | None], history: History, **kw: Any
+    ) -> tuple[CommitDecision, History]:
+        """Rank 0: :func:`.commit_decision.decide_commit` (same arguments), whose failure is
+        a step not committed: rank 0 still broadcasts, so no rank waits for ``timeout_s``."""
+        try:
+            return decide_commit(step, outcomes, history, **kw)
+        except Exception as exc:  # noqa: BLE001 - every rank reports it (failed event)
+            why = f"rank 0: commit decision failed: {describe_error(exc)}"[:1800]
+            return CommitDecision(committed=False, why=why), history
 
     def _retain_memory(self, keep: list[int], newest: int) -> None:
         """Remove this rank's files of memory steps rank 0 did not retain.

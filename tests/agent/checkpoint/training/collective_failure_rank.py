@@ -6,7 +6,8 @@ saw to ``OUT_DIR/<mode>-<rank>.json``.
 
 - ``save`` (no agent; the memory tier works without one), ``timeout_s=120``: step 0 fails in
   rank 1's snapshot copy (a stand-in CUDA error), step 1 in rank 1's write (the manifest),
-  step 2 in rank 1's staging inside ``save()``; step 3 commits. Per step: committed, the
+  step 2 in rank 1's staging inside ``save()``, step 3 in rank 0's commit decision; step 4
+  commits. Per step: committed, the
   seconds ``wait()`` took, the ``failed`` events' messages.
 - ``restore`` (an agent, ``TIERWATCH_AGENT_URL``): step 0 is saved; a checkpointer with
   ``timeout_s=3`` restores it while rank 1's fetch of the step's files takes 6 s (a
@@ -71,12 +72,13 @@ def run_save(rank: int, out: Path) -> dict[str, Any]:
     )
     events = recorded_events(ckpt)
     state = make_state(0)
-    failing: dict[str, int] = {"copy": 0, "write": 1, "staging": 2}
+    failing: dict[str, int] = {"copy": 0, "write": 1, "staging": 2, "decision": 3}
     step_now = {"step": -1}
 
     real_run = snapshot.PendingCopies.run
     real_manifest = checkpointer_module.make_manifest
     real_stage = ckpt._stager.stage
+    real_decide = checkpointer_module.decide_commit
 
     def copy(pending: Any, *args: Any, **kwargs: Any) -> Any:
         if rank == 1 and step_now["step"] == failing["copy"]:
@@ -93,12 +95,18 @@ def run_save(rank: int, out: Path) -> dict[str, Any]:
             raise RuntimeError("CUDA error: misaligned address (rank 1's staging)")
         return real_stage(*args, **kwargs)
 
+    def decide(step: int, *args: Any, **kwargs: Any) -> Any:
+        if step == failing["decision"]:
+            raise KeyError("keep['memory'] (rank 0's decision)")
+        return real_decide(step, *args, **kwargs)
+
     snapshot.PendingCopies.run = copy  # type: ignore[method-assign]
     checkpointer_module.make_manifest = manifest  # type: ignore[assignment]
     ckpt._stager.stage = stage  # type: ignore[method-assign]
+    checkpointer_module.decide_commit = decide  # type: ignore[assignment]
 
     steps: dict[str, Any] = {}
-    for step in range(4):
+    for step in range(5):
         step_now["step"] = step
         train_step(state)
         raised = None

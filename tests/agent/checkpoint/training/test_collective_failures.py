@@ -56,31 +56,31 @@ def restores(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> list
 
 
 @pytest.mark.parametrize(
-    ("step", "cause"),
+    ("step", "failing", "cause"),
     [
-        ("0", "CUDA error: an illegal memory access"),  # rank 1's snapshot copy
-        ("1", "No space left on device"),  # rank 1's write (its manifest)
-        ("2", "CUDA error: misaligned address"),  # rank 1's staging inside save()
+        ("0", 1, "CUDA error: an illegal memory access"),  # rank 1's snapshot copy
+        ("1", 1, "No space left on device"),  # rank 1's write (its manifest)
+        ("2", 1, "CUDA error: misaligned address"),  # rank 1's staging inside save()
+        ("3", 0, "commit decision failed: KeyError"),  # rank 0's decision (before broadcast)
     ],
-    ids=["copy", "write", "staging"],
+    ids=["copy", "write", "staging", "decision"],
 )
-def test_a_failure_on_rank_1_reaches_rank_0_with_its_cause(
-    saves: list[dict[str, Any]], step: str, cause: str
+def test_a_failure_on_one_rank_reaches_the_other_with_its_cause(
+    saves: list[dict[str, Any]], step: str, failing: int, cause: str
 ) -> None:
-    r0, r1 = saves
-    assert r0[step]["committed"] is False
-    assert r1[step]["committed"] is False
-    messages = r0[step]["failed"]
-    assert any("rank 1" in m and cause in m for m in messages), messages
-    assert any(cause in m for m in r1[step]["failed"]), r1[step]["failed"]
+    for result in saves:
+        assert result[step]["committed"] is False
+    other = saves[1 - failing][step]["failed"]
+    assert any(f"rank {failing}" in m and cause in m for m in other), other
+    assert any(cause in m for m in saves[failing][step]["failed"]), saves[failing][step]
 
 
 def test_the_ranks_save_again_after_a_failure_on_one_rank(saves: list[dict[str, Any]]) -> None:
     r0, r1 = saves
     assert "misaligned address" in (r1["2"]["raised"] or "")  # save() raised where it failed
     assert r0["2"]["raised"] is None
-    assert r0["3"]["committed"] is True
-    assert r1["3"]["committed"] is True
+    assert r0["4"]["committed"] is True
+    assert r1["4"]["committed"] is True
 
 
 def test_a_fetch_longer_than_the_collective_timeout_still_restores(
