@@ -7,18 +7,26 @@ ranks reach the same answer without another round trip.
 A step is *restorable* when it is complete across all sources
 (:func:`~tierwatch.agent.checkpoint.format.completeness.step_problem`, the rule
 ``tierwatch-agent ckpt`` applies too): a manifest for every rank ``0..world_size-1``, exactly
-one of them listing ``.metadata``, all agreeing on the world size, the state signature and
-the timeline. Files are verified later, while they are staged; a step whose staging fails on
-any rank is excluded and the ranks choose again.
+one of them listing ``.metadata``, all agreeing on the world size, the state signature, the
+timeline and the save. Files are verified later, while they are staged; a step whose staging
+fails on any rank is excluded and the ranks choose again.
 
 Rollbacks (:mod:`.rollback`): after request ``X`` rolled the job back to step ``S``, the steps
 above ``S`` saved before the rollback are a diverged future. Every manifest saved after it
 lists the fence ``(X, S)`` (its *timeline* is ``X``), and a manifest of timeline ``t`` with
 step ``N`` is **dead** when some known fence ``(X, S)`` has ``X > t`` and ``N > S``: it is
-ignored as if it did not exist. Two copies of one (step, rank) that differ are a conflict
-only within one timeline; across timelines the newer copy wins. A step whose ranks'
-manifests come from different timelines is not restorable, so old and new files of a step
-saved again after a rollback are never mixed.
+ignored as if it did not exist.
+
+Saves (docs/checkpointing.md "Save identity"): a step number saved more than once (after a
+restart from an older step, or a rollback) has one set of manifests per save, told apart by
+their ``save_id`` and ordered by :attr:`Manifest.save_key` (the newer timeline, then rank 0's
+clock in the id; the legacy save ``""`` lowest). The manifests of one step are grouped by
+save; the step's view is the newest save whose manifests are complete on their own, else
+(none is) every rank's newest copy, which the completeness rule then refuses as a mix of
+saves or timelines. So the ranks of two saves are never mixed, and an older save that is
+complete somewhere (e.g. on the persistent tier, which keeps the first save of a step number)
+stays restorable while the newer one is incomplete. Two copies of one (step, rank) of one save
+that differ are a conflict: the step is not restorable.
 """
 
 from __future__ import annotations
@@ -54,7 +62,8 @@ class Source:
 
 @dataclass
 class StepView:
-    """Everything known about one step: manifests per rank and their sources."""
+    """Everything known about one step: manifests per rank (of one save, see the module
+    notes) and their sources."""
 
     step: int
     manifests: dict[int, Manifest] = field(default_factory=dict)
@@ -69,6 +78,75 @@ def is_dead(manifest: Manifest, fences: Iterable[Fence]) -> bool:
     """Whether ``manifest``'s step was rolled away: a fence ``(request_id, step)`` newer than
     the manifest's timeline rolled the job back to a step below it."""
     return any(rid > manifest.timeline and manifest.step > step for rid, step in fences)
+
+
+def transfer_refusal(
+    incoming: Manifest,
+    present: Iterable[Manifest],
+    *,
+    committed_ranks: Iterable[int] = (),
+    fences: Iterable[Fence] = (),
+) -> str | None:
+    """Why a tier must not take rank ``incoming.rank``'s files of ``incoming``'s step into a
+    step folder that already holds ``present`` (docs/checkpointing.md "Save identity").
+
+    A tier holds one save per step number. It refuses, first match wins:
+
+    1. a dead save: a fence (given, or listed by a ``present`` manifest) rolled its timeline
+       away (:func:`is_dead`): a late upload or replication from an abandoned timeline;
+    2. a second save over a committed one: a ``present`` manifest of another save whose rank
+       is committed in this tier (``committed_ranks``: the peer tier's ranks with a commit
+       marker; on the persistent tier every rank once ``.metadata`` is there). Nothing is
+       written under a committed ``.metadata``: the tier keeps the first save until its
+       retention or a rollback removes the step;
+    3. an older save over a newer one not committed yet (``save_key``: a late transfer from
+       before a restart).
+
+    A newer save over an uncommitted older one is taken (the older one never commits: the
+    commit needs every rank's manifest of one save), and so is the same save again (a retry).
+
+    Args:
+        incoming: The manifest of the files about to be written.
+        present: Manifests already in the step folder (any rank).
+        committed_ranks: Ranks committed in this step folder.
+        fences: Rollback fences known besides those ``present`` lists (the node's
+            ``timeline.json``, other steps' manifests).
+
+    Returns:
+        None when the files may be written; otherwise why not, naming the step, the rank and
+        the saves.
+    """
+    present = list(present)
+    known = {(int(r), int(s)) for r, s in fences}
+    for m in present:
+        known.update(m.fences)
+    what = f"rank {incoming.rank}'s files of step {incoming.step} (save {_short(incoming)})"
+    if is_dead(incoming, known):
+        rid, to = max(f for f in known if f[0] > incoming.timeline and incoming.step > f[1])
+        return (
+            f"{what} are from timeline {incoming.timeline}, which restore request {rid} rolled "
+            f"back to step {to}: a late transfer from an abandoned timeline, not written"
+        )
+    committed = set(committed_ranks)
+    for m in present:
+        if m.save_id == incoming.save_id:
+            continue
+        if m.rank in committed:
+            return (
+                f"{what}: step {incoming.step} here is committed from save {_short(m)} "
+                f"(rank {m.rank}); a tier never takes a second save of one step number, "
+                "the committed one stays"
+            )
+        if m.save_key > incoming.save_key:
+            return (
+                f"{what}: a newer save {_short(m)} of step {incoming.step} is here "
+                f"(rank {m.rank}); the older one is not written over it"
+            )
+    return None
+
+
+def _short(m: Manifest) -> str:
+    return m.save_id[:12] + "…" if m.save_id else "legacy"
 
 
 def merge_available(
@@ -87,9 +165,9 @@ def merge_available(
 
     Entries whose manifest does not parse are ignored, and so are dead ones (see the module
     notes; the fences are those given plus every fence any parsed manifest lists, of any
-    tier). Two manifests of the same (step, rank) with different file checksums are a
-    conflict, so the step is not restorable, unless they come from different timelines: the
-    newer one is kept.
+    tier). The manifests of each step are grouped by save (``save_key``) and the view of the
+    step is chosen among them (:func:`_pick_save`). Two manifests of the same save, step and
+    rank with different files are a conflict, so the step is not restorable.
     """
     parsed: list[tuple[Mapping[str, Any], Manifest]] = []
     known_fences: set[Fence] = {(int(r), int(s)) for r, s in fences}
@@ -107,28 +185,24 @@ def merge_available(
                 continue
             known_fences.update(manifest.fences)
             parsed.append((entry, manifest))
-    steps: dict[int, StepView] = {}
+    saves: dict[int, dict[tuple[int, str], StepView]] = {}
     for entry, manifest in parsed:
         if tier is not None and entry.get("tier") != tier:
             continue
         if is_dead(manifest, known_fences):
             continue
-        view = steps.setdefault(manifest.step, StepView(manifest.step))
+        view = saves.setdefault(manifest.step, {}).setdefault(
+            manifest.save_key, StepView(manifest.step)
+        )
         rank = manifest.rank
         known = view.manifests.get(rank)
         if known is None:
             view.manifests[rank] = manifest
         elif _files(known) != _files(manifest) or known.world_size != manifest.world_size:
-            if manifest.timeline > known.timeline:  # re-saved after a rollback: newer wins
-                view.manifests[rank] = manifest
-                view.sources[rank] = []
-            elif manifest.timeline < known.timeline:
-                continue
-            else:
-                view.conflicts.append(
-                    f"rank {rank}: copies on {entry.get('holder')} and elsewhere differ"
-                )
-                continue
+            view.conflicts.append(
+                f"rank {rank}: copies on {entry.get('holder')} and elsewhere differ"
+            )
+            continue
         source = Source(
             tier=str(entry.get("tier")),
             holder=str(entry.get("holder")),
@@ -137,7 +211,26 @@ def merge_available(
         )
         if source not in view.sources.setdefault(rank, []):
             view.sources[rank].append(source)
-    return steps
+    return {step: _pick_save(step, by_save) for step, by_save in saves.items()}
+
+
+def _pick_save(step: int, by_save: Mapping[tuple[int, str], StepView]) -> StepView:
+    """The view of one step among its saves: the newest save complete on its own (at the
+    world size its manifests agree on); if none is, every rank's newest copy (whose mix the
+    completeness rule names)."""
+    newest_first = sorted(by_save.items(), reverse=True)
+    for _key, view in newest_first:
+        if step_problem(view.manifests, conflicts=view.conflicts) is None:
+            return view
+    if len(newest_first) == 1:
+        return newest_first[0][1]
+    mixed = StepView(step)
+    for _key, view in reversed(newest_first):  # oldest first: a newer save overwrites
+        for rank, manifest in view.manifests.items():
+            mixed.manifests[rank] = manifest
+            mixed.sources[rank] = list(view.sources.get(rank, []))
+        mixed.conflicts += view.conflicts
+    return mixed
 
 
 def _json(value: Any) -> str | bytes:

@@ -13,10 +13,13 @@ A step is complete when (checked in this order, the first failure is the reason)
 3. it was not rolled away by a restore request (``dead``);
 4. the manifests come from one timeline (a step saved again after a rollback mixes old and
    new copies until every rank's new copy is there);
-5. there is a manifest for every rank ``0..world_size-1`` and for no other rank, all at
+5. the manifests come from one save: they all carry the same ``save_id`` (a step number
+   saved again, after a restart from an older step or a rollback, is another save; manifests
+   without an id, written before save ids, count as one legacy save ``""``);
+6. there is a manifest for every rank ``0..world_size-1`` and for no other rank, all at
    ``world_size`` (the job's, or the one the manifests agree on);
-6. exactly one manifest lists ``.metadata`` (rank 0's, in DCP's layout);
-7. every file the manifests list is present (when the caller knows which files are there;
+7. exactly one manifest lists ``.metadata`` (rank 0's, in DCP's layout);
+8. every file the manifests list is present (when the caller knows which files are there;
    sizes and checksums are verified separately, while staging or by ``ckpt verify``).
 """
 
@@ -25,6 +28,28 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 
 from tierwatch.agent.checkpoint.format.manifest import Manifest
+
+
+def save_mix(manifests: Mapping[int, Manifest]) -> str | None:
+    """Why ``manifests`` (rank → manifest of one step) are not all of one save.
+
+    Returns:
+        None when every manifest carries the same ``save_id`` (``""``, the legacy save,
+        counts as one id); otherwise which ranks carry which id, e.g. ``the ranks' files come
+        from 2 saves of this step (0190…: rank(s) [0]; legacy: rank(s) [1]) …``.
+    """
+    ids = sorted({m.save_id for m in manifests.values()})
+    if len(ids) <= 1:
+        return None
+    per_id = "; ".join(
+        f"{i[:12] + '…' if i else 'legacy'}: rank(s) "
+        f"{[r for r, m in sorted(manifests.items()) if m.save_id == i][:8]}"
+        for i in ids
+    )
+    return (
+        f"the ranks' files come from {len(ids)} saves of this step ({per_id}); a step is "
+        "complete only with every rank's files of one save"
+    )
 
 
 def disagreement(manifests: Mapping[int, Manifest]) -> str | None:
@@ -84,6 +109,9 @@ def step_problem(
             "the ranks' files come from different timelines (the step was saved again "
             "after a rollback and not every rank's new copy is here)"
         )
+    mixed = save_mix(manifests)
+    if mixed is not None:
+        return mixed
     world = world_size if world_size is not None else next(iter(manifests.values())).world_size
     missing = [r for r in range(world) if r not in manifests]
     if missing:

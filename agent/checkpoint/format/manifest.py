@@ -5,13 +5,23 @@ size (bytes) and xxh3-64 checksum; rank 0's manifest also lists ``.metadata``. A
 (``commit-<r>.json``) records what rank 0 decided once every rank's manifest was written: that
 the step is committed, whether it goes to the persistent tier, and which steps each tier keeps.
 
-A step *exists* for restore only when manifests of all ``world_size`` ranks are present and
-every file they list has the listed size and checksum (:func:`missing_ranks`,
-:func:`verify_file`).
+A step *exists* for restore only when manifests of all ``world_size`` ranks are present, all
+carry one save id, and every file they list has the listed size and checksum
+(:func:`missing_ranks`, :func:`verify_file`).
+
+Save identity: every ``save()`` call is one *save*, named by the id rank 0 makes
+(:func:`new_save_id`) and hands to every rank; each rank's manifest and commit marker carry
+it (``save_id``). A step number saved twice (a restart from an older step, a rollback) is two
+saves, and their files never make one step. A manifest or marker written before save ids
+existed has ``save_id`` ``""``: all of them count as one legacy save (:data:`LEGACY_SAVE_ID`),
+so a step written wholly by an older version stays complete, and one that mixes legacy and
+new manifests does not (docs/checkpointing.md "Save identity").
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, BinaryIO
@@ -23,6 +33,22 @@ from tierwatch.agent.checkpoint.format.layout import METADATA, check_file_name
 
 CHUNK = 4 * 1024 * 1024
 CHECKSUM_ALGO = "xxh3_64"
+LEGACY_SAVE_ID = ""
+SAVE_ID_PATTERN = r"^([0-9a-f]{32})?$"
+
+
+def new_save_id(now_ms: int | None = None) -> str:
+    """A new save id: 32 lowercase hex digits (128 bits), time-ordered.
+
+    The first 12 digits are rank 0's clock in milliseconds since the Unix epoch (48 bits),
+    the other 20 are random (80 bits, ``os.urandom``), in the manner of UUIDv7 (RFC 9562
+    §5.7): ids of one job sort by when rank 0 made them, and two saves never share one.
+
+    Args:
+        now_ms: The time to encode (ms since the epoch); default: ``time.time_ns()``.
+    """
+    ms = time.time_ns() // 1_000_000 if now_ms is None else now_ms
+    return f"{ms & (2**48 - 1):012x}{os.urandom(10).hex()}"
 
 
 class ManifestError(ValueError):
@@ -51,6 +77,9 @@ class Manifest(BaseModel):
         fences: the rollbacks in this step's history, ``[[request_id, step], ...]``: request
             ``request_id`` rolled the job back to ``step`` (see :mod:`.rollback`); empty for a
             job never rolled back.
+        save_id: the save this manifest belongs to (:func:`new_save_id`, the same on every
+            rank of one ``save()``); ``""`` for a manifest written before save ids (one
+            legacy save).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -66,6 +95,13 @@ class Manifest(BaseModel):
     checksum: str = CHECKSUM_ALGO
     created_at: str = ""
     fences: list[tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=0)]]] = []
+    save_id: Annotated[str, Field(pattern=SAVE_ID_PATTERN)] = LEGACY_SAVE_ID
+
+    @property
+    def save_key(self) -> tuple[int, str]:
+        """``(timeline, save_id)``: orders two saves of one step number, the later one
+        greater (a newer timeline first, then rank 0's clock in the id; legacy lowest)."""
+        return (self.timeline, self.save_id)
 
     @property
     def timeline(self) -> int:
@@ -91,6 +127,7 @@ class CommitMarker(BaseModel):
             "persistent": [...]}``), decided by rank 0 so tiers never hold mismatched steps.
         layout: node of every rank (index = rank).
         peer_urls: agent URL of every node in ``layout``.
+        save_id: the save decided on (the same as the rank's manifest; ``""``: legacy).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -105,6 +142,7 @@ class CommitMarker(BaseModel):
     layout: list[str]
     peer_urls: dict[str, str] = {}
     created_at: str = ""
+    save_id: Annotated[str, Field(pattern=SAVE_ID_PATTERN)] = LEGACY_SAVE_ID
 
 
 def xxh3_file(path: Path | str) -> tuple[int, str]:
@@ -225,8 +263,12 @@ def make_manifest(
     signature: str,
     created_at: str,
     fences: Iterable[tuple[int, int]] = (),
+    save_id: str = LEGACY_SAVE_ID,
 ) -> Manifest:
     """Build rank ``rank``'s manifest by reading back its files from ``directory``.
+
+    ``save_id`` is the save's id (rank 0's :func:`new_save_id`); ``""`` writes a legacy
+    manifest.
 
     Raises:
         OSError: a file cannot be read.
@@ -245,4 +287,5 @@ def make_manifest(
         signature=signature,
         created_at=created_at,
         fences=sorted(fences),
+        save_id=save_id,
     )

@@ -11,6 +11,8 @@
   renamed into ``replicas/<src>/<job>/step-<N>/``; a commit marker received for step N evicts
   that source's older replicas of the job that the marker's ``retain["peer"]`` does not keep
   and no pending restore request of the job names (a *pinned* step, :meth:`pinned_steps`);
+  a replica folder holds one save of its step: files of another save are refused (409) where
+  a rank is committed, and so are a dead timeline's (docs/checkpointing.md "Save identity");
 - lists what it can supply for a restore (:meth:`MemoryStore.available`), from manifests only;
 - keeps the tier worker's progress in ``<step>/.tier-<r>.json``.
 
@@ -32,12 +34,15 @@ from typing import Any, BinaryIO
 
 import xxhash
 
+from tierwatch.agent.checkpoint.format.agreement import is_dead, transfer_refusal
 from tierwatch.agent.checkpoint.format.layout import (
     MemoryLayout,
     check_file_name,
     check_job_id,
     check_node_name,
     check_step,
+    commit_name,
+    manifest_name,
     parse_commit_name,
     parse_manifest_name,
     parse_step_dirname,
@@ -50,8 +55,9 @@ from tierwatch.agent.checkpoint.format.manifest import (
     ManifestError,
     load_manifest,
     read_commit,
+    read_manifest,
 )
-from tierwatch.agent.checkpoint.format.rollback import describe_pins
+from tierwatch.agent.checkpoint.format.rollback import Timeline, describe_pins
 from tierwatch.agent.fsutil import atomic_write_json
 from tierwatch.agent.protocol import utcnow
 
@@ -267,6 +273,7 @@ class MemoryStore:
                 "as 16 lowercase hex digits",
             )
         what = f"replica {src_node}/{job_id}/{step_dirname(step)}/{name}"
+        self._refuse_over_committed(what, src_node, job_id, step, name, xxh3)
         key = uuid.uuid4().hex
         disk = self._disk_bytes()
         with self._lock:  # check and reserve at once, so concurrent uploads cannot overbook
@@ -315,6 +322,43 @@ class MemoryStore:
             return upload.finish()
         finally:
             upload.abort()
+
+    def _refuse_over_committed(
+        self, what: str, src_node: str, job_id: str, step: int, name: str, xxh3: str
+    ) -> None:
+        """Refuse a data file (shard, ``.metadata``) that a committed rank's manifest in the
+        replica folder lists with other bytes: it is another save's, and a replica folder
+        never takes a second save over a committed one (docs/checkpointing.md "Save
+        identity"). The same bytes again (a retried push) are taken.
+
+        Raises:
+            StoreError: 409, naming the committed save.
+        """
+        if parse_commit_name(name) is not None or parse_manifest_name(name) is not None:
+            return  # checked on arrival, from their content (ReplicaUpload.finish)
+        d = self.layout.replica_step_dir(src_node, job_id, step)
+        for m in manifests_in(d, job_id, step):
+            if not (d / commit_name(m.rank)).exists():
+                continue
+            listed = next((f for f in m.files if f.name == name), None)
+            if listed is not None and listed.xxh3 != xxh3:
+                raise StoreError(
+                    409,
+                    f"{what}: step {step} here is committed from save "
+                    f"{m.save_id[:12] or 'legacy'} (rank {m.rank}), whose {name} differs; "
+                    "a tier never takes a second save of one step number, the committed one "
+                    "stays",
+                )
+
+    def known_fences(self, src_node: str, job_id: str) -> set[tuple[int, int]]:
+        """Rollback fences of the job this node knows: its ranks' ``timeline.json`` and
+        every manifest of the replicas it holds for ``src_node``."""
+        fences = set(Timeline.read(self.layout.timeline_file(job_id)).fences)
+        job_dir = self.layout.replica_job_dir(src_node, job_id)
+        for s in steps_in(job_dir):
+            for m in manifests_in(job_dir / step_dirname(s), job_id, s):
+                fences.update(m.fences)
+        return fences
 
     def _release(self, key: str) -> None:
         with self._lock:
@@ -600,6 +644,8 @@ class ReplicaUpload:
                     "stored",
                 )
             marker: CommitMarker | None = None
+            if parse_manifest_name(self.name) is not None:
+                self._check_manifest()
             if parse_commit_name(self.name) is not None:
                 try:
                     marker = read_commit(self.tmp.read_bytes(), where=self.what)
@@ -610,6 +656,7 @@ class ReplicaUpload:
                         409,
                         f"{self.what}: the marker is for job {marker.job_id} step {marker.step}",
                     )
+                self._check_marker(marker)
             target = self.dir / self.name
             os.replace(self.tmp, target)
             self._done = True
@@ -624,6 +671,73 @@ class ReplicaUpload:
                 keep=set(marker.retain.get("peer", [])),
             )
         return ReceivedFile(path=target, size=self.written, xxh3=digest, evicted=evicted)
+
+    def _check_manifest(self) -> None:
+        """Refuse a received manifest of another save than the folder's committed one, of
+        an older save than the folder's, or of a dead timeline
+        (:func:`~tierwatch.agent.checkpoint.format.agreement.transfer_refusal`).
+
+        Raises:
+            StoreError: 409.
+        """
+        try:
+            incoming = read_manifest(self.tmp.read_bytes(), where=self.what)
+        except (ManifestError, OSError) as exc:
+            raise StoreError(409, f"{self.what}: {exc}") from None
+        if (incoming.job_id, incoming.step, manifest_name(incoming.rank)) != (
+            self.job_id,
+            self.step,
+            self.name,
+        ):
+            raise StoreError(
+                409,
+                f"{self.what}: the manifest is for job {incoming.job_id} step "
+                f"{incoming.step} rank {incoming.rank}",
+            )
+        present = manifests_in(self.dir, self.job_id, self.step)
+        committed = [m.rank for m in present if (self.dir / commit_name(m.rank)).exists()]
+        refusal = transfer_refusal(
+            incoming,
+            present,
+            committed_ranks=committed,
+            fences=self.store.known_fences(self.src_node, self.job_id),
+        )
+        if refusal is not None:
+            raise StoreError(409, f"{self.what}: {refusal}")
+
+    def _check_marker(self, marker: CommitMarker) -> None:
+        """Refuse a commit marker that does not belong to the rank's manifest in the folder
+        (another save, no manifest of its save, or a dead timeline): its retention must not
+        evict anything.
+
+        Raises:
+            StoreError: 409.
+        """
+        path = self.dir / manifest_name(marker.rank)
+        try:
+            m = load_manifest(path) if path.exists() else None
+        except ManifestError:
+            m = None
+        if m is None:
+            if marker.save_id:
+                raise StoreError(
+                    409,
+                    f"{self.what}: no manifest of rank {marker.rank} of save "
+                    f"{marker.save_id[:12]} here (the manifest goes before its marker)",
+                )
+            return
+        if m.save_id != marker.save_id:
+            raise StoreError(
+                409,
+                f"{self.what}: the marker is of save {marker.save_id[:12] or 'legacy'}, the "
+                f"manifest here of save {m.save_id[:12] or 'legacy'}",
+            )
+        if is_dead(m, self.store.known_fences(self.src_node, self.job_id)):
+            raise StoreError(
+                409,
+                f"{self.what}: step {self.step} of timeline {m.timeline} was rolled away; "
+                "a late replication from an abandoned timeline evicts nothing",
+            )
 
     def abort(self) -> None:
         """Close and remove the temporary file and release the reservation (idempotent)."""

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tierwatch.agent.checkpoint.format.agreement import transfer_refusal
 from tierwatch.agent.checkpoint.format.layout import (
     METADATA,
     commit_name,
@@ -55,6 +56,7 @@ from tierwatch.agent.checkpoint.format.manifest import (
     xxh3_file,
 )
 from tierwatch.agent.checkpoint.format.priority import DEFAULT_NICE, lower_this_thread
+from tierwatch.agent.checkpoint.format.rollback import Timeline
 from tierwatch.agent.checkpoint.tierstore.persister import (
     STAGED_METADATA,
     PersistentError,
@@ -77,7 +79,8 @@ class PendingMetadata:
     """A step whose ``.metadata.staged`` this agent uploaded; it waits for every rank's
     manifest on the persistent tier (``since``: monotonic seconds when this agent's upload
     of the step ended; ``started``: when it began, for the step's commit time; ``keep``: the
-    commit marker's ``retain["persistent"]``, None when unknown after a restart)."""
+    commit marker's ``retain["persistent"]``, None when unknown after a restart; ``save_id``:
+    the save of the staged ``.metadata``: only that save's manifests commit it)."""
 
     job_id: str
     step: int
@@ -85,6 +88,7 @@ class PendingMetadata:
     keep: list[int] | None
     since: float
     started: float | None = None
+    save_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -490,13 +494,14 @@ class TierWorker:
                         continue
                     manifests = self.persistent.manifests(job_id, step)
                     # only the agent whose rank lists .metadata (it uploaded the staged copy)
-                    if not any(m.has_metadata() and m.node == self.store.node for m in manifests):
+                    owner = [m for m in manifests if m.has_metadata() and m.node == self.store.node]
+                    if not owner:
                         continue
                     world = manifests[0].world_size
                     marker = newest.get(job_id)
                     keep = marker.marker.retain.get("persistent", []) if marker else None
                     self._pending[(job_id, step)] = PendingMetadata(
-                        job_id, step, world, keep, time.monotonic()
+                        job_id, step, world, keep, time.monotonic(), save_id=owner[0].save_id
                     )
             except PersistentError as exc:
                 log.warning("cannot look for pending .metadata of %s: %s", job_id, exc)
@@ -563,6 +568,7 @@ class TierWorker:
                 c.marker.retain.get("persistent", []),
                 time.monotonic(),
                 started,
+                save_id=manifest.save_id,
             )
         self._mark(c, "persistent", uploaded=True)
         self._event(
@@ -582,7 +588,10 @@ class TierWorker:
         """Why rank ``c.rank``'s files of the step must not go to the persistent tier: the
         step folder there already holds a checkpoint of another world size or model (a
         manifest with another world_size or signature, or a ``.metadata`` without any
-        manifest). Reads this rank's manifest and the lowest-ranked other one.
+        manifest), or another save of the step that must stay (a committed one, a newer
+        one, or a fence of this node's ``timeline.json`` or of a manifest there rolled this
+        one away: :func:`~tierwatch.agent.checkpoint.format.agreement.transfer_refusal`).
+        Reads this rank's manifest and the lowest-ranked other one.
 
         Raises:
             PersistentError: the folder cannot be read.
@@ -596,12 +605,13 @@ class TierWorker:
                     "already holds a checkpoint (.metadata without manifests) of another "
                     f"world size/model; left alone, rank {c.rank}'s files not uploaded"
                 )
-            return None
         read = [r for r in ranks if r == c.rank] + [r for r in ranks if r != c.rank][:1]
+        present: list[Manifest] = []
         for r in read:
             there = self.persistent.manifest(c.job_id, c.step, r)
             if there is None:
                 continue
+            present.append(there)
             if there.world_size != manifest.world_size or there.signature != manifest.signature:
                 return (
                     f"step {c.step} in {self.persistent.step_url(c.job_id, c.step)} "
@@ -611,6 +621,15 @@ class TierWorker:
                     f"signature {manifest.signature!r}); left alone, rank {c.rank}'s "
                     "files not uploaded"
                 )
+        # one save per step number (docs/checkpointing.md "Save identity")
+        refusal = transfer_refusal(
+            manifest,
+            present,
+            committed_ranks=range(manifest.world_size) if METADATA in names else (),
+            fences=Timeline.read(self.store.layout.timeline_file(c.job_id)).fences,
+        )
+        if refusal is not None:
+            return f"{self.persistent.step_url(c.job_id, c.step)}: {refusal}"
         return None
 
     def _finish_metadata(self, p: PendingMetadata) -> None:
@@ -627,6 +646,17 @@ class TierWorker:
             self._fail_step(key, p, str(exc))
             return
         missing = [r for r in range(p.world_size) if r not in have]
+        if not missing:  # every manifest is there: they must all be of the staged save
+            try:
+                saves = {m.rank: m.save_id for m in self.persistent.manifests(p.job_id, p.step)}
+            except PersistentError as exc:
+                self._fail_step(key, p, str(exc))
+                return
+            owner = [r for r, m in saves.items() if m == p.save_id]
+            if not owner:  # another save's upload replaced the staged one: it commits it
+                self._pending.pop((p.job_id, p.step), None)
+                return
+            missing = [r for r in range(p.world_size) if saves.get(r) != p.save_id]
         if missing:
             if time.monotonic() - p.since > self.metadata_wait_s:
                 self._pending.pop((p.job_id, p.step), None)

@@ -79,7 +79,7 @@ from tierwatch.agent.checkpoint.format.layout import (
     commit_name,
     manifest_name,
 )
-from tierwatch.agent.checkpoint.format.manifest import CommitMarker, make_manifest
+from tierwatch.agent.checkpoint.format.manifest import CommitMarker, make_manifest, new_save_id
 from tierwatch.agent.checkpoint.format.priority import DEFAULT_NICE, lower_this_thread
 from tierwatch.agent.checkpoint.format.rollback import Timeline, describe_pins
 from tierwatch.agent.checkpoint.training.client import AgentClient, AgentUnavailable, EventSender
@@ -129,6 +129,9 @@ class _SaveJob:
     blocking_s: float = 0.0  # time the training thread spent in save()
     persist: bool = False  # the caller asked for the persistent tier
     fences: list[tuple[int, int]] = field(default_factory=list)  # the manifest's timeline
+    # this save's id: rank 0's (new_save_id(), made in save()), every rank's once the
+    # writer's first exchange handed it out; "" on other ranks until then
+    save_id: str = ""
 
 
 def _human(n: float) -> str:
@@ -475,6 +478,7 @@ class TieredCheckpointer:
             started=t0,
             persist=bool(persist),
             fences=self.fences,
+            save_id=new_save_id() if self.rank == 0 else "",
         )
         if not pending.pairs:
             job.copy_done.set()
@@ -603,10 +607,13 @@ class TieredCheckpointer:
         job.copy_done.set()
 
         # 1. Agree that every rank can write (a rank that skipped dcp.save alone would
-        #    leave the others waiting in its collectives).
+        #    leave the others waiting in its collectives); the same exchange hands rank 0's
+        #    save id to every rank (docs/checkpointing.md "Save identity").
         pins = self.pinned_steps()
         reason = torn or self._budget_problem(job.staged_bytes, pins)
-        verdicts = self.collectives.all_gather(reason)
+        gathered_verdicts = self.collectives.all_gather((reason, job.save_id))
+        verdicts = [v for v, _ in gathered_verdicts]
+        job.save_id = str(gathered_verdicts[0][1])
         problems = [f"rank {r}: {v}" for r, v in enumerate(verdicts) if v]
         if problems:
             job.error = "; ".join(problems)[:2000]
@@ -653,6 +660,7 @@ class TieredCheckpointer:
                 signature=self._signature or "",
                 created_at=utcnow().isoformat(),
                 fences=job.fences,
+                save_id=job.save_id,
             )
             atomic_write_json(step_dir / manifest_name(self.rank), manifest, fsync=False)
             nbytes = manifest.total_bytes()
@@ -702,6 +710,7 @@ class TieredCheckpointer:
             layout=self.nodes_by_rank,
             peer_urls=self.peer_urls,
             created_at=utcnow().isoformat(),
+            save_id=job.save_id,
         )
         atomic_write_json(step_dir / commit_name(self.rank), marker, fsync=False)
         job.committed = True

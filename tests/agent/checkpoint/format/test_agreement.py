@@ -17,6 +17,8 @@ def manifest(
     metadata: bool | None = None,
     signature: str = "sig",
     digest: str = "0" * 16,
+    save_id: str = "",
+    fences: list[tuple[int, int]] | None = None,
 ) -> Manifest:
     files = [FileEntry(name=f"__{rank}_0.distcp", size=10 + rank, xxh3=digest)]
     if metadata if metadata is not None else rank == 0:
@@ -29,6 +31,8 @@ def manifest(
         node=node or f"n{rank}",
         files=files,
         signature=signature,
+        fences=fences or [],
+        **({"save_id": save_id} if save_id else {}),  # none: a legacy manifest
     )
 
 
@@ -139,3 +143,185 @@ def test_sources_order_local_memory_first_persistent_last() -> None:
     with pytest.raises(KeyError):
         agreement.stage_request(views[9], ["__7_0.distcp"], node="n0")
     assert agreement.all_file_names(views[9]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+# -- save identity (docs/checkpointing.md "Save identity") ---------------------------------
+OLD = "0190000000aa" + "a" * 20  # the first save of a step number
+NEW = "0190000000bb" + "b" * 20  # the same step number saved again (later)
+
+
+def _files_of(view: agreement.StepView) -> set[tuple[int, str]]:
+    return {(r, m.save_id) for r, m in view.manifests.items()}
+
+
+@pytest.mark.parametrize(
+    ("entries", "restorable", "saves", "why"),
+    [
+        pytest.param(
+            [
+                ("memory", "n0", manifest(5, 0, save_id=NEW, digest="2" * 16)),
+                ("memory", "n1", manifest(5, 1, save_id=NEW, digest="2" * 16)),
+                ("persistent", "persistent", manifest(5, 0, save_id=OLD)),
+                ("persistent", "persistent", manifest(5, 1, save_id=OLD)),
+            ],
+            True,
+            {(0, NEW), (1, NEW)},
+            None,
+            id="both-complete-the-newer-save-wins",
+        ),
+        pytest.param(
+            [
+                ("memory", "n0", manifest(5, 0, save_id=NEW, digest="2" * 16)),
+                ("persistent", "persistent", manifest(5, 0, save_id=OLD)),
+                ("persistent", "persistent", manifest(5, 1, save_id=OLD)),
+            ],
+            True,
+            {(0, OLD), (1, OLD)},
+            None,
+            id="the-newer-incomplete-the-older-complete-save-wins-whole",
+        ),
+        pytest.param(
+            [
+                ("memory", "n0", manifest(5, 0, save_id=NEW, digest="2" * 16)),
+                ("peer", "n0", manifest(5, 1, save_id=OLD)),
+            ],
+            False,
+            {(0, NEW), (1, OLD)},
+            "2 saves of this step",
+            id="one-rank-of-each-save-is-never-mixed",
+        ),
+        pytest.param(
+            [
+                ("memory", "n0", manifest(5, 0, save_id=NEW, digest="2" * 16)),
+                ("memory", "n1", manifest(5, 1, save_id=NEW, digest="2" * 16)),
+                ("persistent", "persistent", manifest(5, 0)),
+                ("persistent", "persistent", manifest(5, 1)),
+            ],
+            True,
+            {(0, NEW), (1, NEW)},
+            None,
+            id="a-new-save-over-a-legacy-one",
+        ),
+        pytest.param(
+            [
+                ("memory", "n0", manifest(5, 0, save_id=NEW)),
+                ("memory", "n1", manifest(5, 1, save_id=NEW)),
+                ("peer", "n0", manifest(5, 1, save_id=NEW, digest="3" * 16)),
+            ],
+            False,
+            {(0, NEW), (1, NEW)},
+            "copies on n0 and elsewhere differ",
+            id="two-copies-of-one-save-differ",
+        ),
+        pytest.param(
+            [
+                # a late replication of the abandoned timeline (step 6 before rollback 3 to
+                # step 5) next to the new timeline's step 6
+                ("peer", "n0", manifest(6, 0, save_id=OLD)),
+                ("peer", "n0", manifest(6, 1, save_id=OLD)),
+                ("memory", "n0", manifest(6, 0, save_id=NEW, fences=[(3, 5)], digest="2" * 16)),
+                ("memory", "n1", manifest(6, 1, save_id=NEW, fences=[(3, 5)], digest="2" * 16)),
+            ],
+            True,
+            {(0, NEW), (1, NEW)},
+            None,
+            id="late-copy-of-an-abandoned-timeline-is-dead",
+        ),
+    ],
+)
+def test_saves_of_one_step_number(entries, restorable, saves, why) -> None:
+    step = entries[0][2].step
+    views = agreement.merge_available([answer(*entries)])
+    view = views[step]
+    assert _files_of(view) == saves
+    got = agreement.restorable(view, 2)
+    assert (got is None) is restorable, got
+    if why is not None:
+        assert why in (got or "")
+    # every source of a rank holds that rank's manifest of the chosen save
+    by_tier = {(t, h, m.rank, m.save_id) for t, h, m in entries}
+    for rank, sources in view.sources.items():
+        for s in sources:
+            assert (s.tier, s.holder, rank, view.manifests[rank].save_id) in by_tier
+
+
+P0 = manifest(6, 0, save_id=OLD)
+P1 = manifest(6, 1, save_id=OLD)
+
+
+@pytest.mark.parametrize(
+    ("incoming", "present", "committed", "fences", "why"),
+    [
+        pytest.param(manifest(6, 1, save_id=OLD), [P0, P1], [0, 1], [], None, id="retry"),
+        pytest.param(manifest(6, 1, save_id=NEW), [], [], [], None, id="empty-folder"),
+        pytest.param(
+            manifest(6, 1, save_id=NEW),
+            [P0, P1],
+            [0, 1],
+            [],
+            "committed from save 0190000000aa…",
+            id="a-second-save-over-a-committed-one",
+        ),
+        pytest.param(
+            manifest(6, 1, save_id=NEW),
+            [P0],
+            [0],
+            [],
+            "committed from save 0190000000aa… (rank 0)",
+            id="another-rank-committed",
+        ),
+        pytest.param(
+            manifest(6, 1, save_id=NEW), [P0, P1], [], [], None, id="newer-over-uncommitted"
+        ),
+        pytest.param(
+            manifest(6, 1, save_id=OLD),
+            [manifest(6, 0, save_id=NEW)],
+            [],
+            [],
+            "a newer save 0190000000bb… of step 6 is here",
+            id="older-over-newer-uncommitted",
+        ),
+        pytest.param(
+            manifest(6, 1),
+            [P0],
+            [0],
+            [],
+            "committed from save 0190000000aa…",
+            id="legacy-over-committed",
+        ),
+        pytest.param(
+            manifest(6, 1, save_id=NEW),
+            [manifest(6, 0)],
+            [0],
+            [],
+            "committed from save legacy",
+            id="new-over-committed-legacy",
+        ),
+        pytest.param(
+            manifest(6, 1, save_id=OLD),
+            [manifest(6, 0, save_id=NEW, fences=[(3, 5)])],
+            [0],
+            [],
+            "restore request 3 rolled back to step 5: a late transfer from an abandoned",
+            id="dead-by-a-manifest-there",
+        ),
+        pytest.param(
+            manifest(6, 1, save_id=OLD),
+            [],
+            [],
+            [(3, 5)],
+            "abandoned timeline",
+            id="dead-by-the-node-timeline",
+        ),
+        pytest.param(
+            manifest(5, 1, save_id=OLD), [], [], [(3, 5)], None, id="the-fence-step-itself-lives"
+        ),
+    ],
+)
+def test_transfer_refusal(incoming, present, committed, fences, why) -> None:
+    got = agreement.transfer_refusal(incoming, present, committed_ranks=committed, fences=fences)
+    if why is None:
+        assert got is None
+    else:
+        assert got is not None
+        assert why in got

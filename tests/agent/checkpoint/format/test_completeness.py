@@ -17,6 +17,7 @@ def m(
     signature: str = "sig",
     metadata: bool | None = None,
     fences: list[tuple[int, int]] | None = None,
+    save_id: str = "",
 ) -> Manifest:
     files = [FileEntry(name=shard_name(rank), size=10, xxh3="0" * 16)]
     if rank == 0 if metadata is None else metadata:
@@ -30,10 +31,13 @@ def m(
         files=files,
         signature=signature,
         fences=fences or [],
+        **({"save_id": save_id} if save_id else {}),  # none: a legacy manifest
     )
 
 
 ALL = {shard_name(0), shard_name(1), METADATA}
+A = "0190000000aa" + "a" * 20  # two saves of one step number (new_save_id's shape)
+B = "0190000000bb" + "b" * 20
 
 
 @pytest.mark.parametrize(
@@ -70,6 +74,28 @@ ALL = {shard_name(0), shard_name(1), METADATA}
         ),
         pytest.param(
             {0: m(0, fences=[(7, 0)]), 1: m(1)}, {}, "different timelines", id="timelines"
+        ),
+        pytest.param(
+            {0: m(0, save_id=A), 1: m(1, save_id=A)}, {"present": ALL}, None, id="one-save"
+        ),
+        pytest.param(
+            {0: m(0, save_id=B), 1: m(1, save_id=A)},
+            {},
+            "come from 2 saves of this step (0190000000aa…: rank(s) [1]; 0190000000bb…: "
+            "rank(s) [0])",
+            id="two-saves",
+        ),
+        pytest.param(
+            {0: m(0, save_id=A), 1: m(1)},
+            {"world_size": 2},
+            "come from 2 saves of this step (legacy: rank(s) [1]; 0190000000aa…: rank(s) [0])",
+            id="legacy-and-new-saves",
+        ),
+        pytest.param(
+            {0: m(0, save_id=B, fences=[(7, 0)]), 1: m(1, save_id=A)},
+            {},
+            "different timelines",
+            id="timelines-before-saves",
         ),
         pytest.param({0: m(0)}, {}, "no manifest of rank(s) [1]", id="a-rank-missing"),
         pytest.param(
@@ -140,3 +166,27 @@ def test_ckpt_cli_uses_the_same_rule():
     copy.manifests[1] = m(1)
     copy.names.add(shard_name(1))
     assert copy.complete() == (True, "complete")
+
+
+def test_new_save_ids_are_distinct_time_ordered_hex():
+    from tierwatch.agent.checkpoint.format.manifest import new_save_id
+
+    ids = [new_save_id(now_ms=1000), new_save_id(now_ms=1000), new_save_id(now_ms=1001)]
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    assert len(set(ids)) == 3
+    assert ids[2] > max(ids[:2])  # a later save sorts after, whatever its random bits
+    assert new_save_id() > new_save_id(now_ms=1001)
+    assert m(0, save_id=ids[0]).save_key < m(0, save_id=ids[2]).save_key
+    assert m(0, save_id=ids[2]).save_key < m(0, fences=[(1, 0)]).save_key  # timeline first
+
+
+def test_a_legacy_manifest_parses_as_the_legacy_save():
+    import json
+
+    from tierwatch.agent.checkpoint.format.manifest import LEGACY_SAVE_ID, read_manifest
+
+    data = m(0).model_dump(mode="json")
+    del data["save_id"]  # written before save ids existed
+    assert read_manifest(json.dumps(data)).save_id == LEGACY_SAVE_ID == ""
+    with pytest.raises(ValueError, match="not a valid manifest"):
+        read_manifest(json.dumps({**data, "save_id": "not-hex"}))
