@@ -14,7 +14,10 @@
   a replica folder holds one save of its step: files of another save are refused (409) where
   a rank is committed, and so are a dead timeline's (docs/checkpointing.md "Save identity");
 - lists what it can supply for a restore (:meth:`MemoryStore.available`), from manifests only;
-- keeps the tier worker's progress in ``<step>/.tier-<r>.json``.
+- keeps the tier worker's progress in ``<step>/.tier-<r>.json``;
+- pins the memory steps the tier worker is reading (:meth:`MemoryStore.pin_transfer`), so the
+  ranks' memory retention keeps them until the transfer ends
+  (:mod:`~tierwatch.agent.checkpoint.format.inflight`).
 
 No torch here, and nothing that needs the network.
 """
@@ -27,7 +30,9 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -35,6 +40,11 @@ from typing import Any, BinaryIO
 import xxhash
 
 from tierwatch.agent.checkpoint.format.agreement import is_dead, transfer_refusal
+from tierwatch.agent.checkpoint.format.inflight import (
+    DEFAULT_LEASE_S,
+    pins_lock,
+    write_agent_pins,
+)
 from tierwatch.agent.checkpoint.format.layout import (
     MemoryLayout,
     check_file_name,
@@ -110,13 +120,21 @@ class MemoryStore:
             agent's :meth:`RequestStore.pinned_steps
             <tierwatch.agent.checkpoint.tierstore.requests.RequestStore.pinned_steps>`);
             None: no step is pinned.
+        pin_lease_s: Seconds a pin of a step in transfer holds unless renewed
+            (:meth:`refresh_pins`); an agent that dies mid-transfer holds memory that long.
 
     Raises:
         OSError: the folder cannot be created.
     """
 
     def __init__(
-        self, root: Path, *, node: str, budget_bytes: int, pins: PinSource | None = None
+        self,
+        root: Path,
+        *,
+        node: str,
+        budget_bytes: int,
+        pins: PinSource | None = None,
+        pin_lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         self.layout = MemoryLayout(root)
         self.root = self.layout.root
@@ -129,6 +147,9 @@ class MemoryStore:
         self._progress_lock = threading.Lock()
         self._agent_info: dict[str, Any] | None = None
         self._agent_lock = threading.Lock()
+        self.pin_lease_s = pin_lease_s
+        self._transfers: dict[str, Counter[tuple[int, str]]] = {}
+        self._transfers_lock = threading.Lock()
 
     # -- identity ------------------------------------------------------------------------
     def write_agent_file(
@@ -241,6 +262,91 @@ class MemoryStore:
             f"({used} of {self.budget_bytes} bytes used{pinned}); raise --memory-budget on "
             f"{self.node}, lower the job's retention, or free its memory folder "
             "(tierwatch-agent ckpt gc)",
+        )
+
+    # -- steps in transfer ---------------------------------------------------------------
+    @contextmanager
+    def pin_transfer(
+        self, job_id: str, step: int, tier: str, ranks: Iterable[int]
+    ) -> Iterator[bool]:
+        """Pin memory step ``step`` of ``job_id`` while ``tier``'s transfer reads it.
+
+        Under the job's pin lock, checks that every rank in ``ranks`` still has its commit
+        marker of the step and, if so, adds the pin to ``jobs/<job>/.agent-pins.json``; the
+        ranks' memory retention keeps pinned steps. The pin goes when the block ends (also on
+        an error). docs/checkpointing.md, "Backpressure".
+
+        Yields:
+            True when the step is pinned; False when a rank evicted it already (read nothing).
+
+        Raises:
+            OSError: the pin file cannot be written (nothing is pinned).
+        """
+        job_dir = self.layout.job_dir(job_id)
+        step_dir = self.layout.step_dir(job_id, step)
+        key = (step, tier)
+        with pins_lock(job_dir):
+            if not all((step_dir / commit_name(r)).exists() for r in ranks):
+                pinned = False
+            else:
+                with self._transfers_lock:
+                    held = self._transfers.setdefault(job_id, Counter())
+                    held[key] += 1
+                    try:
+                        self._write_pins(job_id)
+                    except OSError:
+                        held[key] -= 1
+                        raise
+                pinned = True
+        try:
+            yield pinned
+        finally:
+            if pinned:
+                with pins_lock(job_dir), self._transfers_lock:
+                    held = self._transfers[job_id]
+                    held[key] -= 1
+                    if held[key] <= 0:
+                        del held[key]
+                    try:
+                        self._write_pins(job_id)
+                    except OSError as exc:  # the lease runs out on its own
+                        log.warning("cannot unpin step %d of %s: %s", step, job_id, exc)
+                    if not held:
+                        self._transfers.pop(job_id, None)
+
+    def transfer_pins(self, job_id: str) -> dict[int, list[str]]:
+        """Steps of ``job_id`` this agent pins now for its transfers: step → tiers."""
+        with self._transfers_lock:
+            out: dict[int, set[str]] = {}
+            for (step, tier), n in self._transfers.get(job_id, Counter()).items():
+                if n > 0:
+                    out.setdefault(step, set()).add(tier)
+        return {s: sorted(t) for s, t in sorted(out.items())}
+
+    def refresh_pins(self) -> None:
+        """Renew the lease of every job's pins (the tier worker calls this every third of
+        :attr:`pin_lease_s`). A pin file that cannot be written is logged; its lease may
+        then run out under a long transfer."""
+        with self._transfers_lock:
+            jobs = [j for j, held in self._transfers.items() if held]
+        for job_id in jobs:
+            try:
+                with pins_lock(self.layout.job_dir(job_id)), self._transfers_lock:
+                    self._write_pins(job_id)
+            except OSError as exc:
+                log.warning("cannot renew the pins of %s: %s", job_id, exc)
+
+    def _write_pins(self, job_id: str) -> None:
+        """Write the job's pin file from :attr:`_transfers` (caller holds both locks)."""
+        steps: dict[int, set[str]] = {}
+        for (step, tier), n in self._transfers.get(job_id, Counter()).items():
+            if n > 0:
+                steps.setdefault(step, set()).add(tier)
+        write_agent_pins(
+            self.layout.job_dir(job_id),
+            node=self.node,
+            steps={s: sorted(t) for s, t in steps.items()},
+            lease_s=self.pin_lease_s,
         )
 
     # -- replicas ------------------------------------------------------------------------

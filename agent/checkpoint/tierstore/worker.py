@@ -3,19 +3,29 @@
 Two threads scan ``<memory-dir>/jobs/*/step-*/commit-<r>.json`` (the commit markers the
 node's own ranks write) every scan interval, and at once after ``POST /v1/ckpt/notify``:
 
-- the **peer** thread pushes the newest committed step of each local rank to the rank's peer
-  targets (:func:`~.replicator.peer_targets`), in the order shards, ``.metadata`` (if the
-  rank's manifest lists it), ``manifest-<r>.json``, ``commit-<r>.json``. The holder evicts its
-  older replicas when the commit marker arrives.
-- the **persistent** thread uploads the rank's files and manifest of the newest committed step
-  with ``persist`` true to ``<persistent-url>/<job>/step-<N>/``. The agent whose rank lists
-  ``.metadata`` uploads it with them as ``.metadata.staged`` (the trainer may drop the step from
-  memory before the other nodes are done), waits (polling each scan, at most
+- the **peer** thread pushes the newest step that every local rank of a job committed to each
+  rank's peer targets (:func:`~.replicator.peer_targets`), in the order shards,
+  ``.metadata`` (if the rank's manifest lists it), ``manifest-<r>.json``, ``commit-<r>.json``.
+  The holder evicts its older replicas when the commit marker arrives.
+- the **persistent** thread uploads the local ranks' files and manifests of the newest step
+  with ``persist`` true that every local rank committed to
+  ``<persistent-url>/<job>/step-<N>/``. The agent whose rank lists ``.metadata`` uploads it
+  with them as ``.metadata.staged`` (the trainer may drop the step from memory before the
+  other nodes are done), waits (polling each scan, at most
   ``metadata_wait_s``) until manifests of all ``world_size`` ranks are in the persistent
   folder, then renames it to ``.metadata`` (last), reports the whole step committed (``rank``
-  None) and applies persistent retention (steps named by the job's pending restore requests
-  stay: :meth:`MemoryStore.pinned_steps <.store.MemoryStore.pinned_steps>`). After a
-  restart it finds such steps again on the persistent tier.
+  None) and applies persistent retention (:func:`persistent_evictions`: the newest complete
+  steps, never only decided ones; steps named by the job's pending restore requests stay:
+  :meth:`MemoryStore.pinned_steps <.store.MemoryStore.pinned_steps>`; partial folders older
+  than the newest complete step go). After a restart it finds such steps again on the
+  persistent tier.
+
+Backpressure (docs/checkpointing.md, "Backpressure"): each thread works on one step of a job
+at a time, for all its local ranks, and pins it in memory while it reads it
+(:meth:`MemoryStore.pin_transfer <.store.MemoryStore.pin_transfer>`; a third thread renews the
+pins' lease). It finishes that step, then takes the newest one (:func:`next_transfer`): the
+steps committed meanwhile are skipped on purpose, reported as a ``failed`` event with the lag
+(at most one a minute per tier and job, counting the others).
 
 Progress lives in ``<step>/.tier-<r>.json`` (``{"peer": {"targets": {node: "done"}, "done":
 bool}, "persistent": {"uploaded": bool}}``), so a restarted agent skips finished work and
@@ -31,8 +41,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +114,16 @@ class LocalCommit:
     marker: CommitMarker
 
 
+@dataclass(frozen=True)
+class _Done:
+    """The newest step a tier finished for all local ranks of a job (``seconds``: how long
+    its transfer took, None when it was found done in the progress files)."""
+
+    step: int
+    created_at: str
+    seconds: float | None
+
+
 class TierWorker:
     """Replicates and persists the committed steps of this node's ranks.
 
@@ -151,6 +173,9 @@ class TierWorker:
         self._pending_loaded = False
         self._unavailable_said: dict[tuple[str, int], int] = {}
         self._agent_file_warned = False
+        self._last_done: dict[tuple[str, str], _Done] = {}
+        self._seen: dict[tuple[str, str], set[int]] = {}
+        self._skip_said: dict[tuple[str, str], tuple[float, int]] = {}
         self.scans = {"peer": 0, "persistent": 0}
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -162,6 +187,14 @@ class TierWorker:
             )
             t.start()
             self._threads.append(t)
+        t = threading.Thread(target=self._renew_pins, daemon=True, name="tierwatch-pins")
+        t.start()
+        self._threads.append(t)
+
+    def _renew_pins(self) -> None:
+        """Renew the lease of the steps in transfer every third of it, until stopped."""
+        while not self._stop.wait(self.store.pin_lease_s / 3):
+            self.store.refresh_pins()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop both threads (a transfer in progress finishes or times out first)."""
@@ -279,13 +312,19 @@ class TierWorker:
 
     # -- peer ----------------------------------------------------------------------------
     def peer_pass(self) -> None:
-        """Replicate the newest committed step of every local rank (one pass)."""
+        """Replicate the newest step every local rank of a job committed (one pass)."""
         if self.replication <= 0:
             return
-        for commits in self.local_commits().values():
+        for job_id, per_rank in by_job(self.local_commits(), self.store.node).items():
             if self._stop.is_set():
                 return
-            self._replicate(commits[-1])
+            self._transfer_newest(
+                "peer",
+                job_id,
+                common_steps(per_rank),
+                self._replicate,
+                pin=self._peer is not None,  # without a token nothing is read (one event)
+            )
 
     def _replicate(self, c: LocalCommit) -> None:
         progress = self.store.read_progress(c.step_dir, c.rank)
@@ -422,6 +461,120 @@ class TierWorker:
         assert self._peer is not None
         return self._peer
 
+    # -- one step at a time ----------------------------------------------------------------
+    def _tier_done(self, tier: str, c: LocalCommit) -> bool:
+        """Whether ``tier``'s work on rank ``c.rank``'s files of the step is over (peer: every
+        target done; persistent: uploaded, or refused for a conflict)."""
+        progress = self.store.read_progress(c.step_dir, c.rank).get(tier, {})
+        if tier == "peer":
+            return bool(progress.get("done"))
+        return bool(progress.get("uploaded") or progress.get("conflict"))
+
+    def _transfer_newest(
+        self,
+        tier: str,
+        job_id: str,
+        steps: list[tuple[int, dict[int, LocalCommit]]],
+        work: Callable[[LocalCommit], None],
+        *,
+        pin: bool = True,
+    ) -> None:
+        """Run ``work`` on every local rank's files of the job's newest step, pinned in memory
+        meanwhile; report the steps skipped since the last one this tier finished.
+
+        Args:
+            tier: ``peer`` or ``persistent``.
+            job_id: The job.
+            steps: :func:`common_steps` of the job (for this tier).
+            work: Replicates or uploads one rank's files (records its progress itself).
+            pin: Pin the step in memory while ``work`` runs (False: ``work`` reads nothing).
+        """
+        if not steps:
+            return
+        key = (tier, job_id)
+        done = {s for s, cs in steps if all(self._tier_done(tier, c) for c in cs.values())}
+        last = self._last_done.get(key)
+        newest_step, newest = steps[-1]
+        seen = self._seen.setdefault(key, set())
+        seen.update(s for s, _ in steps)
+        seen.update(newest[min(newest)].marker.retain.get(tier, []))
+        target, skipped = next_transfer(
+            [s for s, _ in steps],
+            done,
+            last_done=last.step if last is not None else None,
+            seen=seen,
+        )
+        if target is None:
+            if newest_step in done and (last is None or last.step < newest_step):
+                created = newest[min(newest)].marker.created_at
+                self._last_done[key] = _Done(newest_step, created, None)
+            return
+        commits = newest
+        if skipped and last is not None:  # after a start, older steps are skipped silently
+            self._report_skip(tier, job_id, commits[min(commits)], skipped, last)
+        started = time.monotonic()
+        with ExitStack() as stack:
+            pinned = self._pin(stack, job_id, target, tier, sorted(commits)) if pin else True
+            if not pinned:
+                log.debug("step %d of %s was evicted before %s work began", target, job_id, tier)
+                return
+            for rank in sorted(commits):
+                if self._stop.is_set():
+                    return
+                work(commits[rank])
+        if all(self._tier_done(tier, c) for c in commits.values()):
+            c0 = commits[min(commits)]
+            self._last_done[key] = _Done(target, c0.marker.created_at, time.monotonic() - started)
+            self._seen[key] = {s for s in seen if s > target}
+
+    def _pin(self, stack: ExitStack, job_id: str, step: int, tier: str, ranks: list[int]) -> bool:
+        """Pin the step in memory until ``stack`` closes; False when a rank evicted it
+        already. A pin file that cannot be written is logged and the work goes on unpinned
+        (a rank's eviction then fails it with a ``failed`` event)."""
+        try:
+            return stack.enter_context(self.store.pin_transfer(job_id, step, tier, ranks))
+        except OSError as exc:
+            log.warning("cannot pin step %d of %s in memory: %s", step, job_id, exc)
+            return True
+
+    def _report_skip(
+        self, tier: str, job_id: str, c: LocalCommit, skipped: list[int], last: _Done
+    ) -> None:
+        """A ``failed`` event for steps ``skipped`` on purpose (the tier could not keep up),
+        with the lag; at most one per :data:`FAILED_EVENT_EVERY_S` per tier and job, the
+        next one counting the steps skipped since."""
+        key = (tier, job_id)
+        now = time.monotonic()
+        said, quiet = self._skip_said.get(key, (None, 0))
+        verb = "upload" if tier == "persistent" else "replication"
+        if said is not None and now - said < FAILED_EVENT_EVERY_S:
+            self._skip_said[key] = (said, quiet + len(skipped))
+            log.info("%s tier of %s: skipped steps %s (reported already)", tier, job_id, skipped)
+            return
+        self._skip_said[key] = (now, 0)
+        took = f" took {last.seconds:.1f} s" if last.seconds is not None else " ended"
+        lag_s = _seconds_between(last.created_at, c.marker.created_at)
+        lag = f"lag {c.step - last.step} steps" + (
+            f" ({lag_s:.1f} s of training)" if lag_s is not None else ""
+        )
+        more = f"; {quiet} more step(s) skipped since the last report" if quiet else ""
+        message = (
+            f"{tier} tier on {self.store.node} cannot keep up: step(s) {_steps(skipped)} "
+            f"skipped on purpose (the {verb} of step {last.step}{took}, and newer steps were "
+            f"committed meanwhile); the {verb} of step {c.step} comes next; {lag}{more}"
+        )
+        log.warning("job %s: %s", job_id, message)
+        self._event(
+            job_id,
+            skipped[-1],
+            tier,
+            "failed",
+            None,
+            c.marker.world_size,
+            seconds=last.seconds,
+            message=message,
+        )
+
     # -- persistent ----------------------------------------------------------------------
     def persistent_pass(self) -> None:
         """Upload the newest persisted step of every local rank, finish pending
@@ -432,16 +585,12 @@ class TierWorker:
             return
         if not self._pending_loaded:
             self._load_pending(commits)
-        for per_rank in commits.values():
+        for job_id, per_rank in by_job(commits, self.store.node).items():
             if self._stop.is_set():
                 return
-            persisted = [c for c in per_rank if c.marker.persist]
-            if not persisted:
-                continue
-            newest = persisted[-1]
-            progress = self.store.read_progress(newest.step_dir, newest.rank).get("persistent", {})
-            if not progress.get("uploaded") and not progress.get("conflict"):
-                self._upload(newest)
+            self._transfer_newest(
+                "persistent", job_id, common_steps(per_rank, persisted=True), self._upload
+            )
         for key in sorted(self._pending):
             if self._stop.is_set():
                 return
@@ -519,6 +668,8 @@ class TierWorker:
             return None
 
     def _upload(self, c: LocalCommit) -> None:
+        if self._tier_done("persistent", c):
+            return
         key = ("persistent", c.job_id, c.step, c.rank)
         manifest = self._due_manifest(key, c, "persistent")
         if manifest is None:
@@ -715,12 +866,19 @@ class TierWorker:
         )
 
     def _retain_persistent(self, p: PendingMetadata) -> None:
-        """Delete persistent steps older than ``p.step`` that rank 0's decision does not keep
-        and no pending restore request of the job names (a pinned step stays until its
-        request is retired or expires; ``p.step``, the newest committed, always stays)."""
+        """Apply persistent retention after ``p.step`` committed (:func:`persistent_evictions`):
+        keep the newest complete steps (as many as rank 0's ``retain["persistent"]`` names
+        besides pinned ones; those it names, when complete) and every step a pending restore
+        request of the job pins; remove other complete steps below ``p.step`` and partial
+        folders (no ``.metadata``) below the newest complete step, which no agent uploads any
+        more: each agent uploads one step at a time, oldest first, so all of them finished
+        or gave up every older step before the newest one could complete."""
         keep = set(p.keep or [])
         try:
             steps = self.persistent.steps(p.job_id)
+            complete = {
+                s for s in steps if s == p.step or METADATA in self.persistent.names(p.job_id, s)
+            }
         except PersistentError as exc:
             self._event(
                 p.job_id,
@@ -732,22 +890,21 @@ class TierWorker:
                 message=f"retention: {exc}",
             )
             return
-        pins = (
-            self.store.pinned_steps(p.job_id)
-            if any(s < p.step and s not in keep for s in steps)
-            else {}
+        pins = self.store.pinned_steps(p.job_id) if any(s < p.step for s in steps) else {}
+        count = max(1, len(keep - set(pins)))
+        doomed = persistent_evictions(
+            steps, complete, newest=p.step, keep=keep, keep_count=count, pinned=set(pins)
         )
-        for step in steps:
-            if step >= p.step or step in keep:
-                continue
-            if step in pins:
-                log.info(
-                    "persistent step %d of %s kept: pinned by restore request(s) %s",
-                    step,
-                    p.job_id,
-                    pins[step],
-                )
-                continue
+        kept = sorted(s for s in complete if s not in doomed)
+        top = max(complete)
+        for step in sorted(set(steps) & set(pins)):
+            log.info(
+                "persistent step %d of %s kept: pinned by restore request(s) %s",
+                step,
+                p.job_id,
+                pins[step],
+            )
+        for step in doomed:
             try:
                 self.persistent.delete_step(p.job_id, step)
             except PersistentError as exc:
@@ -762,17 +919,18 @@ class TierWorker:
                 )
                 continue
             self._pending.pop((p.job_id, step), None)
-            self._event(
-                p.job_id,
-                step,
-                "persistent",
-                "evicted",
-                None,
-                p.world_size,
-                message=f"retention after step {p.step} (keeps {sorted(keep)}"
-                + (f", pinned {sorted(pins)}" if pins else "")
-                + ")",
-            )
+            if step in complete:
+                why = (
+                    f"retention after step {p.step} (keeps {kept}"
+                    + (f", pinned {sorted(pins)}" if pins else "")
+                    + ")"
+                )
+            else:
+                why = (
+                    f"partial step (no .metadata) below the newest complete step {top}, "
+                    f"which no agent uploads any more: removed by retention after step {p.step}"
+                )
+            self._event(p.job_id, step, "persistent", "evicted", None, p.world_size, message=why)
 
     # -- helpers -------------------------------------------------------------------------
     def _mark(self, c: LocalCommit, tier: str, **values: Any) -> None:
@@ -879,3 +1037,141 @@ def _push_order(c: LocalCommit, manifest: Manifest) -> list[tuple[str, Path, Fil
         (commit_name(c.rank), c.step_dir / commit_name(c.rank), None),
     ]
     return [*shards, *meta, *tail]
+
+
+def by_job(
+    commits: Mapping[tuple[str, int], list[LocalCommit]], node: str
+) -> dict[str, dict[int, list[LocalCommit]]]:
+    """:meth:`TierWorker.local_commits` grouped per job: job → local rank → commits.
+
+    The local ranks are those the newest commit marker's layout places on ``node``; ranks
+    whose files are here but that it places elsewhere (an older run's) are left out. When it
+    places none here (a misconfigured ``--node``), every rank found is kept, so the work
+    reports the mismatch.
+    """
+    jobs: dict[str, dict[int, list[LocalCommit]]] = {}
+    for (job_id, rank), found in commits.items():
+        jobs.setdefault(job_id, {})[rank] = found
+    out: dict[str, dict[int, list[LocalCommit]]] = {}
+    for job_id, ranks in jobs.items():
+        newest = max((c for cs in ranks.values() for c in cs), key=lambda c: c.step)
+        local = {r for r, n in enumerate(newest.marker.layout) if n == node}
+        mine = {r: cs for r, cs in ranks.items() if r in local}
+        out[job_id] = mine or ranks
+    return out
+
+
+def common_steps(
+    per_rank: Mapping[int, Sequence[LocalCommit]], *, persisted: bool = False
+) -> list[tuple[int, dict[int, LocalCommit]]]:
+    """The steps every local rank committed (only those marked ``persist`` when
+    ``persisted``), ascending, each with every local rank's commit.
+
+    The agent replicates and uploads one step for all its local ranks, never rank 0's
+    step 8 with rank 1's step 7: a rank that has not written its commit marker of the newest
+    step yet holds the others back until it has.
+    """
+    if not per_rank:
+        return []
+    by_step: dict[int, dict[int, LocalCommit]] = {}
+    for rank, commits in per_rank.items():
+        for c in commits:
+            if persisted and not c.marker.persist:
+                continue
+            by_step.setdefault(c.step, {})[rank] = c
+    return [(s, cs) for s, cs in sorted(by_step.items()) if len(cs) == len(per_rank)]
+
+
+def next_transfer(
+    steps: Sequence[int],
+    done: Collection[int],
+    *,
+    last_done: int | None,
+    seen: Iterable[int] = (),
+) -> tuple[int | None, list[int]]:
+    """Which step a tier works on next, and which it skips on purpose.
+
+    The tier always takes the newest step (``steps[-1]``): a step it is working on is
+    finished first (the caller works on one step at a time), then everything committed
+    meanwhile but the newest is skipped. So a tier slower than the saves (an upload longer
+    than ``persist_every`` × the step time) falls behind by at most one transfer, never by a
+    growing queue.
+
+    Args:
+        steps: Steps every local rank committed (for persistent: marked ``persist``),
+            ascending.
+        done: Steps whose transfer is over (all local ranks).
+        last_done: The newest step this tier finished, None when unknown (after a start).
+        seen: Other steps the tier saw committed for it (earlier scans, rank 0's retain),
+            which memory may have dropped since.
+
+    Returns:
+        ``(target, skipped)``: the step to transfer (None: the newest is done, or no step),
+        and the steps above ``last_done`` and below ``target`` that were not transferred,
+        ascending.
+    """
+    if not steps or steps[-1] in done:
+        return None, []
+    target = steps[-1]
+    floor = -1 if last_done is None else last_done
+    skipped = sorted({s for s in (*steps, *seen) if floor < s < target and s not in done})
+    return target, skipped
+
+
+def persistent_evictions(
+    steps: Iterable[int],
+    complete: Collection[int],
+    *,
+    newest: int,
+    keep: Collection[int],
+    keep_count: int,
+    pinned: Collection[int] = (),
+) -> list[int]:
+    """The persistent steps retention removes after ``newest`` committed there.
+
+    Retention counts completed steps, not decided ones: under backpressure rank 0's
+    ``retain["persistent"]`` can name steps that some agent skipped and that never complete.
+
+    Args:
+        steps: Step folders on the persistent tier.
+        complete: Those with ``.metadata``.
+        newest: The step that just committed (it and newer folders always stay).
+        keep: Rank 0's ``retain["persistent"]`` (kept when complete).
+        keep_count: How many of the newest complete steps to keep (≥ 1).
+        pinned: Steps pending restore requests pin (kept, complete or not).
+
+    Returns:
+        Ascending: complete steps below ``newest`` that are neither among the newest
+        ``keep_count`` complete ones nor in ``keep``, and partial steps below the newest
+        complete step; none of them pinned.
+    """
+    done = sorted(complete)
+    top = max([newest, *done])
+    kept = set(done[-max(1, keep_count) :]) | {newest}
+    out = []
+    for s in sorted(set(steps)):
+        if s >= newest or s in pinned:
+            continue
+        if s in complete:
+            if s not in kept and s not in keep:
+                out.append(s)
+        elif s < top:
+            out.append(s)
+    return out
+
+
+def _steps(steps: list[int], most: int = 8) -> str:
+    """``"20, 30"`` or ``"20, 30, …, 90 (9 steps)"``."""
+    if len(steps) <= most:
+        return ", ".join(str(s) for s in steps)
+    return f"{', '.join(str(s) for s in steps[: most - 1])}, …, {steps[-1]} ({len(steps)} steps)"
+
+
+def _seconds_between(earlier: str, later: str) -> float | None:
+    """Seconds from one ISO time to another (None when either does not parse)."""
+    try:
+        return max(
+            0.0, (datetime.fromisoformat(later) - datetime.fromisoformat(earlier)).total_seconds()
+        )
+    except (TypeError, ValueError):
+        return None

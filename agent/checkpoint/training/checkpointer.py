@@ -72,6 +72,7 @@ from typing import Any
 
 import torch
 
+from tierwatch.agent.checkpoint.format.inflight import held_steps
 from tierwatch.agent.checkpoint.format.layout import (
     METADATA,
     MemoryLayout,
@@ -741,19 +742,22 @@ class TieredCheckpointer:
         The newest step marked for the persistent tier stays until this node's agent has
         uploaded it (``.tier-<r>.json`` says so): the agent reads the upload from memory,
         and with saves every step retention would otherwise evict it mid-upload. An older
-        persist step is superseded (the agent uploads the newest one) and goes.
+        persist step is superseded (the agent uploads the newest one) and goes. A step the
+        agent is replicating or uploading right now stays too: it pins it, and the removal
+        runs under the agent's pin lock (docs/checkpointing.md, "Backpressure").
         """
         pinned = self.pinned_steps()
         steps = self.layout.steps(self.job_id)
-        for step in memory_evictions(
-            steps,
-            retained=keep,
-            newest=newest,
-            pinned=pinned,
-            uploading=self.files.pending_upload(steps),
-        ):
-            if self.files.remove(step):
-                self._event(step, "memory", "evicted")
+        with held_steps(self.layout.job_dir(self.job_id)) as in_transfer:
+            for step in memory_evictions(
+                steps,
+                retained=keep,
+                newest=newest,
+                pinned=[*pinned, *in_transfer],
+                uploading=self.files.pending_upload(steps),
+            ):
+                if self.files.remove(step):
+                    self._event(step, "memory", "evicted")
 
     def _refuse_foreign_steps(self, signature: str) -> None:
         """Refuse to save over steps of another model or world size in this node's memory
