@@ -35,6 +35,7 @@ from agent_helpers import TOKEN, wait_until
 from ckpt_helpers import write_step
 from fsspec.implementations.local import LocalFileSystem
 
+from tierwatch.agent.checkpoint.format import inflight
 from tierwatch.agent.checkpoint.format.inflight import (
     held_steps,
     read_agent_pins,
@@ -266,6 +267,22 @@ def test_expired_or_unreadable_agent_pins_pin_nothing(tmp_path) -> None:
         assert held == {7}
     (job_dir / ".agent-pins.json").write_text("{not json")
     assert read_agent_pins(job_dir) == {}
+
+
+def test_a_lock_that_cannot_be_taken_never_stops_the_ranks_eviction(tmp_path, monkeypatch) -> None:
+    """A file system without flock: the ranks still read the pins (unlocked, logged)."""
+    job_dir = tmp_path / "jobs" / JOB
+    job_dir.mkdir(parents=True)
+    write_agent_pins(job_dir, node="node-a", steps={3: ["persistent"]}, lease_s=30.0)
+
+    def no_flock(_fd: int, _op: int) -> None:
+        raise OSError(95, "Operation not supported")
+
+    monkeypatch.setattr(inflight.fcntl, "flock", no_flock)
+    with held_steps(job_dir) as held:
+        assert held == {3}
+    with held_steps(tmp_path / "jobs" / "no-such-job") as held:
+        assert held == set()
 
 
 # -- one step for all local ranks, pinned while in flight ------------------------------------
