@@ -63,6 +63,11 @@ class AgentClient:
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             resp = self._http.request(method, path, **kwargs)
+        except RuntimeError:
+            if not self._http.is_closed:
+                raise
+            # a background sender that outlived close() (its last send was still running)
+            raise AgentUnavailable(f"agent client for {self.base_url} is closed") from None
         except httpx.HTTPError as exc:
             raise AgentUnavailable(
                 f"agent {self.base_url} unreachable ({exc!r}); is "

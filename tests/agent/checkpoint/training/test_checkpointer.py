@@ -321,3 +321,22 @@ def test_a_refused_restore_hands_its_report_to_the_agent_before_raising(node) ->
         again.restore(make_state(width=32))
     assert [(r["ok"], r["step"]) for r in agent.restores] == [(False, None)]
     again.close()
+
+
+def test_a_sender_that_outlives_its_closed_client_ends_quietly() -> None:
+    """``close()`` waits for the sender thread a bounded time; a send still running when the
+    client closes is an undelivered batch (AgentUnavailable), not a crash in the thread."""
+    from tierwatch.agent.checkpoint.training.client import AgentClient, AgentUnavailable
+    from tierwatch.agent.protocol import JobProgress, utcnow
+
+    client = AgentClient("http://127.0.0.1:9")
+    client.close()
+    with pytest.raises(AgentUnavailable, match="is closed"):
+        client.post_events(events=[], progress=[], restores=[])
+    from tierwatch.agent.checkpoint.training.client import EventSender
+
+    sender = EventSender(client, period_s=0.01)
+    sender.progress(JobProgress(job_id="j", rank=0, world_size=1, step=0, ts=utcnow()))
+    wait_for(lambda: sender.failures > 0, timeout=10, what="a failed send")
+    assert "is closed" in (sender.last_error or "")
+    assert sender.close(timeout_s=0.5) is False  # undelivered, and said so
