@@ -318,12 +318,15 @@ class TierWorker:
         for job_id, per_rank in by_job(self.local_commits(), self.store.node).items():
             if self._stop.is_set():
                 return
+            steps = common_steps(per_rank)
+            # nothing is read without a peer token or for a job on one node (one event each)
+            one_node = bool(steps) and len(set(next(iter(steps[-1][1].values())).marker.layout)) < 2
             self._transfer_newest(
                 "peer",
                 job_id,
-                common_steps(per_rank),
+                steps,
                 self._replicate,
-                pin=self._peer is not None,  # without a token nothing is read (one event)
+                reads=self._peer is not None and not one_node,
             )
 
     def _replicate(self, c: LocalCommit) -> None:
@@ -477,7 +480,7 @@ class TierWorker:
         steps: list[tuple[int, dict[int, LocalCommit]]],
         work: Callable[[LocalCommit], None],
         *,
-        pin: bool = True,
+        reads: bool = True,
     ) -> None:
         """Run ``work`` on every local rank's files of the job's newest step, pinned in memory
         meanwhile; report the steps skipped since the last one this tier finished.
@@ -487,7 +490,8 @@ class TierWorker:
             job_id: The job.
             steps: :func:`common_steps` of the job (for this tier).
             work: Replicates or uploads one rank's files (records its progress itself).
-            pin: Pin the step in memory while ``work`` runs (False: ``work`` reads nothing).
+            reads: Whether ``work`` reads the step's files: then the step is pinned in memory
+                meanwhile and skips are reported (False: no peer token, a job on one node).
         """
         if not steps:
             return
@@ -510,11 +514,11 @@ class TierWorker:
                 self._last_done[key] = _Done(newest_step, created, None)
             return
         commits = newest
-        if skipped and last is not None:  # after a start, older steps are skipped silently
+        if reads and skipped and last is not None:  # after a start: skipped silently
             self._report_skip(tier, job_id, commits[min(commits)], skipped, last)
         started = time.monotonic()
         with ExitStack() as stack:
-            pinned = self._pin(stack, job_id, target, tier, sorted(commits)) if pin else True
+            pinned = self._pin(stack, job_id, target, tier, sorted(commits)) if reads else True
             if not pinned:
                 log.debug("step %d of %s was evicted before %s work began", target, job_id, tier)
                 return

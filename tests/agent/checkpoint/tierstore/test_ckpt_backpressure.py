@@ -365,6 +365,16 @@ def test_a_step_in_flight_stays_in_memory_until_the_transfer_ends(tmp_path) -> N
         assert memory_evictions([7, 8, 9], retained=[9], newest=9, pinned=held) == [7, 8]
 
 
+def test_a_job_on_one_node_pins_nothing_and_skips_nothing_for_the_peer_tier(tmp_path) -> None:
+    svc, events = service(tmp_path, peer_token="p" * 20, replication=1)
+    for step in range(1, 7):
+        write_step(svc.store.root, job_id=JOB, step=step, node="node-a", layout=["node-a"])
+        if step % 2:  # two steps committed between passes
+            svc.worker.peer_pass()
+            assert not (svc.store.layout.job_dir(JOB) / ".agent-pins.json").exists()
+    assert [e.message for e in events] == ["job runs on one node: no peer tier"]
+
+
 def test_a_step_evicted_before_the_agent_pins_it_is_not_read(tmp_path) -> None:
     svc, events = service(tmp_path, peer_token="p" * 20, replication=1)
     write4(svc, 7)
