@@ -561,11 +561,17 @@ class TierWorker:
         lag = f"lag {c.step - last.step} steps" + (
             f" ({lag_s:.1f} s of training)" if lag_s is not None else ""
         )
+        # the steps for this tier came every lag_s / (skipped + 1) seconds meanwhile
+        pace = (
+            f" while steps for it came every {lag_s / (len(skipped) + 1):.1f} s"
+            if lag_s
+            else ", and newer steps were committed meanwhile"
+        )
         more = f"; {quiet} more step(s) skipped since the last report" if quiet else ""
         message = (
             f"{tier} tier on {self.store.node} cannot keep up: step(s) {_steps(skipped)} "
-            f"skipped on purpose (the {verb} of step {last.step}{took}, and newer steps were "
-            f"committed meanwhile); the {verb} of step {c.step} comes next; {lag}{more}"
+            f"skipped on purpose (the {verb} of step {last.step}{took}{pace}); the {verb} of "
+            f"step {c.step} comes next; {lag}{more}"
         )
         log.warning("job %s: %s", job_id, message)
         self._event(

@@ -18,6 +18,7 @@ the ranks are played by :class:`Ranks`, which writes steps as a trainer does
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import threading
@@ -386,6 +387,29 @@ def test_a_step_evicted_before_the_agent_pins_it_is_not_read(tmp_path) -> None:
         assert not ok
     assert read_agent_pins(svc.store.layout.job_dir(JOB)) == {}
     assert not events
+
+
+def test_a_skip_is_one_failed_event_with_the_lag(tmp_path) -> None:
+    svc, events = service(tmp_path)
+    t0 = utcnow()
+    for step in (0, 2, 4):  # persist steps committed 1 s apart
+        write_step(
+            svc.store.root, job_id=JOB, step=step, node="node-a", layout=["node-a"], persist=True
+        )
+        path = svc.store.layout.step_dir(JOB, step) / commit_name(0)
+        marker = json.loads(path.read_text())
+        marker["created_at"] = (t0 + timedelta(seconds=step / 2)).isoformat()
+        path.write_text(json.dumps(marker))
+        if step != 2:  # step 2 comes and goes while step 0 uploads
+            svc.worker.persistent_pass()
+    skips = [e for e in events if e.kind == "failed"]
+    assert len(skips) == 1, skips
+    e = skips[0]
+    assert (e.step, e.tier, e.rank) == (2, "persistent", None)
+    assert "step(s) 2 skipped on purpose" in e.message
+    assert "steps for it came every 1.0 s" in e.message
+    assert "the upload of step 4 comes next; lag 4 steps (2.0 s of training)" in e.message
+    assert persistent_steps(tmp_path / "persistent")[0] == [4]  # keep_persistent: [4]
 
 
 # -- retention by completed steps --------------------------------------------------------
