@@ -133,16 +133,18 @@ def served() -> Iterator[Served]:
                 self.close_connection = True
                 return
             code, answer = api.handle(method, name, self.headers.get("Content-Type", ""), body)
+            if method == "GET" and code == 200:
+                # another writer changes the node after this read and before the client
+                # can send its patch (run before the answer goes out: no race with it)
+                hooks, api.after_get[:] = list(api.after_get), []
+                for hook in hooks:
+                    hook(name)
             data = json.dumps(answer).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
-            if method == "GET" and code == 200:
-                hooks, api.after_get[:] = list(api.after_get), []
-                for hook in hooks:
-                    hook(name)
 
         def do_GET(self) -> None:  # noqa: N802 - http.server API
             self._answer("GET")
