@@ -63,6 +63,7 @@ from tierwatch.agent.protocol import (
     XidEvent,
     utcnow,
 )
+from tierwatch.agent.urlsafe import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -314,6 +315,7 @@ class Reporter:
     ) -> None:
         self.node = node
         self.server = server.rstrip("/")
+        self.shown_server = redact_url(self.server)  # for messages: never the credentials
         self.epoch = uuid.uuid4().hex
         self.collector = collector
         self.simulated = simulated
@@ -638,12 +640,12 @@ class Reporter:
             resp = self._client.post(INGEST_PATH, content=body)
         except httpx.TransportError as exc:
             raise TransientReportError(
-                f"cannot reach {self.server}: {type(exc).__name__}: {exc}"
+                f"cannot reach {self.shown_server}: {type(exc).__name__}: {exc}"
             ) from exc
         status = resp.status_code
         if status == 429 or status >= 500:
             raise TransientReportError(
-                f"HTTP {status} from {self.server}: {error_detail(resp, limit=DETAIL_LIMIT)}",
+                f"HTTP {status} from {self.shown_server}: {error_detail(resp, limit=DETAIL_LIMIT)}",
                 retry_after_s=_retry_after(resp),
             )
         if not 200 <= status < 300:

@@ -47,6 +47,7 @@ from tierwatch.agent.protocol import (
     utcnow,
 )
 from tierwatch.agent.reporter import MAX_EVENTS_PER_BATCH, Reporter
+from tierwatch.agent.urlsafe import redact_url
 
 if TYPE_CHECKING:
     from tierwatch.agent.checkpoint.tierstore.api import CheckpointService
@@ -226,7 +227,7 @@ class AgentRuntime:
             self.settings.node,
             self.collector.name,
             " (SIMULATED)" if self.collector.simulated else "",
-            self.settings.server,
+            redact_url(self.settings.server or ""),
             self.settings.interval,
             self.reporter.epoch,
         )
@@ -452,7 +453,7 @@ class AgentRuntime:
             "collector": self.collector.name,
             "simulated": self.collector.simulated,
             "gpus": len(self.collector.inventory()),
-            "server": self.settings.server,
+            "server": redact_url(self.settings.server or ""),
             "interval_s": self.settings.interval,
             "epoch": rep.epoch,
             "last_seq": rep.last_seq,

@@ -150,7 +150,7 @@ class CheckpointService:
         """
         self.peer_url = self.settings.advertise_url or default_advertise_url(listen_host, port)
         self.agent_info = self.store.write_agent_file(
-            peer_url=self.peer_url, persistent_url=self.persistent.url
+            peer_url=self.peer_url, persistent_url=self.persistent.shown_url
         )
         self.worker.start()
         self.started = True
@@ -164,7 +164,7 @@ class CheckpointService:
         elif problem is not None:
             log.warning(
                 "persistent tier %s looks unwritable: %s; uploads will fail until that is fixed",
-                self.persistent.url,
+                self.persistent.shown_url,
                 problem,
             )
         log.info(
@@ -172,7 +172,7 @@ class CheckpointService:
             "replication %d%s",
             self.store.root,
             self.store.budget_bytes,
-            self.persistent.url,
+            self.persistent.shown_url,
             self.peer_url,
             self.settings.replication,
             "" if self.peer_token else " (no peer token: no peer tier)",
@@ -192,7 +192,7 @@ class CheckpointService:
             "peer_url": self.peer_url,
             "memory_budget_bytes": self.store.budget_bytes,
             "memory_used_bytes": self.store.used_bytes(),
-            "persistent_url": self.persistent.url,
+            "persistent_url": self.persistent.shown_url,  # credentials redacted
             "persistent_error": self.persistent.error,
             "replication": self.settings.replication,
             "peer_tier": bool(self.peer_token) and self.settings.replication > 0,

@@ -9,7 +9,8 @@ These commands read the memory folder and the persistent URL directly (no agent 
 
 ``--memory-dir`` (``TIERWATCH_MEMORY_DIR``) defaults to ``/dev/shm/tierwatch/<node>`` with
 ``--node`` (``TIERWATCH_NODE``); ``--persistent-url`` (``TIERWATCH_PERSISTENT_URL``) defaults
-to the one in the memory folder's ``agent.json``, else ``file://<cwd>/var/checkpoints``.
+to the one in the memory folder's ``agent.json`` (unless it carried credentials, which
+``agent.json`` shows redacted), else ``file://<cwd>/var/checkpoints``.
 
 Exit codes: 0 done; 1 ``verify`` found bad files or ``export`` could not copy a file
 correctly; 2 bad input (names, missing options, no such step, a destination in use).
@@ -40,6 +41,7 @@ from tierwatch.agent.checkpoint.format.layout import (
     step_dirname,
 )
 from tierwatch.agent.checkpoint.format.manifest import CHUNK, Manifest, verify_file
+from tierwatch.agent.urlsafe import REDACTED
 
 app = typer.Typer(
     help="Inspect, verify, export and clean up checkpoints on this node.",
@@ -176,6 +178,7 @@ class Place:
                 raise Usage(str(exc)) from None
             memory_dir = Path("/dev/shm/tierwatch") / node
         self.layout = MemoryLayout(memory_dir)
+        self._redacted: str | None = None
         if not memory_dir.is_dir():
             typer.echo(
                 f"warning: memory folder {memory_dir} does not exist (check --memory-dir / --node)",
@@ -188,6 +191,12 @@ class Place:
                 )
             except (OSError, ValueError, AttributeError):
                 persistent_url = None
+            if persistent_url and REDACTED in persistent_url:
+                # agent.json shows the URL without its credentials: useless to connect
+                self._redacted = (
+                    f"{self.layout.agent_file} has the persistent URL with its credentials "
+                    "redacted; pass --persistent-url (TIERWATCH_PERSISTENT_URL)"
+                )
         if not persistent_url:
             persistent_url = "file://" + str(Path.cwd() / "var" / "checkpoints")
         if "://" not in persistent_url:
@@ -196,8 +205,16 @@ class Place:
         self._persistent: Any = None
 
     def persistent(self) -> Any:
+        """The persistent tier (opened once).
+
+        Raises:
+            Usage: the URL came from an ``agent.json`` that shows it redacted, or the
+                ``TIERWATCH_*`` storage settings are invalid.
+        """
         from tierwatch.agent.checkpoint.tierstore.persister import PersistentError, PersistentTier
 
+        if self._redacted is not None:
+            raise Usage(self._redacted)
         if self._persistent is None:
             from pydantic import ValidationError
 

@@ -52,6 +52,7 @@ from tierwatch.agent.checkpoint.format.manifest import (
 )
 from tierwatch.agent.checkpoint.tierstore import s3
 from tierwatch.agent.fsutil import fsync_dir
+from tierwatch.agent.urlsafe import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class PersistentTier:
         from fsspec.core import url_to_fs
 
         self.url = url.rstrip("/")
+        self.shown_url = redact_url(self.url)  # for messages: never the credentials
         self.error: str | None = None
         self.part_size = part_size
         self.upload_concurrency = upload_concurrency
@@ -105,7 +107,7 @@ class PersistentTier:
             options.setdefault("skip_instance_cache", True)
             self.fs, self.root = url_to_fs(self.url, **options)
         except (ImportError, ValueError, TypeError) as exc:
-            raise PersistentError(f"persistent URL {self.url}: {exc}") from None
+            raise PersistentError(f"persistent URL {self.shown_url}: {exc}") from None
         self.storage_options = options
         protocol = self.fs.protocol
         protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
@@ -133,6 +135,7 @@ class PersistentTier:
         report a :class:`PersistentError` or a failed file as for any broken tier)."""
         tier = cls.__new__(cls)
         tier.url = url.rstrip("/")
+        tier.shown_url = redact_url(tier.url)
         tier.error = error
         tier.fs = _UnavailableFS(error)
         tier.root = "/"
@@ -164,11 +167,11 @@ class PersistentTier:
             except FileNotFoundError:
                 where = self.storage_options.get("endpoint_url") or "AWS S3"
                 return (
-                    f"{self.url}: bucket {bucket} does not exist at {where} (create the "
+                    f"{self.shown_url}: bucket {bucket} does not exist at {where} (create the "
                     "bucket first; the agent never creates buckets)"
                 )
             except self._errors as exc:
-                return f"{self.url}: bucket {bucket}: {self._explain(exc)}"
+                return f"{self.shown_url}: bucket {bucket}: {self._explain(exc)}"
             return None
         if not self.local:
             return None
@@ -176,12 +179,16 @@ class PersistentTier:
         while not path.exists() and path != path.parent:
             path = path.parent
         if not path.is_dir():
-            return f"{self.url}: {path} is not a folder"
+            return f"{self.shown_url}: {path} is not a folder"
         if not os.access(path, os.W_OK | os.X_OK):
-            return f"{self.url}: {path} is not writable by this agent (uid {os.getuid()})"
+            return f"{self.shown_url}: {path} is not writable by this agent (uid {os.getuid()})"
         return None
 
     # -- paths ---------------------------------------------------------------------------
+    def shown_step_url(self, job_id: str, step: int) -> str:
+        """:meth:`step_url` with its credentials redacted, for messages and events."""
+        return redact_url(self.step_url(job_id, step))
+
     def step_url(self, job_id: str, step: int) -> str:
         """``<url>/<job>/step-<N>``."""
         return persistent_step_path(self.url, job_id, step)
@@ -208,7 +215,7 @@ class PersistentTier:
             return []
         except self._errors as exc:
             raise PersistentError(
-                f"cannot list {self.url}/{job_id}: {self._explain(exc)}"
+                f"cannot list {self.shown_url}/{job_id}: {self._explain(exc)}"
             ) from None
         out = []
         for n in names:
@@ -227,7 +234,7 @@ class PersistentTier:
             return []
         except self._errors as exc:
             raise PersistentError(
-                f"cannot list {self.step_url(job_id, step)}: {self._explain(exc)}"
+                f"cannot list {self.shown_step_url(job_id, step)}: {self._explain(exc)}"
             ) from None
         return sorted(str(n).rstrip("/").rsplit("/", 1)[-1] for n in names)
 
@@ -256,7 +263,7 @@ class PersistentTier:
                 continue
             try:
                 with self.fs.open(self.file_path(job_id, step, name), "rb") as f:
-                    m = read_manifest(f.read(), where=f"{self.step_url(job_id, step)}/{name}")
+                    m = read_manifest(f.read(), where=f"{self.shown_step_url(job_id, step)}/{name}")
             except (*self._errors, ManifestError):
                 continue
             if m.job_id == job_id and m.step == step and m.rank == rank:
@@ -272,14 +279,14 @@ class PersistentTier:
         name = f"manifest-{rank}.json"
         try:
             with self.fs.open(self.file_path(job_id, step, name), "rb") as f:
-                m = read_manifest(f.read(), where=f"{self.step_url(job_id, step)}/{name}")
+                m = read_manifest(f.read(), where=f"{self.shown_step_url(job_id, step)}/{name}")
         except FileNotFoundError:
             return None
         except ManifestError:
             return None
         except self._errors as exc:
             raise PersistentError(
-                f"cannot read {self.step_url(job_id, step)}/{name}: {self._explain(exc)}"
+                f"cannot read {self.shown_step_url(job_id, step)}/{name}: {self._explain(exc)}"
             ) from None
         if m.job_id != job_id or m.step != step or m.rank != rank:
             return None
@@ -305,7 +312,7 @@ class PersistentTier:
         """
         if not url.startswith(self.url + "/"):
             raise OSError(
-                f"{url} is not under this agent's persistent URL {self.url} "
+                f"{redact_url(url)} is not under this agent's persistent URL {self.shown_url} "
                 "(every agent of a job needs the same --persistent-url)"
             )
         return self._open(f"{self.root.rstrip('/')}/{url[len(self.url) + 1 :]}")
@@ -348,7 +355,7 @@ class PersistentTier:
                 does not match ``expect`` (the message names the file and URL).
         """
         dest = self.file_path(job_id, step, name)
-        where = f"{self.step_url(job_id, step)}/{name}"
+        where = f"{self.shown_step_url(job_id, step)}/{name}"
         h = xxhash.xxh3_64()
 
         def check() -> None:
@@ -439,7 +446,7 @@ class PersistentTier:
                 self.fs.mv(src, dest)
         except self._errors as exc:
             raise PersistentError(
-                f"cannot write {self.step_url(job_id, step)}/{METADATA}: {self._explain(exc)}"
+                f"cannot write {self.shown_step_url(job_id, step)}/{METADATA}: {self._explain(exc)}"
             ) from None
 
     def remove_staged_metadata(self, job_id: str, step: int) -> None:
@@ -470,7 +477,7 @@ class PersistentTier:
             return
         except self._errors as exc:
             raise PersistentError(
-                f"cannot delete {self.step_url(job_id, step)}: {self._explain(exc)}"
+                f"cannot delete {self.shown_step_url(job_id, step)}: {self._explain(exc)}"
             ) from None
 
     def info(self) -> dict[str, Any]:

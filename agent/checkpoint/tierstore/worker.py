@@ -631,7 +631,7 @@ class TierWorker:
                 rank,
                 c.marker.world_size,
                 message=f"step {c.step} not persisted: the persistent tier "
-                f"{self.persistent.url} is unavailable ({self.persistent.error})",
+                f"{self.persistent.shown_url} is unavailable ({self.persistent.error})",
             )
 
     def _load_pending(self, commits: dict[tuple[str, int], list[LocalCommit]]) -> None:
@@ -741,7 +741,7 @@ class TierWorker:
             manifest.world_size,
             bytes=total,
             seconds=time.monotonic() - started,
-            message=f"rank {c.rank}'s files in {self.persistent.step_url(c.job_id, c.step)}"
+            message=f"rank {c.rank}'s files in {self.persistent.shown_step_url(c.job_id, c.step)}"
             + ("; .metadata follows once every rank's manifest is there" if wait else ""),
         )
 
@@ -762,7 +762,7 @@ class TierWorker:
         if not ranks:
             if METADATA in names:
                 return (
-                    f"step {c.step} in {self.persistent.step_url(c.job_id, c.step)} "
+                    f"step {c.step} in {self.persistent.shown_step_url(c.job_id, c.step)} "
                     "already holds a checkpoint (.metadata without manifests) of another "
                     f"world size/model; left alone, rank {c.rank}'s files not uploaded"
                 )
@@ -775,7 +775,7 @@ class TierWorker:
             present.append(there)
             if there.world_size != manifest.world_size or there.signature != manifest.signature:
                 return (
-                    f"step {c.step} in {self.persistent.step_url(c.job_id, c.step)} "
+                    f"step {c.step} in {self.persistent.shown_step_url(c.job_id, c.step)} "
                     "already holds a checkpoint of another world size/model "
                     f"({manifest_name(r)}: world_size {there.world_size}, signature "
                     f"{there.signature!r}; this step: world_size {manifest.world_size}, "
@@ -790,14 +790,14 @@ class TierWorker:
             fences=Timeline.read(self.store.layout.timeline_file(c.job_id)).fences,
         )
         if refusal is not None:
-            return f"{self.persistent.step_url(c.job_id, c.step)}: {refusal}"
+            return f"{self.persistent.shown_step_url(c.job_id, c.step)}: {refusal}"
         return None
 
     def _finish_metadata(self, p: PendingMetadata) -> None:
         key = ("metadata", p.job_id, p.step)
         if not self._due(key):
             return
-        url = self.persistent.step_url(p.job_id, p.step)
+        url = self.persistent.shown_step_url(p.job_id, p.step)  # for messages
         try:
             if not self.persistent.has_staged_metadata(p.job_id, p.step):
                 self._pending.pop((p.job_id, p.step), None)  # removed by retention meanwhile
