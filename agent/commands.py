@@ -7,9 +7,10 @@ executor runs them one at a time on its own thread and reports what became of ea
 - ``isolate`` / ``release`` (the node-local ``command`` isolation driver): runs the
   configured executable as ``<exe> <action> <node>`` with ``TIERWATCH_ACTION``,
   ``TIERWATCH_NODE``, ``TIERWATCH_REASON``, ``TIERWATCH_ACTOR`` and
-  ``TIERWATCH_COMMAND_ID`` in its environment; exit code 0 is success; its combined stdout
-  and stderr (last 4,000 characters) are reported; it is killed (with its process group)
-  after the timeout.
+  ``TIERWATCH_COMMAND_ID`` in its environment, and without the agent's secrets
+  (:func:`tierwatch.agent.envsafe.scrubbed_env`: tokens, persistent-tier credentials); exit
+  code 0 is success; its combined stdout and stderr (last 4,000 characters) are reported;
+  it is killed (with its process group) after the timeout.
 - ``restore``: handed to the checkpoint store (``CheckpointService.add_restore_request``),
   which serves it to the job's ranks; reported ``running`` — the server finishes it when the
   ranks report their restore.
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tierwatch.agent.envsafe import scrubbed_env
 from tierwatch.agent.fsutil import atomic_write_json
 from tierwatch.agent.protocol import Command, CommandResult, utcnow
 
@@ -67,7 +69,7 @@ def run_isolation_command(
         could not start or timed out; ``output`` its stdout+stderr tail, or what went wrong.
     """
     env = {
-        **os.environ,
+        **scrubbed_env(os.environ),  # the script never sees the agent's tokens
         "TIERWATCH_ACTION": action,
         "TIERWATCH_NODE": node,
         "TIERWATCH_REASON": reason,

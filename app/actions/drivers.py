@@ -6,7 +6,8 @@ applies it to the cluster scheduler:
 - ``none`` (default): record only, nothing is applied.
 - ``command``: node-local, run by the node's agent (``tierwatch.agent.commands``), not here.
 - ``slurm``: ``scontrol update nodename=<node> state=drain reason=<reason>`` /
-  ``state=resume``, run on the server (:class:`SlurmDriver`).
+  ``state=resume``, run on the server (:class:`SlurmDriver`), in the server's environment
+  less its secrets (:func:`tierwatch.agent.envsafe.scrubbed_env`).
 - ``kubernetes``: cordon + a ``NoSchedule`` taint through the API server, run on the server
   (:class:`KubernetesDriver`).
 
@@ -35,6 +36,8 @@ from tenacity import (
     stop_after_attempt,
     wait_random_exponential,
 )
+
+from tierwatch.agent.envsafe import scrubbed_env
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
@@ -200,6 +203,7 @@ class SlurmDriver:
         try:
             proc = subprocess.Popen(
                 argv,
+                env=scrubbed_env(os.environ),  # scontrol never sees the server's secrets
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
