@@ -2,7 +2,7 @@
 
 Examples::
 
-    tierwatch-agent run --node gpu-017 --server http://cp:8000 --token $TOKEN
+    tierwatch-agent run --node gpu-017 --server http://cp:8000 --token-file /etc/tierwatch/token
     TIERWATCH_COLLECTOR=simulated TIERWATCH_SIM_GPUS=4 tierwatch-agent run --node sim-1 ...
     tierwatch-agent inject xid 79 --gpu 3
     tierwatch-agent inject temp 95 --gpu 1
@@ -53,7 +53,19 @@ def run(
     server: Annotated[
         str | None, typer.Option(help="Control-plane URL, e.g. http://cp:8000 [TIERWATCH_SERVER].")
     ] = None,
-    token: Annotated[str | None, typer.Option(help="Agent bearer token [TIERWATCH_TOKEN].")] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            help="Agent bearer token; prefer --token-file (argv is public) [TIERWATCH_TOKEN]."
+        ),
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="File holding the agent token, mode 0600 (one trailing newline is dropped) "
+            "[TIERWATCH_TOKEN_FILE]."
+        ),
+    ] = None,
     collector: Annotated[
         str | None,
         typer.Option(help="auto | nvml | dcgm-exporter | simulated [TIERWATCH_COLLECTOR]."),
@@ -103,6 +115,13 @@ def run(
         typer.Option(
             help="Token agents present on each other's peer endpoints; without it no peer tier "
             "[TIERWATCH_PEER_TOKEN]."
+        ),
+    ] = None,
+    peer_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="File holding the peer token, mode 0600 (as --token-file) "
+            "[TIERWATCH_PEER_TOKEN_FILE]."
         ),
     ] = None,
     advertise_url: Annotated[
@@ -207,6 +226,7 @@ def run(
             "node": node,
             "server": server,
             "token": token,
+            "token_file": token_file,
             "collector": collector,
             "interval": interval,
             "listen": listen,
@@ -220,6 +240,7 @@ def run(
             "log_level": log_level,
             "memory_dir": memory_dir,
             "peer_token": peer_token,
+            "peer_token_file": peer_token_file,
             "advertise_url": advertise_url,
             "persistent_url": persistent_url,
             "persistent_options": persistent_options,

@@ -10,6 +10,7 @@ import ipaddress
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -212,6 +213,70 @@ def is_loopback_host(host: str) -> bool:
     return addr.is_loopback or bool(mapped and mapped.is_loopback)
 
 
+def read_secret_file(path: Path, *, option: str) -> str:
+    """The secret held in ``path`` (a token file), less one trailing newline.
+
+    The file must be a regular file that only its owner can read (mode 0600 or 0400). As
+    PostgreSQL allows for its ``ssl_key_file``, a file owned by root may also be readable by
+    its group (0640 / 0440) when this process is not root and reads it through that group:
+    that is how a Kubernetes Secret volume with ``fsGroup`` mounts a secret for a non-root
+    container. Symlinks are followed (Secret volumes are links).
+
+    Args:
+        path: The file.
+        option: How the setting is named in messages, e.g. ``--token-file
+            (TIERWATCH_TOKEN_FILE)``.
+
+    Returns:
+        The file's content without one trailing ``\n`` (or ``\r\n``).
+
+    Raises:
+        SettingsError: the file is missing, not a regular file, unreadable, not UTF-8,
+            empty, or readable by group (but for the root-owned case above) or by others;
+            the message names the option, the path and what to fix.
+    """
+    where = f"{option} {path}"
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise SettingsError(
+            f"{where}: no such file (point it at the file that holds the token)"
+        ) from None
+    except OSError as exc:
+        raise SettingsError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise SettingsError(f"{where}: is not a regular file")
+    mode = stat.S_IMODE(st.st_mode)
+    # group read only where that is how this (non-root) process reads a root-owned file
+    via_group = (
+        st.st_uid == 0 and os.geteuid() != 0 and st.st_gid in {os.getegid(), *os.getgroups()}
+    )
+    allowed = 0o740 if via_group else 0o700
+    if mode & 0o077 & ~allowed:
+        who = "others" if mode & 0o007 else "its group"
+        raise SettingsError(
+            f"{where}: is readable by {who} (mode {mode:04o}); chmod 600 it"
+            + (
+                " (or chown root and chmod 640 for a group-readable secret)"
+                if who != "others"
+                else ""
+            )
+        )
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise SettingsError(f"{where}: is not UTF-8 text") from None
+    except OSError as exc:
+        raise SettingsError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    if text.endswith("\r\n"):
+        text = text[:-2]
+    elif text.endswith("\n"):
+        text = text[:-1]
+    if not text:
+        raise SettingsError(f"{where}: is empty (write the token into it)")
+    return text
+
+
 class AgentSettings(BaseSettings):
     """Configuration of one node agent (env prefix ``TIERWATCH_``).
 
@@ -220,6 +285,8 @@ class AgentSettings(BaseSettings):
         server: Base URL of the control plane, e.g. ``https://tierwatch.example:8000``.
         token: The agent's bearer token (scoped to ``node`` on the server). Also accepted by
             the agent's local API from non-loopback clients.
+        token_file: A file that holds ``token`` (read by :meth:`check_runnable`, see
+            :func:`read_secret_file`); keeps the token out of argv. Not with ``token``.
         collector: ``auto`` (NVML when it loads, else simulated), ``nvml``, ``dcgm-exporter``
             or ``simulated``.
         interval: Seconds between two reports.
@@ -240,6 +307,8 @@ class AgentSettings(BaseSettings):
             ``/dev/shm/tierwatch/<node>``).
         peer_token: Bearer token that peer agents present on ``/v1/peer/*`` (and that this
             agent presents to them); without one the agent has no peer tier.
+        peer_token_file: A file that holds ``peer_token`` (as ``token_file``). Not with
+            ``peer_token``.
         advertise_url: URL other agents use to reach this agent (default
             ``http://<listen host>:<actual port>``).
         persistent_url: fsspec URL of the persistent tier (default
@@ -282,6 +351,7 @@ class AgentSettings(BaseSettings):
     node: str | None = None
     server: str | None = None
     token: SecretStr | None = None
+    token_file: Path | None = None
     collector: CollectorName = "auto"
     interval: float = Field(5.0, gt=0, le=3600)
     listen: str = f"127.0.0.1:{DEFAULT_PORT}"
@@ -296,6 +366,7 @@ class AgentSettings(BaseSettings):
     log_level: str = "INFO"
     memory_dir: Path | None = None
     peer_token: SecretStr | None = None
+    peer_token_file: Path | None = None
     advertise_url: str | None = None
     persistent_url: str | None = None
     persistent_options: Annotated[dict[str, Any] | None, NoDecode] = None
@@ -579,13 +650,39 @@ class AgentSettings(BaseSettings):
             raise SettingsError("set spool_dir or node (TIERWATCH_SPOOL_DIR / TIERWATCH_NODE)")
         return Path.cwd() / "var" / "spool" / self.node
 
+    def load_token_files(self) -> None:
+        """Set ``token`` / ``peer_token`` from ``token_file`` / ``peer_token_file``.
+
+        Raises:
+            SettingsError: a token and its file are both given (``--token`` or
+                ``TIERWATCH_TOKEN`` with ``--token-file`` or ``TIERWATCH_TOKEN_FILE``, the
+                same for the peer token), or the file is unusable (:func:`read_secret_file`).
+        """
+        for name in ("token", "peer_token"):
+            path: Path | None = getattr(self, f"{name}_file")
+            if path is None:
+                continue
+            flag, env = name.replace("_", "-"), f"TIERWATCH_{name.upper()}"
+            if getattr(self, name) is not None:
+                raise SettingsError(
+                    f"--{flag} ({env}) and --{flag}-file ({env}_FILE) are both set; "
+                    "keep only the file"
+                )
+            value = read_secret_file(path, option=f"--{flag}-file ({env}_FILE)")
+            setattr(self, name, SecretStr(value))
+
     def check_runnable(self) -> None:
         """Check that everything ``tierwatch-agent run`` needs is set.
 
+        Reads ``token_file`` / ``peer_token_file`` into ``token`` / ``peer_token`` first
+        (:meth:`load_token_files`).
+
         Raises:
             SettingsError: node, server or token is missing (names the option and env var),
-                or the isolation command is not an executable file.
+                a token file is unusable or given beside its token, or the isolation command
+                is not an executable file.
         """
+        self.load_token_files()
         missing = [
             f"--{name} (TIERWATCH_{name.upper()})"
             for name, value in (
@@ -595,6 +692,8 @@ class AgentSettings(BaseSettings):
             )
             if not value
         ]
+        if not self.token_value:
+            missing[-1] += " or --token-file (TIERWATCH_TOKEN_FILE)"
         if missing:
             raise SettingsError("missing required setting(s): " + ", ".join(missing))
         exe = self.isolation_command
