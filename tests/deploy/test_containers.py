@@ -556,8 +556,8 @@ def test_entrypoint_reads_secret_files(tmp_path):
     token.write_text("tok-123\n")
     env = dict(os.environ, TIERWATCH_TOKEN_FILE=str(token))
     env.pop("TIERWATCH_TOKEN", None)
-    ok = subprocess.run(
-        [str(script), "sh", "-c", 'printf %s "$TIERWATCH_TOKEN"'],
+    ok = subprocess.run(  # the file variable is gone: the agent would refuse token + file
+        [str(script), "sh", "-c", 'printf %s "$TIERWATCH_TOKEN${TIERWATCH_TOKEN_FILE:-}"'],
         capture_output=True,
         text=True,
         env=env,
