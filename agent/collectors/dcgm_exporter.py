@@ -35,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tierwatch.agent.collectors.base import CollectorError, GpuCollector, XidCallback
 from tierwatch.agent.protocol import GPU_METRIC_TYPES, GpuInfo, GpuSample, XidEvent, utcnow
+from tierwatch.agent.urlsafe import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,7 @@ class DcgmExporterCollector(GpuCollector):
     def __init__(self, url: str, timeout_s: float = 3.0) -> None:
         super().__init__()
         self.url = url
+        self.shown_url = redact_url(url)  # for messages: never the credentials
         self._client = httpx.Client(timeout=timeout_s)
         self._inventory: list[GpuInfo] = []
         self._last: dict[int, GpuSample] = {}
@@ -196,13 +198,15 @@ class DcgmExporterCollector(GpuCollector):
         try:
             resp = self._client.get(self.url)
         except httpx.HTTPError as exc:
-            raise CollectorError(f"cannot reach dcgm-exporter at {self.url}: {exc}") from exc
+            raise CollectorError(f"cannot reach dcgm-exporter at {self.shown_url}: {exc}") from exc
         if resp.status_code != 200:
-            raise CollectorError(f"dcgm-exporter at {self.url} answered HTTP {resp.status_code}")
+            raise CollectorError(
+                f"dcgm-exporter at {self.shown_url} answered HTTP {resp.status_code}"
+            )
         try:
             return parse_exposition(resp.text)
         except ValueError as exc:
-            raise CollectorError(f"cannot parse {self.url}: {exc}") from exc
+            raise CollectorError(f"cannot parse {self.shown_url}: {exc}") from exc
 
     def is_available(self) -> bool:
         """True when the exporter answers with at least one GPU."""
@@ -221,7 +225,7 @@ class DcgmExporterCollector(GpuCollector):
         super().start(on_xid)
         gpus = self._scrape()
         if not gpus:
-            raise CollectorError(f"dcgm-exporter at {self.url} lists no GPU (no 'gpu' label)")
+            raise CollectorError(f"dcgm-exporter at {self.shown_url} lists no GPU (no 'gpu' label)")
         self._inventory = [
             GpuInfo(
                 index=g.index,
@@ -260,7 +264,7 @@ class DcgmExporterCollector(GpuCollector):
             return [self._last[i] for i in sorted(self._last)]
         if self._failing:
             self._failing = False
-            self.add_event("exporter_recovered", f"dcgm-exporter at {self.url} answers again")
+            self.add_event("exporter_recovered", f"dcgm-exporter at {self.shown_url} answers again")
         now = utcnow()
         samples = []
         for info in self._inventory:

@@ -95,3 +95,38 @@ def test_ckpt_cli_does_not_connect_with_agent_files_redacted_url(
     out = CliRunner().invoke(ckpt_cli.app, ["ls", "--job", "j1", "--memory-dir", str(memory)])
     assert out.exit_code == 2, out.output
     assert "redacted; pass --persistent-url (TIERWATCH_PERSISTENT_URL)" in out.output
+
+
+def test_reporter_and_dcgm_exporter_errors_hide_url_credentials(tmp_path: Path) -> None:
+    from tierwatch.agent.collectors.base import CollectorError
+    from tierwatch.agent.collectors.dcgm_exporter import DcgmExporterCollector
+    from tierwatch.agent.netutil import free_port
+    from tierwatch.agent.reporter import Reporter, TransientReportError
+
+    port = free_port()  # nothing listens there
+    reporter = Reporter(
+        node="node-a",
+        server=f"http://user:hunter2@127.0.0.1:{port}/?token=s3cr3ttok",
+        token=TOKEN,
+        spool_dir=tmp_path / "spool",
+        collector="simulated",
+        simulated=True,
+        interval_s=1.0,
+        timeout_s=1.0,
+    )
+    try:
+        with pytest.raises(TransientReportError) as err:
+            reporter._post_once(b"{}")
+    finally:
+        reporter.close(flush_timeout_s=0.1)
+    assert f"cannot reach http://user:***@127.0.0.1:{port}/?token=***" in str(err.value)
+    collector = DcgmExporterCollector(
+        f"http://user:hunter2@127.0.0.1:{port}/metrics", timeout_s=1.0
+    )
+    with pytest.raises(CollectorError) as cerr:
+        collector.start(lambda _event: None)
+    collector.shutdown()
+    assert f"http://user:***@127.0.0.1:{port}/metrics" in str(cerr.value)
+    for text in (str(err.value), str(cerr.value)):
+        assert "hunter2" not in text
+        assert "s3cr3ttok" not in text

@@ -278,7 +278,7 @@ class Place:
                 if step is not None and s != step:
                     continue
                 names = set(tier.names(job_id, s))
-                copy = StepCopy("persistent", tier.step_url(job_id, s), s, names=names)
+                copy = StepCopy("persistent", tier.shown_step_url(job_id, s), s, names=names)
                 for name in sorted(names):
                     if name.startswith("manifest-") and name.endswith(".json"):
                         try:
