@@ -73,6 +73,7 @@ clean:
 # The GPU check (bench/gpu_check.py, docs/benchmarks.md "GPU check"): on a machine with a
 # CUDA GPU, under 5 minutes on one H200; needs only the Python venv (no npm). Exits 2
 # without CUDA; `$(PY) bench/gpu_check.py --dry-run-cpu` checks the script on CPU tensors.
+# bench/gpu_check.py first: without CUDA it exits 2 with what is missing, before any test runs.
 gpu-check: $(VENV)/.installed
-	$(VENV)/bin/pytest -m gpu $(PYTEST_ARGS)
 	$(PY) bench/gpu_check.py
+	$(VENV)/bin/pytest -m gpu $(PYTEST_ARGS)

@@ -370,9 +370,14 @@ def ls(
     table = Table(title=f"job {job_id}")
     for col in ("tier", "where", "step", "ranks", "world_size", "bytes", "complete"):
         table.add_column(col, justify="right" if col in ("step", "bytes") else "left")
-    for c in sorted(
-        copies, key=lambda c: (("memory", "peer", "persistent").index(c.tier), c.where, c.step)
-    ):
+
+    def order(c: Any) -> tuple[int, str, int]:
+        # by tier, then holder, then step as a number (a persistent row's `where` is the
+        # step's own URL: without its step folder, step-10 sorts after step-9)
+        holder = c.where.replace(step_dirname(c.step), "")
+        return ("memory", "peer", "persistent").index(c.tier), holder, c.step
+
+    for c in sorted(copies, key=order):
         ok, why = c.complete()
         table.add_row(
             c.tier,

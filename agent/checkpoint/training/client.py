@@ -36,6 +36,9 @@ class AgentClient:
         token: Agent token, needed only when the agent is not on loopback.
         timeout_s: Per-request timeout for quick calls (seconds).
         stage_timeout_s: Timeout for ``stage`` (copies whole shards; seconds).
+        list_timeout_s: Timeout for ``available`` with the persistent tier (the agent lists
+            an object store, whose client retries a slow or unreachable endpoint for several
+            seconds before it answers with the cause; seconds).
     """
 
     def __init__(
@@ -45,6 +48,7 @@ class AgentClient:
         token: str | None = None,
         timeout_s: float = 5.0,
         stage_timeout_s: float = 1800.0,
+        list_timeout_s: float = 120.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -54,6 +58,7 @@ class AgentClient:
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 2.0)),
         )
         self._stage_timeout = stage_timeout_s
+        self._list_timeout = list_timeout_s
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -133,7 +138,10 @@ class AgentClient:
             AgentUnavailable: unreachable or an HTTP error.
         """
         return self._request(
-            "GET", f"/v1/ckpt/jobs/{job_id}/available", params={"persistent": int(persistent)}
+            "GET",
+            f"/v1/ckpt/jobs/{job_id}/available",
+            params={"persistent": int(persistent)},
+            **({"timeout": self._list_timeout} if persistent else {}),
         )
 
     def stage(self, job_id: str, step: int, files: list[dict[str, Any]]) -> dict[str, Any]:

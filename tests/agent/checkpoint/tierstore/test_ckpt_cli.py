@@ -67,6 +67,22 @@ def test_ls_lists_steps_per_tier(place):
     assert "│ 1 " not in one.stdout
 
 
+def test_ls_orders_persistent_steps_by_number(place):
+    """step-10 comes after step-9, not between step-1 and step-2 as its URL sorts."""
+    mem, pers = place
+    src = pers / JOB / "step-2"
+    for step in (9, 10):
+        shutil.copytree(src, pers / JOB / f"step-{step}")
+    out = ckpt("ls", "--job", JOB, *opts(place))
+    assert out.returncode == 0, out.stderr
+    steps = [
+        int(ln.split("│")[3].strip())
+        for ln in out.stdout.splitlines()
+        if ln.count("│") >= 7 and ln.split("│")[1].strip() == "persistent"
+    ]
+    assert steps == [2, 9, 10]
+
+
 def test_ls_env_and_bad_input(place):
     mem, pers = place
     env = {"TIERWATCH_MEMORY_DIR": str(mem), "TIERWATCH_PERSISTENT_URL": f"file://{pers}"}

@@ -340,3 +340,39 @@ def test_a_sender_that_outlives_its_closed_client_ends_quietly() -> None:
     wait_for(lambda: sender.failures > 0, timeout=10, what="a failed send")
     assert "is closed" in (sender.last_error or "")
     assert sender.close(timeout_s=0.5) is False  # undelivered, and said so
+
+
+def test_availability_with_the_persistent_tier_waits_for_a_slow_listing() -> None:
+    """The agent lists the persistent tier for ``available``; an object store that retries
+    takes longer than a quick call's timeout, and the rank must get the agent's answer (with
+    its cause), not "agent unreachable"."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tierwatch.agent.checkpoint.training.client import AgentClient, AgentUnavailable
+
+    class SlowAgent(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server API
+            threading.Event().wait(1.0)  # the agent's listing of a slow object store
+            body = b'{"entries": [], "errors": ["persistent: cannot reach the endpoint"]}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowAgent)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    client = AgentClient(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=0.3)
+    try:
+        answer = client.available("j", persistent=True)
+        assert answer["errors"] == ["persistent: cannot reach the endpoint"]
+        with pytest.raises(AgentUnavailable, match="unreachable"):  # quick calls stay quick
+            client.available("j", persistent=False)
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
