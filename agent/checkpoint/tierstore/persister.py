@@ -161,18 +161,7 @@ class PersistentTier:
         if self.error is not None:
             return self.error
         if self.s3:
-            bucket = self.root.split("/", 1)[0]
-            try:
-                self.fs.call_s3("head_bucket", Bucket=bucket)
-            except FileNotFoundError:
-                where = self.storage_options.get("endpoint_url") or "AWS S3"
-                return (
-                    f"{self.shown_url}: bucket {bucket} does not exist at {where} (create the "
-                    "bucket first; the agent never creates buckets)"
-                )
-            except self._errors as exc:
-                return f"{self.shown_url}: bucket {bucket}: {self._explain(exc)}"
-            return None
+            return self._bucket_problem()
         if not self.local:
             return None
         path = Path(self.root)
@@ -182,6 +171,21 @@ class PersistentTier:
             return f"{self.shown_url}: {path} is not a folder"
         if not os.access(path, os.W_OK | os.X_OK):
             return f"{self.shown_url}: {path} is not writable by this agent (uid {os.getuid()})"
+        return None
+
+    def _bucket_problem(self) -> str | None:
+        """S3: why the bucket cannot be used (one ``HeadBucket``), or None."""
+        bucket = self.root.split("/", 1)[0]
+        try:
+            self.fs.call_s3("head_bucket", Bucket=bucket)
+        except FileNotFoundError:
+            where = self.storage_options.get("endpoint_url") or "AWS S3"
+            return (
+                f"{self.shown_url}: bucket {bucket} does not exist at {where} (create the "
+                "bucket first; the agent never creates buckets)"
+            )
+        except self._errors as exc:
+            return f"{self.shown_url}: bucket {bucket}: {self._explain(exc)}"
         return None
 
     # -- paths ---------------------------------------------------------------------------
@@ -212,6 +216,11 @@ class PersistentTier:
             self._fresh(base)
             names = self.fs.ls(base, detail=False)
         except FileNotFoundError:
+            # no folder of this job yet; on S3 also what a missing bucket looks like, which
+            # must not read as "no steps" (a restore would start the job from scratch)
+            problem = self._bucket_problem() if self.s3 else None
+            if problem is not None:
+                raise PersistentError(f"cannot list {self.shown_url}/{job_id}: {problem}") from None
             return []
         except self._errors as exc:
             raise PersistentError(

@@ -213,6 +213,15 @@ def test_problems_name_what_to_fix(s3_bucket: S3Bucket) -> None:
         PersistentTier(s3_bucket.url(), {"endpoint": "http://127.0.0.1:1"})
 
 
+def test_a_missing_bucket_is_an_error_not_a_job_without_steps(s3_bucket: S3Bucket) -> None:
+    """On S3 a missing bucket lists like a missing folder; read as "no steps", a restore with
+    all memory lost would start the job from scratch."""
+    assert tier(s3_bucket).steps("job-new") == []  # the bucket exists: the job has no steps
+    missing = PersistentTier(f"s3://no-such-{s3_bucket.name}/ckpt", s3_bucket.storage_options())
+    with pytest.raises(PersistentError, match="does not exist.*create the bucket"):
+        missing.steps("job-1")
+
+
 def test_agent_s3_settings_become_storage_options(monkeypatch: pytest.MonkeyPatch) -> None:
     for k in list(os.environ):
         if k.startswith("TIERWATCH_"):
