@@ -29,7 +29,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from tierwatch.agent.checkpoint.format.completeness import disagreement, step_problem
+from tierwatch.agent.checkpoint.format.completeness import disagreement, save_mix, step_problem
 from tierwatch.agent.checkpoint.format.layout import (
     METADATA,
     LayoutError,
@@ -421,7 +421,7 @@ def verify(
         for bad_manifest in c.bad_manifests:
             typer.echo(f"BAD  {label}: {bad_manifest}")
             bad += 1
-        mixed = disagreement(c.manifests)
+        mixed = disagreement(c.manifests) or save_mix(c.manifests)  # as `ckpt ls` says
         if mixed:
             typer.echo(f"BAD  {label}: {mixed}")
             bad += 1

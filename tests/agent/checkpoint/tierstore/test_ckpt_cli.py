@@ -181,21 +181,28 @@ def test_gc_removes_a_job_and_finished_jobs(place, tmp_path):
     assert "--job J or --finished" in bad.stderr
 
 
-@pytest.mark.parametrize("field", ["world_size", "signature"])
-def test_verify_reports_a_step_of_two_checkpoints_as_bad(place, field):
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("world_size", 3, "disagree"),
+        ("signature", "another-model", "disagree"),
+        ("save_id", "f" * 32, "saves of this step"),  # each file verifies; the ranks' saves differ
+    ],
+)
+def test_verify_reports_a_step_of_two_checkpoints_as_bad(place, field, value, said):
     _, pers = place
     path = pers / JOB / "step-2" / manifest_name(1)
     data = json.loads(path.read_text())
-    data[field] = 3 if field == "world_size" else "another-model"
+    data[field] = value
     path.write_text(json.dumps(data))
     out = ckpt("verify", "--job", JOB, "--step", "2", *opts(place))
     assert out.returncode == 1, out.stdout + out.stderr
     bad = [ln for ln in out.stdout.splitlines() if ln.startswith("BAD  persistent")]
     assert bad, out.stdout
-    assert "disagree" in bad[0]
+    assert said in bad[0]
     assert not [ln for ln in out.stdout.splitlines() if ln.startswith("ok   persistent")]
     ls = ckpt("ls", "--job", JOB, "--step", "2", *opts(place))
-    assert "disagree" in ls.stdout
+    assert said in ls.stdout
 
 
 @pytest.mark.parametrize("dest", ["/proc/nope", "FILE/sub", "/proc/self/status"])
