@@ -16,7 +16,6 @@ from __future__ import annotations
 import re
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -260,13 +259,13 @@ class ThrottledProxy:
                         and not self._stop.is_set()
                         and src.fileno() != -1
                     ):
-                        time.sleep(0.01)
+                        self._stop.wait(0.01)  # held until the test releases it (or stops)
                     stalled = stalled and self.hold_on is not None
                     if src.fileno() == -1:  # dropped while held
                         break
                     data, held = b"".join(held), []
                 if rate:
-                    time.sleep(len(data) / rate)
+                    self._stop.wait(len(data) / rate)  # the link's pace; a stop cuts it short
                 dst.sendall(data)
         except OSError:
             pass
