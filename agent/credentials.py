@@ -1,0 +1,283 @@
+"""Job credentials: what a training job shows its node's agent, issued and signed by the server.
+
+A job credential is one string, ``<statement>~<secret>`` (docs/security.md):
+
+- ``statement`` is a JWT (RFC 7519) signed by the server with Ed25519 (``alg: EdDSA``,
+  RFC 8037), header ``kid`` naming the signing key. Claims: ``iss`` = ``tierwatch``, ``typ`` =
+  ``job``, ``sub`` = ``job:<job_id>``, ``job`` (the job id), ``iat`` and ``exp`` (Unix
+  seconds), ``sh`` (base64url SHA-256 of the secret).
+- ``secret`` is 32 bytes (base64url, no padding) that the server derives from its own job
+  secret and the job id (HMAC-SHA256), so every credential issued for one job carries the same
+  secret: a restarted job that registers again gets a new statement (new expiry) with the same
+  secret, and therefore the same manifest key (:attr:`JobCredential.manifest_key`).
+
+Agents check a credential offline with the server's public keys (:class:`CredentialVerifier`,
+fed from ``GET /api/v1/credentials/public-keys``, a JWK set): the signature, the issuer, the
+type, the expiry and that the secret hashes to ``sh``. Nothing here talks to the network.
+
+The JWT work is PyJWT's (``jwt.encode``/``jwt.decode`` with ``EdDSA``); the keys are
+``cryptography``'s Ed25519 keys.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jwt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+ISSUER = "tierwatch"
+ALGORITHM = "EdDSA"
+SEPARATOR = "~"
+#: Clock skew allowed between the server that issued a credential and the agent checking it.
+LEEWAY_S = 60
+#: Bytes of the per-job secret.
+SECRET_BYTES = 32
+MANIFEST_KEY_INFO = b"tierwatch manifest key v1"
+#: Longest credential accepted (a statement is ~400 bytes; this bounds parsing work).
+MAX_CREDENTIAL_CHARS = 4096
+
+
+class CredentialError(ValueError):
+    """A credential that cannot be used; the message says why and what to do."""
+
+
+def b64url(data: bytes) -> str:
+    """Base64url without padding (RFC 7515 section 2)."""
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def b64url_decode(text: str) -> bytes:
+    """Inverse of :func:`b64url`.
+
+    Raises:
+        CredentialError: not base64url.
+    """
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (ValueError, TypeError) as exc:
+        raise CredentialError("not base64url") from exc
+
+
+def derive_job_secret(job_secret_key: bytes, job_id: str) -> bytes:
+    """The secret of ``job_id``: HMAC-SHA256(server job secret, ``"job:" + job_id``), 32 bytes."""
+    return hmac.new(job_secret_key, b"job:" + job_id.encode(), hashlib.sha256).digest()
+
+
+def secret_hash(secret: bytes) -> str:
+    """``sh`` claim: base64url SHA-256 of the secret."""
+    return b64url(hashlib.sha256(secret).digest())
+
+
+def issue_job_credential(
+    private_key: Ed25519PrivateKey,
+    *,
+    kid: str,
+    job_secret_key: bytes,
+    job_id: str,
+    ttl_s: float,
+    now: float | None = None,
+) -> tuple[str, float]:
+    """Sign a job credential.
+
+    Args:
+        private_key: The server's signing key.
+        kid: Its key id (JWT header ``kid``).
+        job_secret_key: The server's job secret (derives the job's secret).
+        job_id: The job the credential is for.
+        ttl_s: Lifetime in seconds (> 0).
+        now: Issue time (Unix seconds; default: now).
+
+    Returns:
+        ``(credential, expires_at)``, expiry in Unix seconds.
+
+    Raises:
+        CredentialError: ``ttl_s`` is not positive.
+    """
+    if ttl_s <= 0:
+        raise CredentialError(f"credential lifetime must be positive, got {ttl_s} s")
+    issued = int(time.time() if now is None else now)
+    expires = issued + int(ttl_s)
+    secret = derive_job_secret(job_secret_key, job_id)
+    claims = {
+        "iss": ISSUER,
+        "typ": "job",
+        "sub": f"job:{job_id}",
+        "job": job_id,
+        "iat": issued,
+        "exp": expires,
+        "sh": secret_hash(secret),
+    }
+    statement = jwt.encode(claims, private_key, algorithm=ALGORITHM, headers={"kid": kid})
+    return f"{statement}{SEPARATOR}{b64url(secret)}", float(expires)
+
+
+@dataclass(frozen=True)
+class JobCredential:
+    """A checked job credential.
+
+    Attributes:
+        job_id: The job it is for.
+        issued_at: ``iat`` (Unix seconds).
+        expires_at: ``exp`` (Unix seconds).
+        kid: The signing key's id.
+        secret: The job's 32-byte secret.
+        token: The whole credential string (what the ranks send as a bearer token).
+    """
+
+    job_id: str
+    issued_at: float
+    expires_at: float
+    kid: str
+    secret: bytes
+    token: str
+
+    @property
+    def manifest_key(self) -> bytes:
+        """The job's manifest signing key: HMAC-SHA256(secret, ``MANIFEST_KEY_INFO``), 32 bytes.
+
+        The same for every credential of the job (the secret is), so steps saved before a
+        restart verify after it.
+        """
+        return hmac.new(self.secret, MANIFEST_KEY_INFO, hashlib.sha256).digest()
+
+    def __repr__(self) -> str:  # never print the secret
+        return (
+            f"JobCredential(job_id={self.job_id!r}, expires_at={self.expires_at}, kid={self.kid!r})"
+        )
+
+
+def public_key_jwk(public_key: Ed25519PublicKey, kid: str) -> dict[str, str]:
+    """One Ed25519 public key as a JWK (RFC 8037 section 2: ``kty: OKP``, ``crv: Ed25519``)."""
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    raw = public_key.public_bytes(Encoding.Raw, PublicFormat.Raw)
+    return {
+        "kty": "OKP",
+        "crv": "Ed25519",
+        "x": b64url(raw),
+        "kid": kid,
+        "alg": ALGORITHM,
+        "use": "sig",
+    }
+
+
+def _key_from_jwk(jwk: Mapping[str, Any]) -> tuple[str, Ed25519PublicKey]:
+    if jwk.get("kty") != "OKP" or jwk.get("crv") != "Ed25519":
+        raise CredentialError(
+            f"public key {jwk.get('kid')!r} is not an Ed25519 JWK (kty OKP, crv Ed25519)"
+        )
+    kid = jwk.get("kid")
+    x = jwk.get("x")
+    if not isinstance(kid, str) or not kid or not isinstance(x, str):
+        raise CredentialError("a public key needs a 'kid' and an 'x' (base64url) member")
+    raw = b64url_decode(x)
+    if len(raw) != 32:
+        raise CredentialError(f"public key {kid!r}: 'x' must be 32 bytes, got {len(raw)}")
+    return kid, Ed25519PublicKey.from_public_bytes(raw)
+
+
+class CredentialVerifier:
+    """Checks job credentials against the server's public keys (offline).
+
+    Args:
+        keys: ``{kid: Ed25519PublicKey}``.
+
+    A verifier with no keys refuses everything (its error says where the keys come from).
+    """
+
+    def __init__(self, keys: Mapping[str, Ed25519PublicKey] | None = None) -> None:
+        self.keys: dict[str, Ed25519PublicKey] = dict(keys or {})
+
+    @classmethod
+    def from_jwks(cls, document: Mapping[str, Any]) -> CredentialVerifier:
+        """Build from a JWK set ``{"keys": [jwk, ...]}``.
+
+        Raises:
+            CredentialError: not a JWK set of Ed25519 keys.
+        """
+        keys = document.get("keys") if isinstance(document, Mapping) else None
+        if not isinstance(keys, list):
+            raise CredentialError("a public key set is a JSON object with a 'keys' list")
+        return cls(dict(_key_from_jwk(k) for k in keys if isinstance(k, Mapping)))
+
+    def verify_job(self, credential: str, *, now: float | None = None) -> JobCredential:
+        """Check one job credential.
+
+        Args:
+            credential: ``<statement>~<secret>``.
+            now: Unix seconds (default: now).
+
+        Returns:
+            The checked credential.
+
+        Raises:
+            CredentialError: malformed, unknown key, bad signature, wrong issuer/type,
+                expired, or a secret that does not match the statement.
+        """
+        if not self.keys:
+            raise CredentialError(
+                "this agent has no public key of the server yet, so it cannot check job "
+                "credentials: it fetches them from the server at start "
+                "(GET /api/v1/credentials/public-keys), or give --credential-keys-file"
+            )
+        if len(credential) > MAX_CREDENTIAL_CHARS or credential.count(SEPARATOR) != 1:
+            raise CredentialError(
+                "not a job credential: expected '<statement>~<secret>' as issued by "
+                "'tierwatch-server job credential' or POST /api/v1/jobs/{job_id}/credential"
+            )
+        statement, secret_text = credential.split(SEPARATOR)
+        try:
+            header = jwt.get_unverified_header(statement)
+        except jwt.PyJWTError as exc:
+            raise CredentialError(f"not a job credential: {exc}") from None
+        kid = header.get("kid")
+        key = self.keys.get(kid) if isinstance(kid, str) else None
+        if key is None:
+            raise CredentialError(
+                f"job credential signed with key {kid!r}, which this agent does not know "
+                "(issued by another server, or the agent's key set is stale: restart it)"
+            )
+        try:
+            claims = jwt.decode(
+                statement,
+                key,
+                algorithms=[ALGORITHM],
+                issuer=ISSUER,
+                leeway=LEEWAY_S,
+                options={"require": ["exp", "iat", "iss", "sub"]},
+            )
+        except jwt.ExpiredSignatureError:
+            raise CredentialError(
+                "job credential has expired: register the job again to get a new one"
+            ) from None
+        except jwt.PyJWTError as exc:
+            raise CredentialError(f"job credential refused: {exc}") from None
+        if claims.get("typ") != "job" or not isinstance(claims.get("job"), str):
+            raise CredentialError("not a job credential (typ is not 'job')")
+        if now is not None and float(claims["exp"]) + LEEWAY_S < now:
+            raise CredentialError(
+                "job credential has expired: register the job again to get a new one"
+            )
+        secret = b64url_decode(secret_text)
+        if not hmac.compare_digest(secret_hash(secret), str(claims.get("sh", ""))):
+            raise CredentialError("job credential's secret does not match its statement")
+        return JobCredential(
+            job_id=claims["job"],
+            issued_at=float(claims["iat"]),
+            expires_at=float(claims["exp"]),
+            kid=kid,
+            secret=secret,
+            token=credential,
+        )
+
+
+def jwks(keys: Iterable[tuple[str, Ed25519PublicKey]]) -> dict[str, list[dict[str, str]]]:
+    """A JWK set of ``(kid, public key)`` pairs."""
+    return {"keys": [public_key_jwk(k, kid) for kid, k in keys]}
