@@ -124,6 +124,13 @@ def run(
             "[TIERWATCH_PEER_TOKEN_FILE]."
         ),
     ] = None,
+    credential_keys_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="JWK set of the server's public keys, to check job credentials with "
+            "(default: fetched from the server) [TIERWATCH_CREDENTIAL_KEYS_FILE]."
+        ),
+    ] = None,
     advertise_url: Annotated[
         str | None,
         typer.Option(
@@ -241,6 +248,7 @@ def run(
             "memory_dir": memory_dir,
             "peer_token": peer_token,
             "peer_token_file": peer_token_file,
+            "credential_keys_file": credential_keys_file,
             "advertise_url": advertise_url,
             "persistent_url": persistent_url,
             "persistent_options": persistent_options,
@@ -309,7 +317,11 @@ def inject(
     ] = "",
     token: Annotated[
         str | None,
-        typer.Option(help="Agent token, needed from non-loopback addresses [TIERWATCH_TOKEN]."),
+        typer.Option(help="The node's agent token; prefer --token-file [TIERWATCH_TOKEN]."),
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(help="File holding the agent token [TIERWATCH_TOKEN_FILE]."),
     ] = None,
     timeout: Annotated[float, typer.Option(help="HTTP timeout, seconds.", min=0.1)] = 5.0,
 ) -> None:
@@ -327,7 +339,24 @@ def inject(
     url = agent or os.environ.get("TIERWATCH_AGENT_URL") or "http://127.0.0.1:9470"
     url = url.rstrip("/") + "/v1/inject"
     token = token or os.environ.get("TIERWATCH_TOKEN")
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    token_path = token_file or (
+        Path(os.environ["TIERWATCH_TOKEN_FILE"]) if os.environ.get("TIERWATCH_TOKEN_FILE") else None
+    )
+    if token is None and token_path is not None:
+        from tierwatch.agent.config import SettingsError, read_secret_file
+
+        try:
+            token = read_secret_file(token_path, option="--token-file (TIERWATCH_TOKEN_FILE)")
+        except SettingsError as exc:
+            _err(f"error: {exc}")
+            raise typer.Exit(EXIT_USAGE) from None
+    if not token:
+        _err(
+            "error: the agent accepts faults only with its agent token: give --token-file "
+            "(TIERWATCH_TOKEN_FILE) or --token (TIERWATCH_TOKEN)"
+        )
+        raise typer.Exit(EXIT_USAGE)
+    headers = {"Authorization": f"Bearer {token}"}
     body = {"fault": fault, "gpu": gpu, "value": value}
     try:
         resp = httpx.post(url, json=body, headers=headers, timeout=timeout)

@@ -344,6 +344,9 @@ class AgentSettings(BaseSettings):
         isolation_timeout: Seconds the isolation command may run before it is killed.
         state_dir: Folder of the agent's own state (the ids of commands it ran, so a
             re-delivered command runs once across restarts); default ``var/agent/<node>``.
+        credential_keys_file: A JWK set of the server's public keys (the answer of ``GET
+            /api/v1/credentials/public-keys``) to check job credentials with; None: fetched
+            from the server (see :mod:`tierwatch.agent.credential_keys`).
     """
 
     model_config = SettingsConfigDict(env_prefix="TIERWATCH_", extra="ignore")
@@ -382,6 +385,7 @@ class AgentSettings(BaseSettings):
     isolation_command: Path | None = None
     isolation_timeout: float = Field(60.0, gt=0, le=3600)
     state_dir: Path | None = None
+    credential_keys_file: Path | None = None
 
     @field_validator("memory_budget", mode="before")
     @classmethod

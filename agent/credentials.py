@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -281,3 +282,51 @@ class CredentialVerifier:
 def jwks(keys: Iterable[tuple[str, Ed25519PublicKey]]) -> dict[str, list[dict[str, str]]]:
     """A JWK set of ``(kid, public key)`` pairs."""
     return {"keys": [public_key_jwk(k, kid) for kid, k in keys]}
+
+
+CREDENTIAL_ENV = "TIERWATCH_JOB_CREDENTIAL"
+CREDENTIAL_FILE_ENV = "TIERWATCH_JOB_CREDENTIAL_FILE"
+
+
+def job_credential_from_env(
+    value: str | None = None, *, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """The job credential a rank sends its agent: ``value``, else ``$TIERWATCH_JOB_CREDENTIAL``,
+    else the contents of ``$TIERWATCH_JOB_CREDENTIAL_FILE`` (one trailing newline dropped).
+
+    Returns:
+        The credential, or None when none is configured.
+
+    Raises:
+        CredentialError: the file cannot be read or is empty.
+    """
+    env = os.environ if environ is None else environ
+    if value:
+        return value.strip()
+    if env.get(CREDENTIAL_ENV):
+        return env[CREDENTIAL_ENV].strip()
+    path = env.get(CREDENTIAL_FILE_ENV)
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read().strip()
+    except OSError as exc:
+        raise CredentialError(
+            f"{CREDENTIAL_FILE_ENV}={path}: cannot read the job credential ({exc.strerror})"
+        ) from None
+    if not text:
+        raise CredentialError(f"{CREDENTIAL_FILE_ENV}={path}: the file is empty")
+    return text
+
+
+def unverified_job_id(credential: str) -> str | None:
+    """The job id a credential claims, read without checking its signature (ranks have no
+    key; the agent checks it). None when it is not a job credential."""
+    statement = credential.split(SEPARATOR, 1)[0]
+    try:
+        claims = jwt.decode(statement, options={"verify_signature": False})
+    except jwt.PyJWTError:
+        return None
+    job = claims.get("job") if claims.get("typ") == "job" else None
+    return job if isinstance(job, str) else None

@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING, Any
 from tierwatch import __version__
 from tierwatch.agent.collectors import GpuCollector, make_collector
 from tierwatch.agent.commands import CommandExecutor
-from tierwatch.agent.config import AgentSettings, is_loopback_host
+from tierwatch.agent.config import AgentSettings, SettingsError, is_loopback_host
+from tierwatch.agent.credential_keys import ServerKeys
+from tierwatch.agent.credentials import CredentialError
 from tierwatch.agent.protocol import (
     AgentEvent,
     CheckpointEvent,
@@ -172,6 +174,13 @@ class AgentRuntime:
         self._progress: deque[JobProgress] = deque()
         self._restores: deque[RestoreReport] = deque()
         self.ckpt: CheckpointService | None = None
+        # the server's public keys: job credentials of local ranks are checked with them
+        self.keys = ServerKeys(
+            server=settings.server,
+            token=settings.token_value,
+            keys_file=settings.credential_keys_file,
+            state_dir=settings.resolved_state_dir(),
+        )
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._api: LocalApiServer | None = None
@@ -191,6 +200,12 @@ class AgentRuntime:
             CollectorError: the collector cannot start.
             RuntimeError: the local API cannot listen.
         """
+        try:
+            self.keys.load()
+        except CredentialError as exc:
+            raise SettingsError(
+                f"--credential-keys-file (TIERWATCH_CREDENTIAL_KEYS_FILE) {exc}"
+            ) from None
         self.collector.start(self.on_xid)
         self.reporter.start()
         self.commands.start()

@@ -14,22 +14,20 @@ Endpoints:
 - Checkpoint endpoints ``/v1/ckpt/*`` (control) and peer endpoints ``/v1/peer/*`` (peer
   token): see :mod:`tierwatch.agent.checkpoint.tierstore.api` and docs/checkpointing.md.
 
-Control endpoints (``/v1/inject``, ``/v1/trainer/*``, ``/v1/ckpt/*``) answer 403 to clients
-whose address is not loopback unless the request carries ``Authorization: Bearer <the
-agent's token>``. The server binds to loopback by default (``--listen``).
+Control endpoints need a bearer credential whatever the client's address
+(:mod:`tierwatch.agent.access`): ``/v1/inject`` the agent token; ``/v1/trainer/latency`` and
+``/v1/ckpt/*`` the agent token or a job credential, which acts for its own job only. Loopback
+grants nothing. The server binds to loopback by default (``--listen``).
 """
 
-from __future__ import annotations
-
-import hmac
 from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from tierwatch import __version__
+from tierwatch.agent.access import Caller, LocalAccess, require_jobs
 from tierwatch.agent.collectors.simulated import Fault, FaultError
-from tierwatch.agent.config import is_loopback_host
 from tierwatch.agent.protocol import LatencySample
 
 if TYPE_CHECKING:
@@ -67,7 +65,7 @@ class QueuedResponse(BaseModel):
     queued: int
 
 
-def create_app(runtime: AgentRuntime) -> FastAPI:
+def create_app(runtime: "AgentRuntime") -> FastAPI:
     """Build the local API app for one agent runtime.
 
     Args:
@@ -78,39 +76,17 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
     """
     app = FastAPI(title="tierwatch agent", version=__version__, docs_url=None, redoc_url=None)
 
-    def control_access(request: Request) -> None:
-        """Allow loopback clients, or others with the agent's bearer token.
-
-        Raises:
-            HTTPException: 403 with the reason when neither holds.
-        """
-        host = request.client.host if request.client else ""
-        if is_loopback_host(host):
-            return
-        token = runtime.settings.token_value
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if (
-            token
-            and scheme.lower() == "bearer"
-            and hmac.compare_digest(given.strip().encode(), token.encode())
-        ):
-            return
-        raise HTTPException(
-            status_code=403,
-            detail=f"control endpoints accept loopback clients only; from {host or 'unknown'} "
-            "send 'Authorization: Bearer <agent token>'",
-        )
-
-    control = [Depends(control_access)]
+    access = LocalAccess(runtime.settings.token_value, runtime.keys)
+    NodeCaller = Annotated[Caller, Depends(access.node())]
+    AnyCaller = Annotated[Caller, Depends(access.any())]
 
     @app.get("/v1/status")
     def status() -> dict[str, Any]:
         """The agent's identity, collector and reporting state."""
         return runtime.status()
 
-    @app.post("/v1/inject", dependencies=control)
-    def inject(body: InjectRequest) -> InjectResponse:
+    @app.post("/v1/inject")
+    def inject(body: InjectRequest, _: NodeCaller) -> InjectResponse:
         """Inject a fault into the simulated collector (409 on a real collector)."""
         collector = runtime.collector
         inject_fn = getattr(collector, "inject", None)
@@ -126,11 +102,13 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
             raise HTTPException(status_code=422, detail=str(exc)) from exc
         return InjectResponse(fault=body.fault, gpu=body.gpu, message=message)
 
-    @app.post("/v1/trainer/latency", dependencies=control)
+    @app.post("/v1/trainer/latency")
     def trainer_latency(
-        samples: Annotated[list[LatencySample], Field(max_length=4096)],
+        samples: Annotated[list[LatencySample], Field(max_length=4096)], who: AnyCaller
     ) -> QueuedResponse:
-        """Queue collective-latency samples (ms) from local ranks into the next report."""
+        """Queue collective-latency samples (ms) from local ranks into the next report
+        (a job credential: samples of its own job only)."""
+        require_jobs(who, {s.job_id for s in samples})
         runtime.add_latency(samples)
         return QueuedResponse(queued=len(samples))
 
@@ -140,7 +118,7 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
     app.include_router(
         ckpt_router(
             lambda: runtime.ckpt if runtime.ckpt is not None and runtime.ckpt.started else None,
-            control=control,
+            access=access,
             queue_events=runtime.add_checkpoint_reports,
         )
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from agent_helpers import TOKEN, FakeGpu, make_fake_pynvml, wait_until
+from agent_helpers import AUTHORITY, NODE_AUTH, TOKEN, FakeGpu, make_fake_pynvml, wait_until
 from fastapi.testclient import TestClient
 
 from tierwatch.agent.collectors.nvml import NvmlCollector
@@ -60,7 +60,9 @@ def test_status(sim_runtime):
 
 
 def test_inject_xid_is_pushed_at_once(sim_runtime, receiver):
-    with TestClient(create_app(sim_runtime), client=("127.0.0.1", 5000)) as client:
+    with TestClient(
+        create_app(sim_runtime), client=("127.0.0.1", 5000), headers=NODE_AUTH
+    ) as client:
         resp = client.post("/v1/inject", json={"fault": "xid", "gpu": 3, "value": 79})
     assert resp.status_code == 200, resp.text
     assert "XID 79 on GPU 3" in resp.json()["message"]
@@ -80,37 +82,77 @@ def test_inject_xid_is_pushed_at_once(sim_runtime, receiver):
     ],
 )
 def test_inject_bad_input_is_422(sim_runtime, body, needle):
-    with TestClient(create_app(sim_runtime), client=("127.0.0.1", 5000)) as client:
+    with TestClient(
+        create_app(sim_runtime), client=("127.0.0.1", 5000), headers=NODE_AUTH
+    ) as client:
         resp = client.post("/v1/inject", json=body)
     assert resp.status_code == 422
     assert needle in resp.text
 
 
 def test_inject_on_real_collector_is_409(nvml_runtime):
-    with TestClient(create_app(nvml_runtime), client=("127.0.0.1", 5000)) as client:
+    with TestClient(
+        create_app(nvml_runtime), client=("127.0.0.1", 5000), headers=NODE_AUTH
+    ) as client:
         resp = client.post("/v1/inject", json={"fault": "thermal"})
     assert resp.status_code == 409
     assert "--collector simulated" in resp.json()["detail"]
 
 
-def test_control_endpoints_need_token_from_other_hosts(sim_runtime):
+@pytest.mark.parametrize("client_host", ["127.0.0.1", "::1", "10.1.2.3"])
+def test_loopback_grants_nothing_and_inject_needs_the_agent_token(sim_runtime, client_host):
     app = create_app(sim_runtime)
-    with TestClient(app, client=("10.1.2.3", 5000)) as remote:
-        assert remote.get("/v1/status").status_code == 200  # read-only
-        resp = remote.post("/v1/inject", json={"fault": "throttle"})
-        assert resp.status_code == 403
+    with TestClient(app, client=(client_host, 5000)) as caller:
+        assert caller.get("/v1/status").status_code == 200  # read-only, no secrets
+        resp = caller.post("/v1/inject", json={"fault": "throttle"})
+        assert resp.status_code == 401
         assert "Authorization: Bearer" in resp.json()["detail"]
-        wrong = remote.post(
+        assert "loopback alone grants nothing" in resp.json()["detail"]
+        wrong = caller.post(
             "/v1/inject", json={"fault": "throttle"}, headers={"Authorization": "Bearer nope"}
         )
-        assert wrong.status_code == 403
-        assert remote.post("/v1/trainer/latency", json=[]).status_code == 403
-        ok = remote.post(
-            "/v1/inject", json={"fault": "throttle"}, headers={"Authorization": f"Bearer {TOKEN}"}
+        assert wrong.status_code == 401
+        assert caller.post("/v1/trainer/latency", json=[]).status_code == 401
+        # a job's credential is valid, but faults are the node's business
+        job = caller.post(
+            "/v1/inject", json={"fault": "throttle"}, headers=AUTHORITY.job_auth("job-7")
         )
+        assert job.status_code == 403
+        assert "agent token" in job.json()["detail"]
+        ok = caller.post("/v1/inject", json={"fault": "clear"}, headers=NODE_AUTH)
         assert ok.status_code == 200
-    with TestClient(app, client=("::1", 5000)) as local6:
-        assert local6.post("/v1/inject", json={"fault": "clear"}).status_code == 200
+
+
+def test_a_credential_of_another_authority_or_expired_is_refused(sim_runtime):
+    from agent_helpers import TestAuthority
+
+    from tierwatch.agent.credentials import issue_job_credential
+
+    forged = TestAuthority(kid=AUTHORITY.kid)  # same key id, another key
+    sample = [{"job_id": "job-7", "rank": 0, "ts": "2025-01-01T00:00:00Z", "latency_ms": 1.0}]
+    expired, _ = issue_job_credential(
+        AUTHORITY.key,
+        kid=AUTHORITY.kid,
+        job_secret_key=AUTHORITY.job_secret,
+        job_id="job-7",
+        ttl_s=1,
+        now=1_000_000_000,
+    )
+    with TestClient(create_app(sim_runtime), client=("127.0.0.1", 5000)) as client:
+        r = client.post("/v1/trainer/latency", json=sample, headers=forged.job_auth("job-7"))
+        assert r.status_code == 401
+        assert "Signature verification failed" in r.json()["detail"]
+        r = client.post(
+            "/v1/trainer/latency", json=sample, headers={"Authorization": f"Bearer {expired}"}
+        )
+        assert r.status_code == 401
+        assert "expired" in r.json()["detail"]
+        tampered = AUTHORITY.job_credential("job-7").rsplit("~", 1)[0] + "~" + "A" * 43
+        r = client.post(
+            "/v1/trainer/latency", json=sample, headers={"Authorization": f"Bearer {tampered}"}
+        )
+        assert r.status_code == 401
+        assert "secret does not match" in r.json()["detail"]
 
 
 def test_trainer_latency_goes_into_next_batch(sim_runtime, receiver):
@@ -124,9 +166,15 @@ def test_trainer_latency_goes_into_next_batch(sim_runtime, receiver):
         }
         for r in range(2)
     ]
-    with TestClient(create_app(sim_runtime), client=("127.0.0.1", 5000)) as client:
+    with TestClient(
+        create_app(sim_runtime), client=("127.0.0.1", 5000), headers=AUTHORITY.job_auth("job-7")
+    ) as client:
         resp = client.post("/v1/trainer/latency", json=samples)
         assert resp.json() == {"queued": 2}
+        other = [{**samples[0], "job_id": "job-8"}]
+        refused = client.post("/v1/trainer/latency", json=other)
+        assert refused.status_code == 403
+        assert "job-8" in refused.json()["detail"]
         assert client.post("/v1/trainer/latency", json=[{"job_id": "j"}]).status_code == 422
     sim_runtime.tick()
     batch = wait_until(lambda: [b for b in receiver.stored() if b.latency], what="latency")[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import queue
 import threading
 import types
@@ -20,12 +21,46 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from procs import wait_for
 from pydantic import ValidationError
 
+from tierwatch.agent.credentials import issue_job_credential, jwks
 from tierwatch.agent.protocol import ReportAck, ReportBatch
 
 TOKEN = "test-agent-token"
+
+
+class TestAuthority:
+    """The server's credential signing key, for tests whose control plane is a
+    :class:`Receiver`: it serves :meth:`jwks` as ``GET /api/v1/credentials/public-keys`` and
+    :meth:`job_credential` signs what ``POST /api/v1/jobs/{job}/credential`` would return
+    (same code: :func:`tierwatch.agent.credentials.issue_job_credential`)."""
+
+    __test__ = False  # not a test class
+
+    def __init__(self, kid: str = "test-key") -> None:
+        self.kid = kid
+        self.key = Ed25519PrivateKey.generate()
+        self.job_secret = os.urandom(32)
+
+    def jwks(self) -> dict[str, Any]:
+        return jwks([(self.kid, self.key.public_key())])
+
+    def job_credential(self, job_id: str, ttl_s: float = 3600.0) -> str:
+        return issue_job_credential(
+            self.key, kid=self.kid, job_secret_key=self.job_secret, job_id=job_id, ttl_s=ttl_s
+        )[0]
+
+    def job_auth(self, job_id: str) -> dict[str, str]:
+        """``Authorization`` header of a rank of ``job_id``."""
+        return {"Authorization": f"Bearer {self.job_credential(job_id)}"}
+
+
+#: One authority per test process; every Receiver serves its keys.
+AUTHORITY = TestAuthority()
+#: The ``Authorization`` header of the node's agent token (TOKEN).
+NODE_AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def wait_until(condition: Callable[[], Any], timeout: float = 5.0, what: str = "condition"):
@@ -256,8 +291,11 @@ class Receiver:
     ``fail_with`` makes it answer that status (e.g. 503, 429, 403) instead of storing.
     """
 
-    def __init__(self, port: int = 0, token: str = TOKEN) -> None:
+    def __init__(
+        self, port: int = 0, token: str = TOKEN, authority: TestAuthority = AUTHORITY
+    ) -> None:
         self.token = token
+        self.authority = authority
         self.lock = threading.Lock()
         self.batches: list[ReportBatch] = []  # stored, in arrival order
         self.keys: set[tuple[str, int]] = set()
@@ -280,6 +318,11 @@ class Receiver:
                     self.send_header(k, v)
                 self.end_headers()
                 self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server API
+                if self.path != "/api/v1/credentials/public-keys":
+                    return self._answer(404, {"detail": "not found"})
+                return self._answer(200, receiver.authority.jwks())
 
             def do_POST(self) -> None:  # noqa: N802 - http.server API
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from agent_helpers import TOKEN, Receiver, wait_until
+from agent_helpers import AUTHORITY, NODE_AUTH, TOKEN, Receiver, wait_until
 from procs import BIN, base_env, free_port
 
 from tierwatch.agent.checkpoint.format.layout import (
@@ -222,7 +222,8 @@ class CkptAgent:
         if self.popen is not None and self.popen.poll() is not None:
             raise AssertionError(f"agent {self.node} exited:\n{self.log_tail()}")
         try:
-            if httpx.get(f"{self.url}/v1/ckpt/info", timeout=1).status_code != 200:
+            r = httpx.get(f"{self.url}/v1/ckpt/info", headers=NODE_AUTH, timeout=1)
+            if r.status_code != 200:
                 return False
         except httpx.HTTPError:
             return False
@@ -252,7 +253,10 @@ class CkptAgent:
 
     def notify(self, job_id: str, step: int) -> None:
         r = httpx.post(
-            f"{self.url}/v1/ckpt/notify", json={"job_id": job_id, "step": step}, timeout=5
+            f"{self.url}/v1/ckpt/notify",
+            json={"job_id": job_id, "step": step},
+            headers=AUTHORITY.job_auth(job_id),
+            timeout=5,
         )
         assert r.status_code == 200, r.text
 

@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from tierwatch.agent.access import Caller, LocalAccess, require_jobs
 from tierwatch.agent.checkpoint.format.layout import (
     LayoutError,
     MemoryLayout,
@@ -74,6 +75,10 @@ log = logging.getLogger(__name__)
 
 EventSink = Callable[[CheckpointEvent], None]
 UPLOAD_BUFFER = 1024 * 1024
+
+
+class RollbackRefused(Exception):
+    """A rollback that no restore request of the job backs (answered 409)."""
 
 
 class CheckpointService:
@@ -286,13 +291,29 @@ class CheckpointService:
         node) and, with ``persistent``, from the persistent tier, with an ``evicted`` event
         each; pending ``.metadata`` commits of those steps are dropped.
 
+        Only for a restore request this agent received for the job (pending, or among the
+        newest retired), and only down to a step at or below the request's: a rollback
+        deletes newer steps, so it is never taken on a caller's word.
+
         Returns:
             ``{evicted: {peer: [step], persistent: [step]}, errors: [str]}``.
 
         Raises:
             LayoutError: a bad job id.
+            RollbackRefused: no such request for the job, or ``step`` above its step.
         """
         check_job_id(job_id)
+        requested = self.requests.request_step(job_id, request_id)
+        if requested is None:
+            raise RollbackRefused(
+                f"agent {self.node} has no restore request {request_id} for job {job_id}: a "
+                "rollback only follows an operator's restore request that reached this agent"
+            )
+        if step > requested:
+            raise RollbackRefused(
+                f"restore request {request_id} of job {job_id} asked for step {requested}; "
+                f"a rollback to step {step}, above it, is refused"
+            )
         why = f"rolled back to step {step} by restore request {request_id}"
         self.worker.forget_pending(job_id, after=step)
         peer: set[int] = set()
@@ -420,13 +441,14 @@ EventQueue = Callable[
 
 
 def ckpt_router(
-    get_service: ServiceGetter, *, control: list[Any], queue_events: EventQueue
+    get_service: ServiceGetter, *, access: LocalAccess, queue_events: EventQueue
 ) -> APIRouter:
     """The checkpoint and peer endpoints.
 
     Args:
         get_service: Returns the running service (None: not started, 503).
-        control: Dependencies guarding control endpoints.
+        access: Authenticates trainer-facing callers (the agent token, or a job credential
+            that acts for its own job only; :mod:`tierwatch.agent.access`).
         queue_events: Queues trainer events into the next report; returns counts queued.
 
     Returns:
@@ -446,6 +468,8 @@ def ckpt_router(
         return svc
 
     Service = Annotated[CheckpointService, Depends(service)]
+    AnyCaller = Annotated[Caller, Depends(access.any())]
+    JobCaller = Annotated[Caller, Depends(access.job())]
 
     def peer_access(request: Request, svc: Service) -> None:
         token = svc.peer_token
@@ -477,25 +501,28 @@ def ckpt_router(
     def bad_name(exc: Exception) -> HTTPException:
         return HTTPException(status_code=422, detail=str(exc))
 
-    @router.get("/v1/ckpt/info", dependencies=control)
-    def info(svc: Service) -> dict[str, Any]:
+    @router.get("/v1/ckpt/info")
+    def info(svc: Service, _: AnyCaller) -> dict[str, Any]:
         """This agent's checkpoint store: node, folders, URLs, budget (bytes)."""
         return svc.info()
 
-    @router.post("/v1/ckpt/events", dependencies=control)
-    def events(body: EventsBody) -> dict[str, Any]:
-        """Queue trainer checkpoint events, progress and restore reports for the next report."""
+    @router.post("/v1/ckpt/events")
+    def events(body: EventsBody, who: AnyCaller) -> dict[str, Any]:
+        """Queue trainer checkpoint events, progress and restore reports for the next report
+        (a job credential: of its own job only)."""
+        require_jobs(who, {x.job_id for x in (*body.events, *body.progress, *body.restores)})
         return {"queued": queue_events(body.events, body.progress, body.restores)}
 
-    @router.post("/v1/ckpt/notify", dependencies=control)
-    def notify(body: NotifyBody, svc: Service) -> dict[str, Any]:
+    @router.post("/v1/ckpt/notify")
+    def notify(body: NotifyBody, svc: Service, who: AnyCaller) -> dict[str, Any]:
         """A local rank committed a step: replicate/persist it now."""
+        require_jobs(who, [body.job_id])
         svc.worker.notify(body.job_id, body.step)
         return {"ok": True}
 
-    @router.get("/v1/ckpt/jobs/{job_id}/available", dependencies=control)
+    @router.get("/v1/ckpt/jobs/{job_id}/available")
     def available(
-        job_id: str, svc: Service, persistent: Annotated[int, Query(ge=0, le=1)] = 0
+        job_id: str, svc: Service, _: JobCaller, persistent: Annotated[int, Query(ge=0, le=1)] = 0
     ) -> dict[str, Any]:
         """Manifests this agent can supply (memory, replicas, persistent with persistent=1)."""
         try:
@@ -503,16 +530,16 @@ def ckpt_router(
         except LayoutError as exc:
             raise bad_name(exc) from None
 
-    @router.post("/v1/ckpt/jobs/{job_id}/stage", dependencies=control)
-    def stage(job_id: str, body: StageRequest, svc: Service) -> dict[str, Any]:
+    @router.post("/v1/ckpt/jobs/{job_id}/stage")
+    def stage(job_id: str, body: StageRequest, svc: Service, _: JobCaller) -> dict[str, Any]:
         """Assemble files in restore/<job>/step-<N>/, trying sources in order."""
         try:
             return svc.restore_stager.stage(job_id, body)
         except LayoutError as exc:
             raise bad_name(exc) from None
 
-    @router.get("/v1/ckpt/jobs/{job_id}/restore-requests", dependencies=control)
-    def restore_requests(job_id: str, svc: Service) -> dict[str, Any]:
+    @router.get("/v1/ckpt/jobs/{job_id}/restore-requests")
+    def restore_requests(job_id: str, svc: Service, _: JobCaller) -> dict[str, Any]:
         """Operator restore requests for the job's ranks, oldest first."""
         try:
             pending = svc.requests.pending(job_id)
@@ -520,9 +547,12 @@ def ckpt_router(
             raise bad_name(exc) from None
         return {"requests": [r.model_dump(mode="json") for r in pending]}
 
-    @router.delete("/v1/ckpt/jobs/{job_id}/restore-requests/{request_id}", dependencies=control)
+    @router.delete("/v1/ckpt/jobs/{job_id}/restore-requests/{request_id}")
     def retire_restore_requests(
-        job_id: str, request_id: Annotated[int, PathParam(ge=1, le=2**62)], svc: Service
+        job_id: str,
+        request_id: Annotated[int, PathParam(ge=1, le=2**62)],
+        svc: Service,
+        _: JobCaller,
     ) -> dict[str, Any]:
         """The ranks served request_id: retire it and the job's older requests."""
         try:
@@ -535,8 +565,8 @@ def ckpt_router(
                 detail=f"cannot retire restore request {request_id} of {job_id}: {exc}",
             ) from None
 
-    @router.post("/v1/ckpt/jobs/{job_id}/rollback", dependencies=control)
-    def rollback(job_id: str, body: RollbackBody, svc: Service) -> dict[str, Any]:
+    @router.post("/v1/ckpt/jobs/{job_id}/rollback")
+    def rollback(job_id: str, body: RollbackBody, svc: Service, _: JobCaller) -> dict[str, Any]:
         """The ranks rolled back: drop the job's newer steps from replicas (and persistent)."""
         try:
             return svc.rollback(
@@ -544,6 +574,8 @@ def ckpt_router(
             )
         except LayoutError as exc:
             raise bad_name(exc) from None
+        except RollbackRefused as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from None
 
     @router.put("/v1/peer/replicas/{src_node}/{job_id}/{step}/{name}", dependencies=peer)
     async def put_replica(

@@ -28,6 +28,7 @@ from tierwatch.agent.protocol import Command, utcnow
 log = logging.getLogger(__name__)
 
 REQUEST_PREFIX = "request-"
+SERVED_KEPT = 64  # retired requests whose steps a late rank's rollback may still name
 RETIRED_FILE = "retired.json"
 MAX_ID = 2**62
 
@@ -203,12 +204,46 @@ class RequestStore:
             d = self.layout.requests_dir(job_id)
             if not d.is_dir():
                 return []
-            if up_to > self._retired(job_id):
-                atomic_write_json(d / RETIRED_FILE, {"up_to": up_to, "at": utcnow().isoformat()})
+            served = self._served(job_id)
             gone = []
             for p in d.glob(f"{REQUEST_PREFIX}*.json"):
                 text = p.name[len(REQUEST_PREFIX) : -len(".json")]
                 if text.isdigit() and int(text) <= up_to:
-                    p.unlink(missing_ok=True)
+                    try:
+                        served[int(text)] = RestoreRequest.model_validate_json(p.read_bytes()).step
+                    except (OSError, ValueError):
+                        pass
                     gone.append(int(text))
+            if up_to > self._retired(job_id) or gone:
+                keep = dict(sorted(served.items())[-SERVED_KEPT:])
+                atomic_write_json(
+                    d / RETIRED_FILE,
+                    {
+                        "up_to": max(up_to, self._retired(job_id)),
+                        "at": utcnow().isoformat(),
+                        "served": {str(k): v for k, v in keep.items()},
+                    },
+                )
+            for rid in gone:
+                (d / f"{REQUEST_PREFIX}{rid}.json").unlink(missing_ok=True)
             return sorted(gone)
+
+    def _served(self, job_id: str) -> dict[int, int]:
+        """Request id → step of the job's newest retired requests (``retired.json``)."""
+        try:
+            data = json.loads((self.layout.requests_dir(job_id) / RETIRED_FILE).read_text())
+            return {int(k): int(v) for k, v in dict(data.get("served") or {}).items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return {}
+
+    def request_step(self, job_id: str, request_id: int) -> int | None:
+        """The step of the job's restore request ``request_id`` that this agent received:
+        pending (not expired), or among the newest retired ones; None when it has none.
+
+        Raises:
+            LayoutError: a bad job id.
+        """
+        for req in self.pending(job_id, quiet=True):
+            if req.request_id == request_id:
+                return req.step
+        return self._served(job_id).get(request_id)

@@ -96,6 +96,11 @@ from tierwatch.agent.checkpoint.training.rank_files import RankFiles
 from tierwatch.agent.checkpoint.training.rollback import RequestPoller, RollbackServer
 from tierwatch.agent.checkpoint.training.snapshot import PendingCopies, SnapshotStager
 from tierwatch.agent.checkpoint.training.state_adapter import StateAdapter, data_ptr
+from tierwatch.agent.credentials import (
+    CredentialError,
+    job_credential_from_env,
+    unverified_job_id,
+)
 from tierwatch.agent.fsutil import atomic_write_json
 from tierwatch.agent.protocol import (
     CheckpointEvent,
@@ -191,7 +196,9 @@ class TieredCheckpointer:
             saves and report it as collective latency (0: never).
         process_group: The job's training group (for the latency probe; default: WORLD).
         timeout_s: Timeout of the checkpoint group's collectives (seconds).
-        agent_token: Agent token when the agent is not on loopback (``$TIERWATCH_TOKEN``).
+        job_credential: The job's credential, which the agent asks of every call (issued by
+            the server when the job registers; default ``$TIERWATCH_JOB_CREDENTIAL``, else the
+            file ``$TIERWATCH_JOB_CREDENTIAL_FILE``; docs/security.md).
         write_threads: Threads DCP writes a rank's shard with (each writes its own
             ``__<r>_<i>.distcp`` file; 2 halves the write time on tmpfs).
         background_nice: Nice value (0-19) of the background writer thread, so it yields
@@ -220,7 +227,7 @@ class TieredCheckpointer:
         latency_every: int = 50,
         process_group: Any = None,
         timeout_s: float = 600.0,
-        agent_token: str | None = None,
+        job_credential: str | None = None,
         write_threads: int = 2,
         background_nice: int = DEFAULT_NICE,
         rollback_every: int = 1,
@@ -253,9 +260,24 @@ class TieredCheckpointer:
         self.agent_url = (
             agent_url or os.environ.get("TIERWATCH_AGENT_URL") or DEFAULT_AGENT_URL
         ).rstrip("/")
-        self.client = AgentClient(
-            self.agent_url, token=agent_token or os.environ.get("TIERWATCH_TOKEN")
-        )
+        try:
+            credential = job_credential_from_env(job_credential)
+        except CredentialError as exc:
+            raise CheckpointError(str(exc)) from None
+        if credential is None:
+            raise CheckpointError(
+                f"no job credential for {self.job_id}: the agent refuses calls without one. "
+                "Register the job with the server (tierwatch-server job credential, or POST "
+                "/api/v1/jobs/{job_id}/credential) and hand the credential to every rank in "
+                "TIERWATCH_JOB_CREDENTIAL_FILE (or TIERWATCH_JOB_CREDENTIAL)"
+            )
+        claimed = unverified_job_id(credential)
+        if claimed is not None and claimed != self.job_id:
+            raise CheckpointError(
+                f"the job credential is for job {claimed!r}, not {self.job_id!r}: give each "
+                "job its own credential"
+            )
+        self.client = AgentClient(self.agent_url, token=credential)
         info: dict[str, Any] = {}
         try:
             info = self.client.info()

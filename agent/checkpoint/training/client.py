@@ -33,7 +33,8 @@ class AgentClient:
 
     Args:
         base_url: The agent's URL, e.g. ``http://127.0.0.1:9470``.
-        token: Agent token, needed only when the agent is not on loopback.
+        token: The job's credential (or the node's agent token), sent as a bearer token with
+            every call; the agent refuses calls without one.
         timeout_s: Per-request timeout for quick calls (seconds).
         stage_timeout_s: Timeout for ``stage`` (copies whole shards; seconds).
         list_timeout_s: Timeout for ``available`` with the persistent tier (the agent lists

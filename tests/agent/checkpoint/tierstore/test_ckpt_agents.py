@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from agent_helpers import wait_until
+from agent_helpers import AUTHORITY, NODE_AUTH, wait_until
 from ckpt_helpers import (
     PEER_TOKEN,
     CkptAgent,
@@ -38,6 +38,7 @@ pytestmark = [pytest.mark.slow]
 
 JOB = "job-1"
 AUTH = {"Authorization": f"Bearer {PEER_TOKEN}"}
+JOB_AUTH = AUTHORITY.job_auth(JOB)
 
 
 def urls(*agents: CkptAgent) -> dict[str, str]:
@@ -55,7 +56,7 @@ def test_agent_json_and_info(make_agent):
     assert info_file["pid"] == a.popen.pid
     assert info_file["started_at"].endswith("+00:00")
     assert not list(a.memory_dir.glob(".tmp-*"))  # written atomically
-    info = httpx.get(f"{a.url}/v1/ckpt/info").json()
+    info = httpx.get(f"{a.url}/v1/ckpt/info", headers=NODE_AUTH).json()
     assert info["node"] == "node-a"
     assert info["memory_dir"] == str(a.memory_dir)
     assert info["peer_url"] == a.url
@@ -104,20 +105,25 @@ def test_events_and_notify_are_queued_into_reports(make_agent, receiver):
             }
         ],
     }
-    r = httpx.post(f"{a.url}/v1/ckpt/events", json=body)
+    r = httpx.post(f"{a.url}/v1/ckpt/events", json=body, headers=JOB_AUTH)
     assert r.status_code == 200, r.text
     assert r.json() == {"queued": {"events": 1, "progress": 1, "restores": 1}}
     wait_event(receiver, job_id=JOB, step=5, tier="memory", kind="committed")
     batches = receiver.stored()
     assert any(b.progress and b.progress[0].layout == ["node-a", "node-b"] for b in batches)
     assert any(b.restores and b.restores[0].files_by_tier == {"memory": 2} for b in batches)
-    bad = httpx.post(f"{a.url}/v1/ckpt/events", json={"events": [{"job_id": JOB}]})
+    bad = httpx.post(
+        f"{a.url}/v1/ckpt/events", json={"events": [{"job_id": JOB}]}, headers=JOB_AUTH
+    )
     assert bad.status_code == 422
-    assert httpx.post(f"{a.url}/v1/ckpt/notify", json={"job_id": JOB, "step": 1}).json() == {
-        "ok": True
-    }
+    assert httpx.post(
+        f"{a.url}/v1/ckpt/notify", json={"job_id": JOB, "step": 1}, headers=JOB_AUTH
+    ).json() == {"ok": True}
     assert (
-        httpx.post(f"{a.url}/v1/ckpt/notify", json={"job_id": "../x", "step": 1}).status_code == 422
+        httpx.post(
+            f"{a.url}/v1/ckpt/notify", json={"job_id": "../x", "step": 1}, headers=NODE_AUTH
+        ).status_code
+        == 422
     )
 
 
@@ -236,7 +242,7 @@ def test_bad_names_are_422(make_agent, path, needle):
     assert r.json() == {"detail": "Not Found"}
     r = httpx.get(f"{a.url}/v1/peer/files/job-1/1/__0_0.distcp?tier=peer&src=%2E%2E", headers=AUTH)
     assert r.status_code == 422
-    r = httpx.get(f"{a.url}/v1/ckpt/jobs/%2E%2E/available")
+    r = httpx.get(f"{a.url}/v1/ckpt/jobs/%2E%2E/available", headers=NODE_AUTH)
     assert r.status_code == 422
 
 
@@ -400,7 +406,9 @@ def test_persistent_upload_writes_metadata_last_and_applies_retention(
     wait_event(receiver, node="node-a", job_id=JOB, step=1, tier="persistent", kind="evicted")
     assert sorted(os.listdir(persistent_dir / JOB)) == ["step-2", "step-3"]
     assert (persistent_dir / JOB / "step-3" / METADATA).exists()
-    avail = httpx.get(f"{a.url}/v1/ckpt/jobs/{JOB}/available", params={"persistent": 1}).json()
+    avail = httpx.get(
+        f"{a.url}/v1/ckpt/jobs/{JOB}/available", params={"persistent": 1}, headers=JOB_AUTH
+    ).json()
     pers = [e for e in avail["entries"] if e["tier"] == "persistent"]
     assert sorted({(e["step"], e["rank"]) for e in pers}) == [(2, 0), (2, 1), (3, 0), (3, 1)]
     assert all(e["holder"] == "persistent" for e in pers)
@@ -440,7 +448,9 @@ def test_unwritable_persistent_tier_is_a_failed_event_and_memory_stays(
     assert len(ckpt_events(receiver, tier="peer", kind="failed")) == 1  # reported once
     for f in load_manifest(a.step_dir(JOB, 1) / manifest_name(0)).files:
         assert verify_file(a.step_dir(JOB, 1) / f.name, f) is None
-    assert httpx.get(f"{a.url}/v1/ckpt/info").status_code == 200  # the agent goes on
+    assert (
+        httpx.get(f"{a.url}/v1/ckpt/info", headers=NODE_AUTH).status_code == 200
+    )  # the agent goes on
 
 
 def _limit_file_size() -> None:
@@ -579,7 +589,7 @@ def test_available_and_stage_fall_back_past_corrupt_sources(make_agent, receiver
         receiver, node="node-b", job_id=JOB, step=4, tier="peer", kind="committed", rank=1, agent=b
     )
 
-    avail = httpx.get(f"{a.url}/v1/ckpt/jobs/{JOB}/available").json()
+    avail = httpx.get(f"{a.url}/v1/ckpt/jobs/{JOB}/available", headers=JOB_AUTH).json()
     assert avail["node"] == "node-a"
     assert avail["peer_url"] == a.url
     got = sorted((e["tier"], e["holder"], e["src"], e["step"], e["rank"]) for e in avail["entries"])
@@ -587,7 +597,9 @@ def test_available_and_stage_fall_back_past_corrupt_sources(make_agent, receiver
     assert all(e["url"] == a.url for e in avail["entries"])
     rank1 = next(e for e in avail["entries"] if e["rank"] == 1)["manifest"]
     entry = next(f for f in rank1["files"] if f["name"] == shard_name(1))
-    with_pers = httpx.get(f"{a.url}/v1/ckpt/jobs/{JOB}/available?persistent=1").json()
+    with_pers = httpx.get(
+        f"{a.url}/v1/ckpt/jobs/{JOB}/available?persistent=1", headers=JOB_AUTH
+    ).json()
     assert {e["tier"] for e in with_pers["entries"]} == {"memory", "peer", "persistent"}
 
     # corrupt node-a's replica of rank 1's shard (flip a byte) and node-b's memory copy
@@ -621,7 +633,10 @@ def test_available_and_stage_fall_back_past_corrupt_sources(make_agent, receiver
 
     def stage():
         r = httpx.post(
-            f"{a.url}/v1/ckpt/jobs/{JOB}/stage", json={"step": 4, "files": files}, timeout=30
+            f"{a.url}/v1/ckpt/jobs/{JOB}/stage",
+            json={"step": 4, "files": files},
+            headers=JOB_AUTH,
+            timeout=30,
         )
         assert r.status_code == 200, r.text
         return r.json()
@@ -672,12 +687,15 @@ def test_available_and_stage_fall_back_past_corrupt_sources(make_agent, receiver
     assert out["ok"] is False
     assert any("every source failed" in e and shard_name(1) in e for e in out["errors"])
     # staging another step removes this job's other restore folders
-    r = httpx.post(f"{a.url}/v1/ckpt/jobs/{JOB}/stage", json={"step": 5, "files": []})
+    r = httpx.post(
+        f"{a.url}/v1/ckpt/jobs/{JOB}/stage", json={"step": 5, "files": []}, headers=JOB_AUTH
+    )
     assert r.json()["ok"] is True
     assert not staged.exists()
     bad = httpx.post(
         f"{a.url}/v1/ckpt/jobs/{JOB}/stage",
         json={"step": 4, "files": [{**files[0], "name": "../../agent.json"}]},
+        headers=JOB_AUTH,
     )
     assert bad.status_code == 422
 
@@ -743,7 +761,10 @@ def test_two_local_ranks_stage_the_same_files_at_once(make_agent, receiver):
 
     def stage() -> None:
         r = httpx.post(
-            f"{a.url}/v1/ckpt/jobs/{JOB}/stage", json={"step": 2, "files": files}, timeout=60
+            f"{a.url}/v1/ckpt/jobs/{JOB}/stage",
+            json={"step": 2, "files": files},
+            headers=JOB_AUTH,
+            timeout=60,
         )
         results.append(r.json())
 
@@ -806,7 +827,7 @@ def test_unusable_persistent_url_keeps_memory_and_peer_tiers(make_agent, receive
     peers = urls(a, b)
     a.start()
     b.start()
-    info = httpx.get(f"{a.url}/v1/ckpt/info").json()
+    info = httpx.get(f"{a.url}/v1/ckpt/info", headers=NODE_AUTH).json()
     assert info["persistent_url"] == url
     assert info["persistent_error"]
     warning = [ln for ln in a.log_tail().splitlines() if "persistent tier unavailable" in ln]
@@ -850,7 +871,9 @@ def test_unusable_persistent_url_keeps_memory_and_peer_tiers(make_agent, receive
     wait_more_batches(receiver, "node-a", 3)
     # one failed event per step, not one per scan
     assert len(ckpt_events(receiver, node="node-a", tier="persistent", kind="failed")) == 2
-    avail = httpx.get(f"{a.url}/v1/ckpt/jobs/{JOB}/available", params={"persistent": 1}).json()
+    avail = httpx.get(
+        f"{a.url}/v1/ckpt/jobs/{JOB}/available", params={"persistent": 1}, headers=JOB_AUTH
+    ).json()
     assert {e["tier"] for e in avail["entries"]} == {"memory", "peer"}
     assert any("unavailable" in e for e in avail["errors"])
 
@@ -863,7 +886,7 @@ def test_unwritable_file_url_warns_at_start(make_agent, tmp_path):
     line = next(ln for ln in a.log_tail().splitlines() if "looks unwritable" in ln)
     assert "WARNING" in line
     assert str(blocker) in line
-    assert httpx.get(f"{a.url}/v1/ckpt/info").json()["persistent_error"] is None
+    assert httpx.get(f"{a.url}/v1/ckpt/info", headers=NODE_AUTH).json()["persistent_error"] is None
 
 
 def _persistent_step_of_world(
@@ -957,7 +980,7 @@ def test_upload_cut_off_mid_body_leaves_nothing_and_no_traceback(make_agent):
         timeout=10,
         what="partial upload removed",
     )
-    info = httpx.get(f"{a.url}/v1/ckpt/info").json()
+    info = httpx.get(f"{a.url}/v1/ckpt/info", headers=NODE_AUTH).json()
     assert info["memory_used_bytes"] < 4096  # the reservation is released
     assert (
         httpx.put(
@@ -988,4 +1011,4 @@ def test_agent_json_is_rewritten_when_the_memory_folder_is_deleted(make_agent):
         timeout=10,
         what="agent.json rewritten again",
     )
-    assert httpx.get(f"{a.url}/v1/ckpt/info").status_code == 200
+    assert httpx.get(f"{a.url}/v1/ckpt/info", headers=NODE_AUTH).status_code == 200

@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from agent_helpers import TOKEN, wait_until
+from agent_helpers import AUTHORITY, TOKEN, wait_until
 from ckpt_helpers import ckpt_events, write_step
 from fastapi.testclient import TestClient
 
@@ -21,6 +21,7 @@ from tierwatch.agent.runtime import AgentRuntime
 from tierwatch.agent.server import create_app
 
 JOB = "rb-job"
+JOB_AUTH = AUTHORITY.job_auth(JOB)
 GOOD = {
     "request_id": 3,
     "job_id": JOB,
@@ -95,7 +96,9 @@ def test_requests_survive_a_restart_are_listed_and_retired(receiver, tmp_path) -
         runtime.shutdown()
     runtime = make_runtime(receiver, tmp_path, tmp_path / "persistent")  # a restarted agent
     try:
-        with TestClient(create_app(runtime), client=("127.0.0.1", 5000)) as client:
+        with TestClient(
+            create_app(runtime), client=("127.0.0.1", 5000), headers=JOB_AUTH
+        ) as client:
             got = client.get(f"/v1/ckpt/jobs/{JOB}/restore-requests").json()["requests"]
             assert [(r["request_id"], r["step"], r["tier"], r["actor"]) for r in got] == [
                 (3, 5, None, "alice"),
@@ -114,9 +117,17 @@ def test_requests_survive_a_restart_are_listed_and_retired(receiver, tmp_path) -
                 "retired": [4]
             }
             assert client.get(f"/v1/ckpt/jobs/{JOB}/restore-requests").json() == {"requests": []}
-            assert client.get("/v1/ckpt/jobs/..bad/restore-requests").status_code == 422
-        with TestClient(create_app(runtime), client=("10.1.2.3", 5000)) as client:
-            assert client.get(f"/v1/ckpt/jobs/{JOB}/restore-requests").status_code == 403
+            node = {"Authorization": f"Bearer {TOKEN}"}  # the node's token may name any job
+            assert (
+                client.get("/v1/ckpt/jobs/..bad/restore-requests", headers=node).status_code == 422
+            )
+        # loopback without a credential, and another job's credential, are refused
+        with TestClient(create_app(runtime), client=("127.0.0.1", 5000)) as client:
+            assert client.get(f"/v1/ckpt/jobs/{JOB}/restore-requests").status_code == 401
+            other = AUTHORITY.job_auth("other-job")
+            r = client.get(f"/v1/ckpt/jobs/{JOB}/restore-requests", headers=other)
+            assert r.status_code == 403
+            assert "other-job" in r.json()["detail"]
     finally:
         runtime.shutdown()
 
@@ -133,7 +144,9 @@ def test_a_request_the_server_gave_up_on_is_not_served(receiver, tmp_path) -> No
         future = (utcnow() + timedelta(hours=1)).isoformat()
         runtime.ckpt.add_restore_request(command(**{**GOOD, "not_after": past}))
         runtime.ckpt.add_restore_request(command(**{**GOOD, "request_id": 4, "not_after": future}))
-        with TestClient(create_app(runtime), client=("127.0.0.1", 5000)) as client:
+        with TestClient(
+            create_app(runtime), client=("127.0.0.1", 5000), headers=JOB_AUTH
+        ) as client:
             got = client.get(f"/v1/ckpt/jobs/{JOB}/restore-requests").json()["requests"]
         assert [r["request_id"] for r in got] == [4]
         assert got[0]["not_after"] == future
@@ -157,7 +170,10 @@ def test_rollback_drops_newer_replicas_and_persistent_steps(receiver, tmp_path) 
                 MemoryLayout(other).step_dir(JOB, step), persistent / JOB / step_dirname(step)
             )
         assert runtime.ckpt is not None
-        with TestClient(create_app(runtime), client=("127.0.0.1", 5000)) as client:
+        runtime.ckpt.add_restore_request(command(**GOOD))  # request 3: step 5
+        with TestClient(
+            create_app(runtime), client=("127.0.0.1", 5000), headers=JOB_AUTH
+        ) as client:
             r = client.post(
                 f"/v1/ckpt/jobs/{JOB}/rollback",
                 json={"request_id": 3, "step": 5, "persistent": True},
