@@ -145,17 +145,26 @@ class CommitMarker(BaseModel):
     save_id: Annotated[str, Field(pattern=SAVE_ID_PATTERN)] = LEGACY_SAVE_ID
 
 
-def xxh3_file(path: Path | str) -> tuple[int, str]:
+def xxh3_file(path: Path | str | BinaryIO) -> tuple[int, str]:
     """Size (bytes) and xxh3-64 hex digest of a file.
+
+    Args:
+        path: The file's path, or a binary file open for reading (read from where it
+            stands to its end; the caller seeks and closes it).
 
     Raises:
         OSError: the file cannot be read.
     """
     h = xxhash.xxh3_64()
     size = 0
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    if not isinstance(path, (str, Path)):
+        while n := path.readinto(buf):  # type: ignore[attr-defined]
+            h.update(view[:n])
+            size += n
+        return size, h.hexdigest()
     with open(path, "rb", buffering=0) as f:
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
         while n := f.readinto(buf):
             h.update(view[:n])
             size += n

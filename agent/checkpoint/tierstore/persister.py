@@ -51,7 +51,7 @@ from tierwatch.agent.checkpoint.format.manifest import (
     read_manifest,
 )
 from tierwatch.agent.checkpoint.tierstore import s3
-from tierwatch.agent.fsutil import fsync_dir
+from tierwatch.agent.fsutil import fsync_dir, open_regular
 from tierwatch.agent.urlsafe import redact_url
 
 log = logging.getLogger(__name__)
@@ -346,8 +346,14 @@ class PersistentTier:
         *,
         expect: FileEntry | None = None,
         progress: ProgressFn | None = None,
+        root: Path | None = None,
     ) -> int:
         """Upload one local file into the step folder, atomically.
+
+        The local file is opened once, without following a symbolic link
+        (:func:`~tierwatch.agent.fsutil.open_regular`; with ``root``, no folder between
+        ``root`` and it may be a link either), and must be a regular file; with ``expect``
+        its size is checked before a byte is sent.
 
         Args:
             local: The source file.
@@ -355,16 +361,45 @@ class PersistentTier:
             expect: The manifest entry; the bytes read are checked against it and a mismatch
                 leaves nothing behind.
             progress: Called with the bytes of each chunk written.
+            root: The trusted folder ``local`` lies under (the memory folder).
 
         Returns:
             Bytes written.
 
         Raises:
-            PersistentError: the folder cannot be created, the file written, or the local file
-                does not match ``expect`` (the message names the file and URL).
+            PersistentError: the folder cannot be created, the file written, the local file
+                is a link or not a regular file, or it does not match ``expect`` (the
+                message names the file and URL).
         """
         dest = self.file_path(job_id, step, name)
         where = f"{self.shown_step_url(job_id, step)}/{name}"
+        try:
+            source = open_regular(local, root=root)
+        except OSError as exc:
+            raise PersistentError(f"cannot write {where}: {exc}") from None
+        with source:
+            size = os.fstat(source.fileno()).st_size
+            if expect is not None and size != expect.size:
+                raise PersistentError(
+                    f"cannot write {where}: {local}: {size} bytes, the manifest says "
+                    f"{expect.size} bytes; not uploaded"
+                )
+            return self._put(source, size, local, dest, where, job_id, step, name, expect, progress)
+
+    def _put(
+        self,
+        source: BinaryIO,
+        size: int,
+        local: Path,
+        dest: str,
+        where: str,
+        job_id: str,
+        step: int,
+        name: str,
+        expect: FileEntry | None,
+        progress: ProgressFn | None,
+    ) -> int:
+        """:meth:`put_file` from the open ``source`` (``size`` bytes)."""
         h = xxhash.xxh3_64()
 
         def check() -> None:
@@ -386,8 +421,8 @@ class PersistentTier:
                 tmp = Path(dest).with_name(f".tmp-{name}.{uuid.uuid4().hex[:12]}")
                 try:
                     tmp.parent.mkdir(parents=True, exist_ok=True)
-                    with open(local, "rb") as src, open(tmp, "wb") as out:
-                        while chunk := src.read(CHUNK):
+                    with open(tmp, "wb") as out:
+                        while chunk := source.read(CHUNK):
                             out.write(chunk)
                             h.update(chunk)
                             n += len(chunk)
@@ -404,8 +439,9 @@ class PersistentTier:
             if self.s3:  # no folders on S3 (and makedirs would create a missing bucket)
                 return s3.multipart_put(
                     self.fs,
-                    local,
+                    source,
                     dest,
+                    size=size,
                     part_size=self.part_size,
                     concurrency=self.upload_concurrency,
                     update=update,
@@ -413,8 +449,8 @@ class PersistentTier:
                     progress=progress,
                 )
             self.fs.makedirs(self._step_path(job_id, step), exist_ok=True)
-            with open(local, "rb") as src, self.fs.open(dest, "wb") as out:
-                while chunk := src.read(CHUNK):
+            with self.fs.open(dest, "wb") as out:
+                while chunk := source.read(CHUNK):
                     out.write(chunk)
                     h.update(chunk)
                     n += len(chunk)

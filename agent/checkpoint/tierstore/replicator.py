@@ -5,20 +5,26 @@ Placement (docs/checkpointing.md): rank ``r``'s files go to the agents of the ne
 skipping its own node; with the usual contiguous layout that is the node of rank
 ``r + ranks_per_node`` first. A job on one node has no peer tier.
 
-Pushes stream each file from disk (never whole files in memory) with its xxh3-64 in
-``X-Tierwatch-Xxh3`` and the peer token; the holder verifies before renaming into place.
+Pushes stream each file from an open file (never whole files in memory; the caller opens it
+without following links, :func:`~tierwatch.agent.fsutil.open_regular`) with its size in
+``Content-Length``, its xxh3-64 in ``X-Tierwatch-Xxh3`` and the peer token; the holder
+reserves the size, verifies and renames into place.
+
+Fetches ask for the bytes as they are (``Accept-Encoding: identity``), read the raw body
+(never decoded: a compressed answer is refused, so a small gzip bomb cannot expand on this
+node), and stop with an error as soon as more bytes arrive than the manifest lists.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import quote
 
 import httpx
 
 from tierwatch.agent.checkpoint.format.manifest import CHUNK
+from tierwatch.agent.fsutil import iter_file
 from tierwatch.agent.httputil import error_detail
 
 XXH3_HEADER = "X-Tierwatch-Xxh3"
@@ -57,12 +63,6 @@ def peer_targets(layout: list[str], rank: int, replication: int) -> list[str]:
     return out
 
 
-def _file_chunks(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            yield chunk
-
-
 class PeerClient:
     """HTTP client for other agents' ``/v1/peer/*`` endpoints.
 
@@ -90,11 +90,19 @@ class PeerClient:
         job_id: str,
         step: int,
         name: str,
-        path: Path,
+        source: BinaryIO,
         size: int,
         xxh3: str,
     ) -> None:
         """PUT one file into ``peer``'s replicas of ``src_node``.
+
+        Args:
+            url, peer: The holder agent's URL and node name.
+            src_node, job_id, step, name: Whose file it is and where it goes.
+            source: The file, open for reading at its start; ``size`` bytes of it are sent,
+                and it is closed when the request ends.
+            size: Its size in bytes (sent as ``Content-Length``; the holder reserves it).
+            xxh3: Its xxh3-64 hex digest.
 
         Raises:
             PeerError: unreachable, or the peer refused (its message is included).
@@ -109,7 +117,7 @@ class PeerClient:
             "Content-Type": "application/octet-stream",
         }
         try:
-            resp = self._client.put(target, content=_file_chunks(path), headers=headers)
+            resp = self._client.put(target, content=_chunks(source, size), headers=headers)
         except (httpx.HTTPError, OSError) as exc:
             raise PeerError(f"{name}: cannot push to {peer} at {url}: {exc!r}") from None
         if resp.status_code != 200:
@@ -129,15 +137,25 @@ class PeerClient:
         tier: str,
         src: str | None,
         out: BinaryIO,
+        max_bytes: int,
     ) -> int:
         """GET one file from ``holder``'s memory tier (tier ``memory``) or from a replica it
         holds for ``src`` (tier ``peer``), writing it to ``out``.
+
+        The request asks for ``Accept-Encoding: identity`` and the raw body is written as it
+        arrives (``iter_raw``: httpx decodes nothing); an answer with another
+        ``Content-Encoding`` is refused unread. At most ``max_bytes`` are written: a
+        ``Content-Length`` above it is refused before the body is read, and a body that goes
+        past it stops the download at once.
+
+        Args:
+            max_bytes: The file's size in its manifest (bytes).
 
         Returns:
             Bytes written.
 
         Raises:
-            PeerError: unreachable or refused.
+            PeerError: unreachable, refused, encoded, or more than ``max_bytes`` bytes.
         """
         target = f"{url.rstrip('/')}/v1/peer/files/{quote(job_id)}/{step}/{quote(name)}"
         params = {"tier": tier}
@@ -145,15 +163,40 @@ class PeerClient:
             params["src"] = src
         n = 0
         try:
-            with self._client.stream("GET", target, params=params) as resp:
+            with self._client.stream(
+                "GET", target, params=params, headers={"Accept-Encoding": "identity"}
+            ) as resp:
                 if resp.status_code != 200:
                     resp.read()
                     raise PeerError(
                         f"{name}: {holder} answered HTTP {resp.status_code}: {error_detail(resp)}"
                     )
-                for chunk in resp.iter_bytes(CHUNK):
-                    out.write(chunk)
+                encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+                if encoding not in ("", "identity"):
+                    raise PeerError(
+                        f"{name}: {holder} sent it with Content-Encoding {encoding}; the agent "
+                        "asks for identity and reads files only as they are (not decoded); "
+                        "nothing was read"
+                    )
+                declared = resp.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > max_bytes:
+                    raise PeerError(
+                        f"{name}: {holder} announced {declared} bytes, more than the "
+                        f"manifest's {max_bytes}; nothing was read"
+                    )
+                for chunk in resp.iter_raw(CHUNK):
                     n += len(chunk)
+                    if n > max_bytes:
+                        raise PeerError(
+                            f"{name}: {holder} sent more than the manifest's {max_bytes} "
+                            f"bytes; the download was stopped after {n}"
+                        )
+                    out.write(chunk)
         except (httpx.HTTPError, OSError) as exc:
             raise PeerError(f"{name}: cannot fetch from {holder} at {url}: {exc!r}") from None
         return n
+
+
+def _chunks(source: BinaryIO, size: int) -> Iterator[bytes]:
+    """``size`` bytes of ``source`` in chunks of :data:`CHUNK`; closes it at the end."""
+    yield from iter_file(source, size, CHUNK)

@@ -9,6 +9,14 @@ For each requested file the sources are tried in the order given:
   agent's persistent tier, so with its storage options (S3 endpoint, credentials, region) and
   never from a cached listing.
 
+No source is read past the file's size in the request (the manifest's): a peer's answer is
+read raw with ``Accept-Encoding: identity`` and stopped at that size
+(:meth:`~.replicator.PeerClient.fetch_to`), a persistent read stops there too, and a local
+file of another size is not linked. A local file is opened without following a symbolic link
+anywhere below the memory folder and must be a regular file
+(:func:`~tierwatch.agent.fsutil.open_regular`); the hard link made is checked to be that very
+file.
+
 Each staged file is checked (size and xxh3-64) before it is renamed into place; a file already
 staged with the right checksum is reused. A mismatch, a missing file or an unreachable source
 becomes a ``failed`` :class:`~tierwatch.agent.protocol.CheckpointEvent` naming the file and the
@@ -40,6 +48,7 @@ from tierwatch.agent.checkpoint.format.layout import (
 from tierwatch.agent.checkpoint.format.manifest import CHUNK, FileEntry, verify_file
 from tierwatch.agent.checkpoint.tierstore.persister import PersistentTier
 from tierwatch.agent.checkpoint.tierstore.replicator import PeerClient, PeerError
+from tierwatch.agent.fsutil import open_regular
 from tierwatch.agent.protocol import CheckpointEvent, utcnow
 
 log = logging.getLogger(__name__)
@@ -227,12 +236,7 @@ class RestoreStager:
                 if not source.src:
                     raise StageError("a peer source needs src (the node whose rank wrote it)")
                 path = self.layout.replica_step_dir(source.src, job_id, step) / f.name
-            if not path.is_file():
-                raise StageError(f"missing: {path} does not exist")
-            try:
-                os.link(path, tmp)
-            except OSError:
-                shutil.copyfile(path, tmp)
+            self._link_local(path, f.size, tmp)
             return
         if self.peer is None:
             raise StageError(
@@ -251,6 +255,7 @@ class RestoreStager:
                 tier=source.tier,
                 src=source.src,
                 out=out,
+                max_bytes=f.size,
             )
 
     def _fetch_persistent(self, f: StageFile, source: StageSource, tmp: Path) -> None:
@@ -261,10 +266,62 @@ class RestoreStager:
         url = f"{source.url.rstrip('/')}/{f.name}"
         try:
             with self.persistent.open_url(url) as src, open(tmp, "wb") as out:
-                while chunk := src.read(CHUNK):
-                    out.write(chunk)
+                _copy_at_most(src, out, f.size, what=url)
         except FileNotFoundError:
             raise StageError(f"missing: {url} does not exist") from None
+
+    def _link_local(self, path: Path, size: int, tmp: Path) -> None:
+        """Hard-link (or copy) a file of this node's memory folder to ``tmp``.
+
+        The file is opened without following a link below the memory folder and must be a
+        regular file of ``size`` bytes; the link is made to the name (never through a link)
+        and kept only if it is the very file opened, else the bytes are copied from the open
+        file.
+
+        Raises:
+            StageError: missing, a link, not a regular file, or not ``size`` bytes.
+        """
+        try:
+            src = open_regular(path, root=self.layout.root)
+        except FileNotFoundError:
+            raise StageError(f"missing: {path} does not exist") from None
+        except OSError as exc:
+            raise StageError(str(exc)) from None
+        with src:
+            st = os.fstat(src.fileno())
+            if st.st_size != size:
+                raise StageError(f"{path}: size {st.st_size} bytes, manifest says {size}")
+            try:
+                os.link(path, tmp, follow_symlinks=False)
+                linked = os.lstat(tmp)
+                if (linked.st_dev, linked.st_ino) == (st.st_dev, st.st_ino):
+                    return
+                tmp.unlink()  # the name changed since it was opened: copy what was opened
+            except OSError:
+                tmp.unlink(missing_ok=True)
+            with open(tmp, "wb") as out:
+                _copy_at_most(src, out, size, what=str(path))
+
+
+def _copy_at_most(src: Any, out: Any, size: int, *, what: str) -> int:
+    """Copy ``src`` to ``out`` in chunks, stopping with an error once more than ``size``
+    bytes arrive.
+
+    Returns:
+        Bytes copied.
+
+    Raises:
+        StageError: ``src`` holds more than ``size`` bytes.
+    """
+    n = 0
+    while chunk := src.read(CHUNK):
+        n += len(chunk)
+        if n > size:
+            raise StageError(
+                f"{what}: more than the manifest's {size} bytes; the read was stopped after {n}"
+            )
+        out.write(chunk)
+    return n
 
 
 def _rank_of(name: str) -> int | None:

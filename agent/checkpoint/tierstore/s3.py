@@ -25,8 +25,7 @@ import inspect
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 S3_PROTOCOLS = frozenset({"s3", "s3a"})
 MIN_PART_SIZE = 5 * 1024**2
@@ -148,9 +147,10 @@ Progress = Callable[[int], None]
 
 def multipart_put(
     fs: Any,
-    local: Path,
+    src: BinaryIO,
     path: str,
     *,
+    size: int,
     part_size: int = DEFAULT_PART_SIZE,
     concurrency: int = DEFAULT_CONCURRENCY,
     update: Hasher | None = None,
@@ -161,8 +161,11 @@ def multipart_put(
 
     Args:
         fs: An ``s3fs.S3FileSystem``.
-        local: The file to upload.
+        src: The file to upload, open for reading at its start (the caller opens it without
+            following links and closes it).
         path: ``bucket/key`` (no protocol).
+        size: Its size in bytes (from ``fstat``; picks one ``PutObject`` or a multipart
+            upload).
         part_size: Bytes per part (5 MiB … 5 GiB); a file of at most this size is one
             ``PutObject``. Raised as needed to stay within 10,000 parts.
         concurrency: Parts in flight at once (1 … 64); memory held is at most
@@ -186,40 +189,38 @@ def multipart_put(
     if not 1 <= concurrency <= MAX_CONCURRENCY:
         raise ValueError(f"concurrency {concurrency}: must be between 1 and {MAX_CONCURRENCY}")
     bucket, key, _ = fs.split_path(path)
-    size = local.stat().st_size
     part_size = max(part_size, -(-size // MAX_PARTS))
-    with open(local, "rb") as src:
-        if size <= part_size:
-            body = src.read()
-            if update:
-                update(body)
-            if check:
-                check()
-            fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body)
-            if progress:
-                progress(len(body))
-            fs.invalidate_cache(path)
-            return len(body)
-        upload_id = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+    if size <= part_size:
+        body = src.read(size + 1)  # one byte more than announced shows a grown file
+        if update:
+            update(body)
+        if check:
+            check()
+        fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body)
+        if progress:
+            progress(len(body))
+        fs.invalidate_cache(path)
+        return len(body)
+    upload_id = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+    try:
+        total = _upload_parts(
+            fs, src, bucket, key, upload_id, part_size, concurrency, update, progress
+        )
+        if check:
+            check()
+        fs.call_s3(
+            "complete_multipart_upload",
+            Bucket=bucket,
+            Key=key,
+            UploadId=upload_id,
+            MultipartUpload={"Parts": total[1]},
+        )
+    except BaseException:
         try:
-            total = _upload_parts(
-                fs, src, bucket, key, upload_id, part_size, concurrency, update, progress
-            )
-            if check:
-                check()
-            fs.call_s3(
-                "complete_multipart_upload",
-                Bucket=bucket,
-                Key=key,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": total[1]},
-            )
-        except BaseException:
-            try:
-                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-            except store_errors():
-                pass  # the first error is the one to report; a lifecycle rule reclaims it
-            raise
+            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        except store_errors():
+            pass  # the first error is the one to report; a lifecycle rule reclaims it
+        raise
     fs.invalidate_cache(path)
     return total[0]
 

@@ -5,15 +5,21 @@
 
 - writes ``agent.json`` (who hosts this folder, where peers reach it);
 - accounts the bytes the folder holds against the memory budget (hard links counted once,
-  uploads in progress counted by what they announced);
-- receives peer replicas as a stream (:meth:`MemoryStore.receive_replica`): the bytes go to a
-  temporary name while being hashed, the size and xxh3-64 are checked, then the file is
-  renamed into ``replicas/<src>/<job>/step-<N>/``; a commit marker received for step N evicts
-  that source's older replicas of the job that the marker's ``retain["peer"]`` does not keep
-  and no pending restore request of the job names (a *pinned* step, :meth:`pinned_steps`);
-  a replica folder holds one save of its step: files of another save are refused (409) where
-  a rank is committed, and so are a dead timeline's (docs/checkpointing.md "Save identity");
+  uploads in progress counted by the size they announced, which is reserved before a byte is
+  written; a leftover partial upload counts by its size on disk);
+- receives peer replicas as a stream (:meth:`MemoryStore.receive_replica`): an upload must
+  announce its size (the Content-Length; 411 without), which is reserved against the budget
+  (507 when it does not fit) before anything is written; the bytes go to a temporary name
+  while being hashed (never more than announced: 413), the size and xxh3-64 are checked,
+  then the file is renamed into ``replicas/<src>/<job>/step-<N>/``; a commit marker
+  received for step N evicts that source's older replicas of the job that the marker's
+  ``retain["peer"]`` does not keep and no pending restore request of the job names (a
+  *pinned* step, :meth:`pinned_steps`); a replica folder holds one save of its step: files of
+  another save are refused (409) where a rank is committed, and so are a dead timeline's
+  (docs/checkpointing.md "Save identity");
 - lists what it can supply for a restore (:meth:`MemoryStore.available`), from manifests only;
+- opens the files it serves (:meth:`MemoryStore.open_file`) without following a symbolic link
+  anywhere below the memory folder (the ranks can write there): only regular files are served;
 - keeps the tier worker's progress in ``<step>/.tier-<r>.json``;
 - pins the memory steps the tier worker is reading (:meth:`MemoryStore.pin_transfer`), so the
   ranks' memory retention keeps them until the transfer ends
@@ -68,7 +74,7 @@ from tierwatch.agent.checkpoint.format.manifest import (
     read_manifest,
 )
 from tierwatch.agent.checkpoint.format.rollback import Timeline, describe_pins
-from tierwatch.agent.fsutil import atomic_write_json
+from tierwatch.agent.fsutil import UnsafePathError, atomic_write_json, open_dir, open_regular
 from tierwatch.agent.protocol import utcnow
 
 log = logging.getLogger(__name__)
@@ -201,12 +207,15 @@ class MemoryStore:
     # -- budget --------------------------------------------------------------------------
     def used_bytes(self) -> int:
         """Bytes the memory folder holds (apparent sizes; a hard-linked file counts once;
-        uploads in progress count by the size they announced, not their partial file)."""
-        disk = self._disk_bytes()
+        uploads in progress count by the size they announced, not their partial file; a
+        partial upload file no upload of this store owns, e.g. one a killed agent left,
+        counts by its size)."""
         with self._lock:
-            return disk + sum(self._reserved.values())
+            return self._disk_bytes(set(self._reserved)) + sum(self._reserved.values())
 
-    def _disk_bytes(self) -> int:
+    def _disk_bytes(self, active: set[str]) -> int:
+        """Bytes on disk, less the partial files of the uploads in ``active`` (their keys),
+        which their reservations count instead."""
         seen: set[tuple[int, int]] = set()
         total = 0
         stack = [self.root]
@@ -221,7 +230,7 @@ class MemoryStore:
                     if e.is_dir(follow_symlinks=False):
                         stack.append(Path(e.path))
                         continue
-                    if e.name.startswith(UPLOAD_TMP_PREFIX):
+                    if e.name.startswith(UPLOAD_TMP_PREFIX) and e.name.rsplit(".", 1)[-1] in active:
                         continue
                     st = e.stat(follow_symlinks=False)
                 except OSError:
@@ -362,16 +371,30 @@ class MemoryStore:
     ) -> ReplicaUpload:
         """Start receiving one replica file (see :class:`ReplicaUpload`).
 
+        ``size`` is reserved against the memory budget before anything is written, and
+        counts in :meth:`used_bytes` until the upload ends; the upload can never write more.
+
         Args:
             src_node: The node whose rank wrote the file.
             job_id, step, name: Where it belongs (validated with the ``check_*`` rules).
             xxh3: Expected xxh3-64 hex digest (required).
-            size: Expected size in bytes (the Content-Length), None when unknown.
+            size: The file's size in bytes (the request's Content-Length; required: None is
+                refused).
 
         Raises:
-            StoreError: 422 bad names or checksum header, 507 ``size`` is over the budget.
+            StoreError: 411 no ``size``, 422 bad names, size or checksum header, 507 ``size``
+                does not fit in the budget.
         """
         self.check_names(src_node=src_node, job_id=job_id, step=step, name=name)
+        if size is None:
+            raise StoreError(
+                411,
+                "a replica upload needs Content-Length (the file's size in bytes): the agent "
+                "reserves it against its memory budget before it stores a byte, so chunked "
+                "uploads are refused",
+            )
+        if size < 0:
+            raise StoreError(422, f"Content-Length {size}: must be a size in bytes (0 or more)")
         if not xxh3 or len(xxh3) != 16 or any(c not in "0123456789abcdef" for c in xxh3):
             raise StoreError(
                 422,
@@ -381,13 +404,13 @@ class MemoryStore:
         what = f"replica {src_node}/{job_id}/{step_dirname(step)}/{name}"
         self._refuse_over_committed(what, src_node, job_id, step, name, xxh3)
         key = uuid.uuid4().hex
-        disk = self._disk_bytes()
-        with self._lock:  # check and reserve at once, so concurrent uploads cannot overbook
-            used = disk + sum(self._reserved.values())
-            limit = self.budget_bytes - used
-            if size is not None and size > limit:
+        # measure, check and reserve at once, so concurrent uploads cannot overbook (an
+        # upload that ends meanwhile is counted twice, never not at all)
+        with self._lock:
+            used = self._disk_bytes(set(self._reserved)) + sum(self._reserved.values())
+            if size > self.budget_bytes - used:
                 raise self._over_budget(what, size, used, job_id)
-            self._reserved[key] = size or 0
+            self._reserved[key] = size
         return ReplicaUpload(
             self,
             key=key,
@@ -398,8 +421,6 @@ class MemoryStore:
             name=name,
             xxh3=xxh3,
             size=size,
-            limit=limit,
-            used=used,
         )
 
     def receive_replica(
@@ -558,11 +579,56 @@ class MemoryStore:
             raise StoreError(422, str(exc)) from None
 
     def file_path(self, *, job_id: str, step: int, name: str, tier: str, src: str | None) -> Path:
-        """Path of a file this agent holds in its memory tier or in a replica.
+        """Path of a file this agent holds in its memory tier or in a replica, checked to be
+        a regular file reached without a symbolic link (a missing file's path is returned:
+        the caller says it is missing). The check is made now and the caller opens the path
+        later; :meth:`open_file` opens it in the same step (no window between the two).
 
         Raises:
-            StoreError: 422 bad names or tier, or tier ``peer`` without ``src``.
+            StoreError: 422 bad names or tier, or tier ``peer`` without ``src``; 403 the file,
+                its step folder or a folder above is a symbolic link, or it is not a regular
+                file.
         """
+        path = self._tier_path(job_id=job_id, step=step, name=name, tier=tier, src=src)
+        try:
+            with open_regular(path, root=self.root):
+                pass
+        except UnsafePathError as exc:
+            raise StoreError(403, f"{self.node} refuses to serve {name}: {exc}") from None
+        except OSError:
+            pass  # missing or unreadable: the caller answers for it
+        return path
+
+    def open_file(
+        self, *, job_id: str, step: int, name: str, tier: str, src: str | None
+    ) -> tuple[BinaryIO, int]:
+        """Open a file this agent holds in its memory tier (tier ``memory``) or in a replica
+        of ``src`` (tier ``peer``), to serve it: every folder below the memory folder and the
+        file are opened with ``O_NOFOLLOW`` and the file must be regular
+        (:func:`~tierwatch.agent.fsutil.open_regular`).
+
+        Returns:
+            The open file (the caller closes it) and its size in bytes (from ``fstat``).
+
+        Raises:
+            StoreError: 422 bad names or tier; 404 no such file; 403 a symbolic link or not a
+                regular file; 500 it cannot be opened.
+        """
+        path = self._tier_path(job_id=job_id, step=step, name=name, tier=tier, src=src)
+        where = "memory tier" if tier == "memory" else f"replicas of {src}"
+        try:
+            f = open_regular(path, root=self.root)
+        except UnsafePathError as exc:
+            raise StoreError(403, f"{self.node} refuses to serve {name}: {exc}") from None
+        except FileNotFoundError:
+            raise StoreError(
+                404, f"{name} of {job_id} step {step} is not in {self.node}'s {where}"
+            ) from None
+        except OSError as exc:
+            raise StoreError(500, f"{name} of {job_id} step {step}: cannot open ({exc})") from None
+        return f, os.fstat(f.fileno()).st_size
+
+    def _tier_path(self, *, job_id: str, step: int, name: str, tier: str, src: str | None) -> Path:
         self.check_names(job_id=job_id, step=step, name=name, src_node=src)
         if tier == "memory":
             return self.layout.step_dir(job_id, step) / name
@@ -654,6 +720,12 @@ class ReplicaUpload:
     replica step folder while being hashed; :meth:`finish` checks size and checksum and renames
     the file into place. Nothing is left behind on any error or on :meth:`abort`.
 
+    The size announced is reserved in the store until the upload ends; a write past it is
+    refused (413). The replica folders are opened (and created) component by component
+    without following a symbolic link (:func:`~tierwatch.agent.fsutil.open_dir`), and the
+    temporary file is created and renamed relative to that folder's descriptor, so a link a
+    rank planted under ``replicas/`` cannot redirect the write.
+
     Created by :meth:`MemoryStore.begin_replica`.
     """
 
@@ -668,9 +740,7 @@ class ReplicaUpload:
         step: int,
         name: str,
         xxh3: str,
-        size: int | None,
-        limit: int,
-        used: int,
+        size: int,
     ) -> None:
         self.store = store
         self.key = key
@@ -678,33 +748,45 @@ class ReplicaUpload:
         self.src_node, self.job_id, self.step, self.name = src_node, job_id, step, name
         self.xxh3 = xxh3
         self.size = size
-        self.limit = limit
-        self.used = used
         self.written = 0
         self.dir = store.layout.replica_step_dir(src_node, job_id, step)
-        self.tmp = self.dir / f"{UPLOAD_TMP_PREFIX}{name}.{key}"
+        self.tmp_name = f"{UPLOAD_TMP_PREFIX}{name}.{key}"
+        self.tmp = self.dir / self.tmp_name
         self._hash = xxhash.xxh3_64()
         self._file: BinaryIO | None = None
+        self._dir_fd: int | None = None
         self._done = False
 
     def write(self, chunk: bytes) -> None:
         """Append one chunk.
 
         Raises:
-            StoreError: 507 the file grew past the budget or the disk is full, 500 another
-                write error (the temporary file is removed).
+            StoreError: 413 more bytes than the size announced, 507 the disk is full, 500
+                another write error or a symbolic link in the replica folders (the
+                temporary file is removed).
         """
         try:
-            if self._file is None:
-                self.dir.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish/abort
-            self.written += len(chunk)
-            if self.written > self.limit:
-                raise self.store._over_budget(
-                    self.what, max(self.written, self.size or 0), self.used, self.job_id
+            if self.written + len(chunk) > self.size:
+                raise StoreError(
+                    413,
+                    f"{self.what}: more than the {self.size} bytes its Content-Length "
+                    "announced (and the agent reserved); nothing was stored",
                 )
+            if self._file is None:
+                self._dir_fd = open_dir(self.store.root, self.dir, create=True)
+                fd = os.open(
+                    self.tmp_name,
+                    os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o666,
+                    dir_fd=self._dir_fd,
+                )
+                self._file = os.fdopen(fd, "w+b")
+            self.written += len(chunk)
             self._hash.update(chunk)
             self._file.write(chunk)
+        except UnsafePathError as exc:
+            self.abort()
+            raise StoreError(500, f"{self.what}: cannot write: {exc}") from None
         except OSError as exc:
             self.abort()
             raise StoreError(
@@ -729,14 +811,14 @@ class ReplicaUpload:
                 self.write(b"")
             assert self._file is not None
             try:
-                self._file.close()
+                self._file.flush()
             except OSError as exc:
                 raise StoreError(
                     507 if _is_full(exc) else 500,
                     f"{self.what}: cannot write in {self.dir} ({exc})",
                 ) from None
             digest = self._hash.hexdigest()
-            if self.size is not None and self.written != self.size:
+            if self.written != self.size:
                 raise StoreError(
                     409,
                     f"{self.what}: received {self.written} bytes, "
@@ -754,8 +836,8 @@ class ReplicaUpload:
                 self._check_manifest()
             if parse_commit_name(self.name) is not None:
                 try:
-                    marker = read_commit(self.tmp.read_bytes(), where=self.what)
-                except ManifestError as exc:
+                    marker = read_commit(self._content(), where=self.what)
+                except (ManifestError, OSError) as exc:
                     raise StoreError(409, str(exc)) from None
                 if marker.job_id != self.job_id or marker.step != self.step:
                     raise StoreError(
@@ -764,7 +846,12 @@ class ReplicaUpload:
                     )
                 self._check_marker(marker)
             target = self.dir / self.name
-            os.replace(self.tmp, target)
+            try:
+                os.replace(
+                    self.tmp_name, self.name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd
+                )
+            except OSError as exc:
+                raise StoreError(500, f"{self.what}: cannot rename into place ({exc})") from None
             self._done = True
         finally:
             self.abort()
@@ -787,7 +874,7 @@ class ReplicaUpload:
             StoreError: 409.
         """
         try:
-            incoming = read_manifest(self.tmp.read_bytes(), where=self.what)
+            incoming = read_manifest(self._content(), where=self.what)
         except (ManifestError, OSError) as exc:
             raise StoreError(409, f"{self.what}: {exc}") from None
         if (incoming.job_id, incoming.step, manifest_name(incoming.rank)) != (
@@ -845,6 +932,12 @@ class ReplicaUpload:
                 "a late replication from an abandoned timeline evicts nothing",
             )
 
+    def _content(self) -> bytes:
+        """The bytes received so far (a manifest or commit marker: small)."""
+        assert self._file is not None
+        self._file.seek(0)
+        return self._file.read()
+
     def abort(self) -> None:
         """Close and remove the temporary file and release the reservation (idempotent)."""
         if self._file is not None:
@@ -852,7 +945,15 @@ class ReplicaUpload:
                 self._file.close()
             except OSError:
                 pass
-        self.tmp.unlink(missing_ok=True)
+        if self._dir_fd is not None:
+            try:
+                os.unlink(self.tmp_name, dir_fd=self._dir_fd)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("%s: cannot remove %s: %s", self.what, self.tmp, exc)
+            os.close(self._dir_fd)
+            self._dir_fd = None
         self.store._release(self.key)
         try:  # leave no empty replica folders behind a refused first file
             if not self._done and not any(self.dir.iterdir()):

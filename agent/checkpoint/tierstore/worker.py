@@ -34,11 +34,17 @@ meanwhile are not replicated. Every outcome is a
 :class:`~tierwatch.agent.protocol.CheckpointEvent`; a failure (disk full, unwritable URL, peer
 unreachable) is a ``failed`` event naming the file, retried with a backoff, and the worker goes
 on with other work.
+
+Every file pushed or uploaded is opened without following a symbolic link below the memory
+folder and must be a regular file (:func:`~tierwatch.agent.fsutil.open_regular`): a link a
+rank planted (to ``/etc/passwd``, to another job's shard) or a linked step or job folder is
+a ``failed`` event naming it, and nothing of it leaves the node.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -76,6 +82,7 @@ from tierwatch.agent.checkpoint.tierstore.persister import (
 )
 from tierwatch.agent.checkpoint.tierstore.replicator import PeerClient, PeerError, peer_targets
 from tierwatch.agent.checkpoint.tierstore.store import MemoryStore
+from tierwatch.agent.fsutil import open_regular
 from tierwatch.agent.protocol import CheckpointEvent, utcnow
 
 log = logging.getLogger(__name__)
@@ -241,7 +248,9 @@ class TierWorker:
         """Committed steps of local ranks, per (job, rank), oldest first.
 
         Also removes progress files whose rank's commit marker is gone (the trainer evicted
-        the step) and then the step folder if it is empty.
+        the step) and then the step folder if it is empty. A job or step folder that is a
+        symbolic link is skipped (one ``failed`` event each): the agent reads, writes and
+        removes nothing through a link in the memory folder.
         """
         try:
             if self.store.ensure_agent_file():
@@ -254,6 +263,9 @@ class TierWorker:
         layout = self.store.layout
         for job_id in layout.jobs():
             job_dir = layout.job_dir(job_id)
+            if job_dir.is_symlink():
+                self._linked(job_dir, job_id, 0)
+                continue
             try:
                 step_dirs = [p for p in job_dir.iterdir() if parse_step_dirname(p.name) is not None]
             except OSError:
@@ -261,6 +273,9 @@ class TierWorker:
             for step_dir in step_dirs:
                 step = parse_step_dirname(step_dir.name)
                 assert step is not None
+                if step_dir.is_symlink():
+                    self._linked(step_dir, job_id, step)
+                    continue
                 try:
                     names = [p.name for p in step_dir.iterdir()]
                 except OSError:
@@ -294,6 +309,20 @@ class TierWorker:
         for commits in out.values():
             commits.sort(key=lambda c: c.step)
         return out
+
+    def _linked(self, path: Path, job_id: str, step: int) -> None:
+        """One ``failed`` event for a job or step folder that is a symbolic link."""
+        self._once(
+            "linked-folder",
+            str(path),
+            job_id,
+            step,
+            "peer",
+            f"{path}: a symbolic link; the agent never follows links in the memory folder, so "
+            "nothing in it is replicated or persisted (write the step into the job's own "
+            "folder)",
+            None,
+        )
 
     def _clean_progress(self, step_dir: Path, names: list[str]) -> None:
         removed = False
@@ -411,21 +440,28 @@ class TierWorker:
                 continue
             try:
                 for name, path, entry in files:
-                    if entry is None:
-                        size, digest = xxh3_file(path)
-                    else:
-                        size, digest = entry.size, entry.xxh3
-                    self._peer_client().push_file(
-                        url=url,
-                        peer=target,
-                        src_node=own,
-                        job_id=c.job_id,
-                        step=c.step,
-                        name=name,
-                        path=path,
-                        size=size,
-                        xxh3=digest,
-                    )
+                    with open_regular(path, root=self.store.root) as source:
+                        if entry is None:
+                            size, digest = xxh3_file(source)
+                            source.seek(0)
+                        else:
+                            size, digest = entry.size, entry.xxh3
+                            there = os.fstat(source.fileno()).st_size
+                            if there != size:
+                                raise PeerError(
+                                    f"{path}: {there} bytes, the manifest says {size}; not pushed"
+                                )
+                        self._peer_client().push_file(
+                            url=url,
+                            peer=target,
+                            src_node=own,
+                            job_id=c.job_id,
+                            step=c.step,
+                            name=name,
+                            source=source,
+                            size=size,
+                            xxh3=digest,
+                        )
                     sent += size
             except (PeerError, OSError) as exc:
                 self._fail(
@@ -711,10 +747,14 @@ class TierWorker:
             for f in sorted(manifest.files, key=lambda f: (f.name == METADATA, f.name)):
                 name = STAGED_METADATA if f.name == METADATA else f.name
                 total += self.persistent.put_file(
-                    c.step_dir / f.name, c.job_id, c.step, name, expect=f
+                    c.step_dir / f.name, c.job_id, c.step, name, expect=f, root=self.store.root
                 )
             self.persistent.put_file(
-                c.step_dir / manifest_name(c.rank), c.job_id, c.step, manifest_name(c.rank)
+                c.step_dir / manifest_name(c.rank),
+                c.job_id,
+                c.step,
+                manifest_name(c.rank),
+                root=self.store.root,
             )
         except PersistentError as exc:
             self._fail(key, c, "persistent", str(exc))

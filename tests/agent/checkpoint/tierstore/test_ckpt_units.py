@@ -146,13 +146,15 @@ def test_budget_counts_hard_links_once_and_reserves_uploads(tmp_path):
     got = up.finish()
     assert got.size == 5000
     assert store.used_bytes() == 9000
-    # a body longer than announced is cut off at the budget, and nothing is left
+    # a body longer than announced is cut off at the announced size, and nothing is left
     up = store.begin_replica(
-        src_node="node-b", job_id="j", step=2, name="__1_0.distcp", xxh3=digest, size=None
+        src_node="node-b", job_id="j", step=2, name="__1_0.distcp", xxh3=digest, size=1000
     )
+    up.write(b"z" * 600)
     with pytest.raises(StoreError) as exc:
-        up.write(b"z" * 2000)
-    assert exc.value.status == 507
+        up.write(b"z" * 600)
+    assert exc.value.status == 413
+    assert "more than the 1000 bytes its Content-Length announced" in exc.value.message
     assert not (tmp_path / "mem" / "replicas" / "node-b" / "j" / "step-2").exists()
     assert store.used_bytes() == 9000
 
