@@ -516,6 +516,8 @@ def test_agent_api_reports_steps_when_server_is_down(cluster: Cluster, tmp_path:
     log = tmp_path / "log"
     procs = cluster.launch(train_args("no-server", 4, log), placement=["node-a"], log_dir=log)
     assert cluster.wait_ranks(procs, 120) == [0]
-    r = httpx.get(f"{a.url}/v1/ckpt/jobs/no-server/available", params={"persistent": 0})
+    r = httpx.get(
+        f"{a.url}/v1/ckpt/jobs/no-server/available", params={"persistent": 0}, headers=a.auth
+    )
     steps = {e["step"] for e in r.json()["entries"]}
     assert 3 in steps

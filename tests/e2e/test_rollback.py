@@ -105,9 +105,9 @@ def pending(cluster: Cluster, job: str) -> list[int]:
     return [
         r["request_id"]
         for n in cluster.nodes.values()
-        for r in httpx.get(f"{n.url}/v1/ckpt/jobs/{job}/restore-requests", timeout=5).json()[
-            "requests"
-        ]
+        for r in httpx.get(
+            f"{n.url}/v1/ckpt/jobs/{job}/restore-requests", headers=n.auth, timeout=5
+        ).json()["requests"]
     ]
 
 

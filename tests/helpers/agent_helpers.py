@@ -9,6 +9,7 @@ these unit tests only.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
@@ -39,10 +40,15 @@ class TestAuthority:
 
     __test__ = False  # not a test class
 
-    def __init__(self, kid: str = "test-key") -> None:
+    def __init__(self, kid: str = "test-key", seed: bytes | None = None) -> None:
         self.kid = kid
-        self.key = Ed25519PrivateKey.generate()
-        self.job_secret = os.urandom(32)
+        # a seeded authority is the same in every process (the test, its ranks, xdist workers)
+        self.key = (
+            Ed25519PrivateKey.from_private_bytes(hashlib.sha256(seed).digest())
+            if seed is not None
+            else Ed25519PrivateKey.generate()
+        )
+        self.job_secret = hashlib.sha256(b"job secret " + seed).digest() if seed else os.urandom(32)
 
     def jwks(self) -> dict[str, Any]:
         return jwks([(self.kid, self.key.public_key())])
@@ -58,7 +64,7 @@ class TestAuthority:
 
 
 #: One authority per test process; every Receiver serves its keys.
-AUTHORITY = TestAuthority()
+AUTHORITY = TestAuthority(seed=b"tierwatch test authority")
 #: The ``Authorization`` header of the node's agent token (TOKEN).
 NODE_AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

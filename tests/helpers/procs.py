@@ -146,6 +146,14 @@ class Server:
     def token(self, role: str, node: str | None = None) -> str:
         return self.cli("token", "create", "--role", role, *(["--node", node] if node else []))
 
+    def job_credential(self, job_id: str, nodes: list[str]) -> str:
+        """Register ``job_id`` on ``nodes`` and return its job credential, as a launcher does
+        (``tierwatch-server job credential``)."""
+        args = ["job", "credential", job_id]
+        for n in dict.fromkeys(nodes):
+            args += ["--node", n]
+        return self.cli(*args)
+
     def start(self) -> None:
         self.proc.start()
         wait_for(

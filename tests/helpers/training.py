@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import warm
+from agent_helpers import AUTHORITY
 from procs import BIN, REPO_ROOT, Proc, Server, base_env, free_port, make_server, wait_for
 
 from tierwatch.agent.checkpoint.format.layout import parse_step_dirname
@@ -43,15 +44,24 @@ class Node:
     memory_dir: Path
     proc: Proc
     args: list[str]
+    token: str = ""
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def auth(self) -> dict[str, str]:
+        """``Authorization`` header of this node's agent token (the node's administrator)."""
+        return {"Authorization": f"Bearer {self.token}"}
+
     def start(self) -> Node:
         self.proc = Proc(self.name, self.args, self.proc.env, self.proc.log_path).start()
         wait_for(
-            lambda: httpx.get(f"{self.url}/v1/ckpt/info", timeout=1).status_code == 200,
+            lambda: (
+                httpx.get(f"{self.url}/v1/ckpt/info", headers=self.auth, timeout=1).status_code
+                == 200
+            ),
             timeout=30,
             what=f"agent {self.name}\n{self.proc.log_tail()}",
         )
@@ -86,6 +96,11 @@ class InProcessNode:
     def running(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
+    @property
+    def auth(self) -> dict[str, str]:
+        """``Authorization`` header of this node's agent token."""
+        return {"Authorization": f"Bearer {self.settings.token.get_secret_value()}"}
+
     def start(self) -> InProcessNode:
         from tierwatch.agent.runtime import AgentRuntime
 
@@ -97,7 +112,10 @@ class InProcessNode:
         )
         self.thread.start()
         wait_for(
-            lambda: httpx.get(f"{self.url}/v1/ckpt/info", timeout=1).status_code == 200,
+            lambda: (
+                httpx.get(f"{self.url}/v1/ckpt/info", headers=self.auth, timeout=1).status_code
+                == 200
+            ),
             timeout=30,
             what=f"in-process agent {self.name}",
         )
@@ -269,6 +287,24 @@ class Cluster:
     def persistent_url(self) -> str:
         return f"file://{self.persistent_dir}"
 
+    def credential_keys_args(self) -> list[str]:
+        """Without a server, agents check job credentials with the test authority's keys
+        (a ``--credential-keys-file``, as a ConfigMap would give them)."""
+        if self.server:
+            return []
+        path = self.root / "credential-keys.json"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(AUTHORITY.jwks()))
+        return ["--credential-keys-file", str(path)]
+
+    def job_credential(self, job_id: str, nodes: list[str]) -> str:
+        """The credential of ``job_id`` on ``nodes``: registered with the server (as a
+        launcher does), or signed by the test authority when there is no server."""
+        if self.server:
+            return self.server.job_credential(job_id, nodes)
+        return AUTHORITY.job_credential(job_id)
+
     def add_node(
         self,
         name: str,
@@ -309,6 +345,7 @@ class Cluster:
             "0.5",
             "--state-dir",
             str(d / "state"),
+            *self.credential_keys_args(),
             *(extra_args or []),
         ]
         # Without a server a stopping agent would spend its whole shutdown flush on an
@@ -320,7 +357,7 @@ class Cluster:
             base_env(TIERWATCH_PEER_TOKEN=PEER_TOKEN, **{**flush, **(env or {})}),
             d / "agent.log",
         )
-        node = Node(name, port, d / "memory", proc, args)
+        node = Node(name, port, d / "memory", proc, args, token)
         self.nodes[name] = node
         if start:
             node.start()
@@ -348,6 +385,9 @@ class Cluster:
             peer_token=PEER_TOKEN,
             log_level="INFO",
             shutdown_flush_s=1.0 if self.server else 0.2,
+            credential_keys_file=(
+                Path(self.credential_keys_args()[1]) if not self.server else None
+            ),
         )
         node = InProcessNode(name, d / "memory", d / "spool", settings)
         self.nodes[name] = node
@@ -363,8 +403,22 @@ class Cluster:
         log_dir: Path,
         script: Path = TRAIN_GPT,
         env: dict[str, str] | None = None,
+        job_id: str | None = None,
     ) -> list[Proc]:
-        """Start one process per rank; ``placement[r]`` is the node of rank r."""
+        """Start one process per rank; ``placement[r]`` is the node of rank r.
+
+        The job (``job_id``, default: the script's ``--job-id``, else ``gpt-small``) is
+        registered on the placement's nodes first and its credential handed to every rank in
+        ``TIERWATCH_JOB_CREDENTIAL``, as a launcher does; an ``env`` that sets it wins."""
+        if job_id is None:
+            job_id = (
+                script_args[script_args.index("--job-id") + 1]
+                if "--job-id" in script_args
+                else "gpt-small"
+            )
+        env = dict(env or {})
+        if "TIERWATCH_JOB_CREDENTIAL" not in env:
+            env["TIERWATCH_JOB_CREDENTIAL"] = self.job_credential(job_id, placement)
         port = free_port()
         world = len(placement)
         procs = []

@@ -83,7 +83,12 @@ from tierwatch.agent.checkpoint.format.layout import (
 from tierwatch.agent.checkpoint.format.manifest import CommitMarker, make_manifest, new_save_id
 from tierwatch.agent.checkpoint.format.priority import DEFAULT_NICE, lower_this_thread
 from tierwatch.agent.checkpoint.format.rollback import Timeline, describe_pins
-from tierwatch.agent.checkpoint.training.client import AgentClient, AgentUnavailable, EventSender
+from tierwatch.agent.checkpoint.training.client import (
+    AgentClient,
+    AgentRefused,
+    AgentUnavailable,
+    EventSender,
+)
 from tierwatch.agent.checkpoint.training.collectives import CheckpointCollectives
 from tierwatch.agent.checkpoint.training.commit_decision import (
     CommitDecision,
@@ -264,14 +269,7 @@ class TieredCheckpointer:
             credential = job_credential_from_env(job_credential)
         except CredentialError as exc:
             raise CheckpointError(str(exc)) from None
-        if credential is None:
-            raise CheckpointError(
-                f"no job credential for {self.job_id}: the agent refuses calls without one. "
-                "Register the job with the server (tierwatch-server job credential, or POST "
-                "/api/v1/jobs/{job_id}/credential) and hand the credential to every rank in "
-                "TIERWATCH_JOB_CREDENTIAL_FILE (or TIERWATCH_JOB_CREDENTIAL)"
-            )
-        claimed = unverified_job_id(credential)
+        claimed = unverified_job_id(credential) if credential else None
         if claimed is not None and claimed != self.job_id:
             raise CheckpointError(
                 f"the job credential is for job {claimed!r}, not {self.job_id!r}: give each "
@@ -281,6 +279,18 @@ class TieredCheckpointer:
         info: dict[str, Any] = {}
         try:
             info = self.client.info()
+        except AgentRefused as exc:
+            raise CheckpointError(
+                f"{exc}. "
+                + (
+                    f"No job credential was given for {self.job_id}: register the job with "
+                    "the server (tierwatch-server job credential, or POST "
+                    "/api/v1/jobs/{job_id}/credential) and hand the credential to every rank "
+                    "in TIERWATCH_JOB_CREDENTIAL_FILE (or TIERWATCH_JOB_CREDENTIAL)"
+                    if credential is None
+                    else "Register the job again for a new credential"
+                )
+            ) from None
         except AgentUnavailable as exc:
             log.warning("rank %d: %s; using the memory folder without the agent", self.rank, exc)
         chosen_dir = memory_dir or info.get("memory_dir") or os.environ.get("TIERWATCH_MEMORY_DIR")

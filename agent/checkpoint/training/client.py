@@ -28,6 +28,10 @@ class AgentUnavailable(RuntimeError):
     """The node agent could not be reached or refused the request (message says which)."""
 
 
+class AgentRefused(AgentUnavailable):
+    """The agent refused the caller's credential (HTTP 401 or 403; the message says why)."""
+
+
 class AgentClient:
     """Calls to one node agent's local API.
 
@@ -84,7 +88,8 @@ class AgentClient:
                 detail = resp.json().get("detail", resp.text)
             except ValueError:
                 detail = resp.text
-            raise AgentUnavailable(
+            error = AgentRefused if resp.status_code in (401, 403) else AgentUnavailable
+            raise error(
                 f"agent {self.base_url} answered {method} {path} with HTTP "
                 f"{resp.status_code}: {str(detail)[:500]}"
             )

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import torch
+from agent_helpers import AUTHORITY
 
 from tierwatch import TieredCheckpointer
 from tierwatch.agent.checkpoint.format.inflight import write_agent_pins
@@ -23,6 +24,7 @@ def test_memory_retention_keeps_the_steps_the_agent_pins(tmp_path) -> None:
         latency_every=0,
         keep_memory=1,
         persist_every=1000,
+        job_credential=AUTHORITY.job_credential(JOB),
     )
     job_dir = ckpt.layout.job_dir(JOB)
     state = {"w": torch.ones(4)}

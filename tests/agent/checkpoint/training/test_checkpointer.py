@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from agent_helpers import AUTHORITY
 from procs import wait_for
 from torch import nn
 from training import start_cluster
@@ -84,7 +85,12 @@ def node(tmp_path_factory: pytest.TempPathFactory):
 
 def test_snapshot_is_the_state_at_save_even_when_training_goes_on(node) -> None:
     state = make_state()
-    ckpt = TieredCheckpointer("unit-snapshot", node.url, latency_every=0)
+    ckpt = TieredCheckpointer(
+        "unit-snapshot",
+        node.url,
+        latency_every=0,
+        job_credential=AUTHORITY.job_credential("unit-snapshot"),
+    )
     assert ckpt.restore(state) is None
     for step in range(3):
         train_step(state)
@@ -100,7 +106,12 @@ def test_snapshot_is_the_state_at_save_even_when_training_goes_on(node) -> None:
     ckpt.close()
 
     fresh = make_state(seed=1)
-    again = TieredCheckpointer("unit-snapshot", node.url, latency_every=0)
+    again = TieredCheckpointer(
+        "unit-snapshot",
+        node.url,
+        latency_every=0,
+        job_credential=AUTHORITY.job_credential("unit-snapshot"),
+    )
     assert again.restore(fresh) == 2
     assert same(snapshot(fresh), saved)
     train_step(fresh)
@@ -116,7 +127,12 @@ def test_snapshot_is_the_state_at_save_even_when_training_goes_on(node) -> None:
 
 def test_at_most_one_save_in_flight(node) -> None:
     state = make_state()
-    ckpt = TieredCheckpointer("unit-inflight", node.url, latency_every=0)
+    ckpt = TieredCheckpointer(
+        "unit-inflight",
+        node.url,
+        latency_every=0,
+        job_credential=AUTHORITY.job_credential("unit-inflight"),
+    )
     steps_dir = Path(ckpt.layout.job_dir("unit-inflight"))
     for step in range(4):
         train_step(state)
@@ -139,14 +155,18 @@ def test_at_most_one_save_in_flight(node) -> None:
 
 def test_without_an_optimizer_staging_is_synchronous(node) -> None:
     w = torch.zeros(4)
-    ckpt = TieredCheckpointer("unit-sync", node.url, latency_every=0)
+    ckpt = TieredCheckpointer(
+        "unit-sync", node.url, latency_every=0, job_credential=AUTHORITY.job_credential("unit-sync")
+    )
     ckpt.save(0, {"w": w})
     assert ckpt._inflight is not None
     assert ckpt._inflight.pending.pairs == []
     w.add_(1.0)  # changed after save() returned
     ckpt.close()
     loaded = {"w": torch.full((4,), 7.0)}
-    again = TieredCheckpointer("unit-sync", node.url, latency_every=0)
+    again = TieredCheckpointer(
+        "unit-sync", node.url, latency_every=0, job_credential=AUTHORITY.job_credential("unit-sync")
+    )
     assert again.restore(loaded) == 0
     assert torch.equal(loaded["w"], torch.zeros(4))
     again.close()
@@ -166,7 +186,9 @@ def test_without_an_optimizer_staging_is_synchronous(node) -> None:
 )
 def test_bad_calls_raise_clear_errors_and_lose_nothing(node, call, message) -> None:
     state = make_state()
-    ckpt = TieredCheckpointer("unit-bad", node.url, latency_every=0)
+    ckpt = TieredCheckpointer(
+        "unit-bad", node.url, latency_every=0, job_credential=AUTHORITY.job_credential("unit-bad")
+    )
     ckpt.restore(state)
     train_step(state)
     ckpt.save(0 if ckpt._last_step is None else ckpt._last_step + 1, state)
@@ -176,7 +198,9 @@ def test_bad_calls_raise_clear_errors_and_lose_nothing(node, call, message) -> N
     with pytest.raises(CheckpointError, match="not after the previous"):
         ckpt.save(good, state)
     ckpt.close()
-    again = TieredCheckpointer("unit-bad", node.url, latency_every=0)
+    again = TieredCheckpointer(
+        "unit-bad", node.url, latency_every=0, job_credential=AUTHORITY.job_credential("unit-bad")
+    )
     assert again.restore(make_state(seed=3)) == good  # the stored step is intact
     again.close()
 
@@ -184,16 +208,24 @@ def test_bad_calls_raise_clear_errors_and_lose_nothing(node, call, message) -> N
 @pytest.mark.parametrize("job_id", ["", "../escape", "a/b", "x" * 129, ".hidden"])
 def test_bad_job_ids_are_refused(node, job_id) -> None:
     with pytest.raises(CheckpointError, match="job_id"):
-        TieredCheckpointer(job_id, node.url)
+        TieredCheckpointer(job_id, node.url, job_credential=AUTHORITY.job_credential(job_id))
 
 
 def test_no_agent_and_no_memory_dir_is_a_clear_error(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("TIERWATCH_MEMORY_DIR", raising=False)
     with pytest.raises(CheckpointError, match="memory_dir"):
-        TieredCheckpointer("unit-noagent", "http://127.0.0.1:9")
+        TieredCheckpointer(
+            "unit-noagent",
+            "http://127.0.0.1:9",
+            job_credential=AUTHORITY.job_credential("unit-noagent"),
+        )
     # with a memory folder the memory tier works without the agent
     ckpt = TieredCheckpointer(
-        "unit-noagent", "http://127.0.0.1:9", memory_dir=tmp_path, latency_every=0
+        "unit-noagent",
+        "http://127.0.0.1:9",
+        memory_dir=tmp_path,
+        latency_every=0,
+        job_credential=AUTHORITY.job_credential("unit-noagent"),
     )
     ckpt.save(0, {"w": torch.ones(2)})
     assert ckpt.wait() is True
@@ -205,7 +237,12 @@ def test_a_failed_write_is_reported_and_training_goes_on(node) -> None:
     """DCP raises CheckpointException (a BaseException) when it cannot write; the step is
     not committed, and the next optimizer step and saves go on."""
     state = make_state()
-    ckpt = TieredCheckpointer("unit-failwrite", node.url, latency_every=0)
+    ckpt = TieredCheckpointer(
+        "unit-failwrite",
+        node.url,
+        latency_every=0,
+        job_credential=AUTHORITY.job_credential("unit-failwrite"),
+    )
     train_step(state)
     ckpt.save(0, state)
     assert ckpt.wait() is True
@@ -231,12 +268,22 @@ def test_a_failed_write_is_reported_and_training_goes_on(node) -> None:
 
 def test_saving_another_model_under_a_used_job_id_is_refused(node) -> None:
     state = make_state(width=16)
-    ckpt = TieredCheckpointer("unit-foreign", node.url, latency_every=0)
+    ckpt = TieredCheckpointer(
+        "unit-foreign",
+        node.url,
+        latency_every=0,
+        job_credential=AUTHORITY.job_credential("unit-foreign"),
+    )
     train_step(state)
     ckpt.save(0, state)
     ckpt.close()
     other = make_state(width=32)
-    again = TieredCheckpointer("unit-foreign", node.url, latency_every=0)
+    again = TieredCheckpointer(
+        "unit-foreign",
+        node.url,
+        latency_every=0,
+        job_credential=AUTHORITY.job_credential("unit-foreign"),
+    )
     with pytest.raises(CheckpointError, match="different model") as err:
         again.save(5, other)
     assert "ckpt gc --job unit-foreign" in str(err.value)
@@ -249,7 +296,9 @@ def test_steps_lost_counts_to_the_last_step_trained_not_to_a_planted_step(node) 
     missing) is tried and refused by the restore, and never enters ``steps_lost``: that
     counts from the restored step to the newest step the rank's progress file records."""
     state = make_state()
-    ckpt = TieredCheckpointer("unit-lost", node.url, latency_every=0)
+    ckpt = TieredCheckpointer(
+        "unit-lost", node.url, latency_every=0, job_credential=AUTHORITY.job_credential("unit-lost")
+    )
     for step in range(4):
         train_step(state)
         ckpt.save(step, state)
@@ -262,7 +311,9 @@ def test_steps_lost_counts_to_the_last_step_trained_not_to_a_planted_step(node) 
     (planted / "manifest-0.json").write_text(json.dumps(manifest))
     assert json.loads(ckpt.progress_file.read_text())["step"] == 3
 
-    again = TieredCheckpointer("unit-lost", node.url, latency_every=0)
+    again = TieredCheckpointer(
+        "unit-lost", node.url, latency_every=0, job_credential=AUTHORITY.job_credential("unit-lost")
+    )
     assert again.restore(make_state(seed=1)) == 3
     report = again.last_restore
     assert report is not None
@@ -298,7 +349,12 @@ def test_a_refused_restore_hands_its_report_to_the_agent_before_raising(node) ->
     from tierwatch.agent.checkpoint.training.client import EventSender
 
     state = make_state(width=16)
-    ckpt = TieredCheckpointer("unit-refused", node.url, latency_every=0)
+    ckpt = TieredCheckpointer(
+        "unit-refused",
+        node.url,
+        latency_every=0,
+        job_credential=AUTHORITY.job_credential("unit-refused"),
+    )
     train_step(state)
     ckpt.save(0, state)
     ckpt.close()
@@ -310,7 +366,12 @@ def test_a_refused_restore_hands_its_report_to_the_agent_before_raising(node) ->
         def post_events(self, *, events: list, progress: list, restores: list) -> None:
             self.restores += restores
 
-    again = TieredCheckpointer("unit-refused", node.url, latency_every=0)
+    again = TieredCheckpointer(
+        "unit-refused",
+        node.url,
+        latency_every=0,
+        job_credential=AUTHORITY.job_credential("unit-refused"),
+    )
     agent = Agent()
     sender = EventSender(agent, period_s=3600)  # type: ignore[arg-type]
     sender._stop.set()  # no background delivery: only an explicit flush sends

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from agent_helpers import AUTHORITY
 from procs import wait_for
 from torch import nn
 from training import start_cluster
@@ -65,7 +66,7 @@ def test_restart_from_an_older_step_saves_that_step_number_as_a_new_save(cluster
     persistent = cluster.persistent_dir / job
 
     state = make_state(0)
-    ckpt = TieredCheckpointer(job, url, **kw)
+    ckpt = TieredCheckpointer(job, url, **kw, job_credential=AUTHORITY.job_credential(job))
     for step in range(3):
         train_step(state, step)
         ckpt.save(step, state)
@@ -81,7 +82,7 @@ def test_restart_from_an_older_step_saves_that_step_number_as_a_new_save(cluster
     older = {p.name for p in persistent.iterdir()}  # the agent skips a superseded upload
 
     # restart from step 1 and train another way: step 2 is saved again
-    again = TieredCheckpointer(job, url, **kw)
+    again = TieredCheckpointer(job, url, **kw, job_credential=AUTHORITY.job_credential(job))
     resumed = make_state(1)
     assert again.restore(resumed, step=1) == 1
     train_step(resumed, 100)
@@ -105,7 +106,7 @@ def test_restart_from_an_older_step_saves_that_step_number_as_a_new_save(cluster
     again.close()
 
     # a restore loads the newest save of step 2 (memory), whole
-    third = TieredCheckpointer(job, url, **kw)
+    third = TieredCheckpointer(job, url, **kw, job_credential=AUTHORITY.job_credential(job))
     loaded = make_state(2)
     assert third.restore(loaded) == 2
     got = loaded["model"].state_dict()

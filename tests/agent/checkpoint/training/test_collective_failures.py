@@ -38,7 +38,11 @@ def run_ranks(cluster: Cluster, mode: str, out: Path) -> list[dict[str, Any]]:
     """Run both ranks of ``mode`` to their end; what each rank wrote."""
     out.mkdir(parents=True, exist_ok=True)
     procs = cluster.launch(
-        [mode, str(out)], placement=[NODE, NODE], log_dir=out / "log", script=RANK_SCRIPT
+        [mode, str(out)],
+        placement=[NODE, NODE],
+        log_dir=out / "log",
+        script=RANK_SCRIPT,
+        job_id="cf-save" if mode == "save" else "cf-restore",
     )
     codes = cluster.wait_ranks(procs, WAIT_S)
     assert codes == [0, 0], "\n".join(p.log_tail(3000) for p in procs)

@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 import torch
+from agent_helpers import AUTHORITY
 from procs import wait_for
 from torch import nn
 from training import restore_command, start_cluster
@@ -173,7 +174,11 @@ def node(tmp_path):
 
 
 def pending(node, job: str) -> list[int]:
-    r = httpx.get(f"{node.url}/v1/ckpt/jobs/{job}/restore-requests", timeout=5)
+    r = httpx.get(
+        f"{node.url}/v1/ckpt/jobs/{job}/restore-requests",
+        headers=AUTHORITY.job_auth(job),
+        timeout=5,
+    )
     return [x["request_id"] for x in r.json()["requests"]]
 
 
@@ -181,7 +186,14 @@ def pending(node, job: str) -> list[int]:
 def test_maybe_rollback_in_one_process(node) -> None:
     job = "rb-single"
     state = make_state()
-    ckpt = TieredCheckpointer(job, node.url, latency_every=0, keep_memory=20, request_poll_s=0.05)
+    ckpt = TieredCheckpointer(
+        job,
+        node.url,
+        latency_every=0,
+        keep_memory=20,
+        request_poll_s=0.05,
+        job_credential=AUTHORITY.job_credential(job),
+    )
     assert ckpt.maybe_rollback(state) is None  # nothing asked: nothing happens
     losses, at = {}, {}
     for step in range(8):
@@ -232,13 +244,17 @@ def test_maybe_rollback_in_one_process(node) -> None:
 
     # a request that arrives while the job is down is served at its next start, once
     node.deliver(restore_command(request_id=3, job_id=job, step=4))
-    again = TieredCheckpointer(job, node.url, latency_every=0, keep_memory=20)
+    again = TieredCheckpointer(
+        job, node.url, latency_every=0, keep_memory=20, job_credential=AUTHORITY.job_credential(job)
+    )
     fresh = make_state(seed=5)
     assert again.restore(fresh) == 4
     assert again.last_restore.request_id == 3
     assert again.layout.steps(job) == [0, 1, 2, 3, 4]
     again.close()
-    third = TieredCheckpointer(job, node.url, latency_every=0, keep_memory=20)
+    third = TieredCheckpointer(
+        job, node.url, latency_every=0, keep_memory=20, job_credential=AUTHORITY.job_credential(job)
+    )
     assert third.restore(make_state(seed=6)) == 4
     assert third.last_restore.request_id is None  # a plain restore of the newest step
     third.close()
@@ -289,6 +305,7 @@ def test_memory_retention_keeps_a_pinned_step_until_served_or_expired(node) -> N
         keep_peer=2,
         persist_every=1000,
         request_poll_s=0.05,
+        job_credential=AUTHORITY.job_credential(job),
     )
 
     def save(steps: range) -> list[int]:
@@ -309,9 +326,11 @@ def test_memory_retention_keeps_a_pinned_step_until_served_or_expired(node) -> N
     assert retain(6) == {"memory": [1, 5, 6], "peer": [1, 5, 6], "persistent": [0, 1]}
 
     # served (the ranks retire it): the next retention removes step 1
-    assert httpx.delete(f"{node.url}/v1/ckpt/jobs/{job}/restore-requests/1", timeout=5).json() == {
-        "retired": [1]
-    }
+    assert httpx.delete(
+        f"{node.url}/v1/ckpt/jobs/{job}/restore-requests/1",
+        headers=AUTHORITY.job_auth(job),
+        timeout=5,
+    ).json() == {"retired": [1]}
     wait_for(lambda: ckpt.pinned_steps() == {}, timeout=10, what="the pin released")
     assert save(range(7, 8)) == [6, 7]
     assert retain(7)["memory"] == [6, 7]
