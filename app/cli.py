@@ -1,12 +1,14 @@
-"""``tierwatch-server``: serve, migrate, manage tokens, prune.
+"""``tierwatch-server``: serve, migrate, manage tokens, register jobs, prune.
 
-Tokens print alone on stdout (messages go to stderr), so ``T=$(tierwatch-server token create
---role viewer)`` works.
+Tokens and job credentials print alone on stdout (messages go to stderr), so ``T=$(tierwatch-server
+token create --role viewer)`` works.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -185,6 +187,113 @@ def token_revoke(token_id: Annotated[int, typer.Argument(help="id from `token li
         _err(f"error: {exc}")
         raise typer.Exit(2) from exc
     _err(f"revoked token {token_id}")
+
+
+job_app = typer.Typer(no_args_is_help=True, help="Register jobs and issue job credentials.")
+app.add_typer(job_app, name="job")
+
+
+def _cli_actor() -> str:
+    import getpass
+
+    try:
+        return f"cli@{getpass.getuser()}"
+    except (KeyError, OSError):
+        return "cli@unknown"
+
+
+def _write_private(path: Any, text: str) -> None:
+    """Write ``text`` to ``path`` with mode 0600, atomically (a temporary file in the same
+    folder, then renamed over it: never readable by others, never half written)."""
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@job_app.command("credential")
+def job_credential(
+    job_id: Annotated[str, typer.Argument(help="the job's id, as the training library names it")],
+    node: Annotated[
+        list[str],
+        typer.Option("--node", help="a node the job runs on (repeat the option for each node)"),
+    ],
+    world_size: Annotated[
+        int | None, typer.Option(help="number of ranks, when known (pins it)")
+    ] = None,
+    layout: Annotated[
+        str | None,
+        typer.Option(help="node of every rank, comma-separated (rank 0 first), when known"),
+    ] = None,
+    ttl_s: Annotated[
+        float | None,
+        typer.Option(
+            "--ttl-s",
+            help="credential lifetime in seconds (60 to 31622400; default "
+            "TIERWATCH_JOB_CREDENTIAL_TTL_S, 30 days)",
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="write the credential to this file (mode 0600) instead of stdout"),
+    ] = None,
+) -> None:
+    """Register a job before its ranks start (e.g. from a Slurm PrologSlurmctld) and issue
+    its credential: only the agents of the given nodes may then report for it. Registering
+    again (the job's restart) replaces its nodes and layout; the credential keeps its
+    secret. The credential prints alone on stdout (or goes to --out)."""
+    from pydantic import ValidationError
+
+    from tierwatch.server.credentials.service import RegistrationError, register_job
+    from tierwatch.server.db import session_scope
+
+    settings = get_settings()
+    ranks = [n.strip() for n in layout.split(",")] if layout is not None else None
+    try:
+        with session_scope(_sessionmaker()) as session:
+            result = register_job(
+                session,
+                job_id=job_id,
+                nodes=node,
+                world_size=world_size,
+                layout=ranks,
+                ttl_s=ttl_s if ttl_s is not None else settings.job_credential_ttl_s,
+                actor=_cli_actor(),
+                role="admin",
+            )
+    except RegistrationError as exc:
+        _err(f"error: {exc}")
+        raise typer.Exit(2) from exc
+    except ValidationError as exc:
+        for e in exc.errors(include_url=False):
+            where = ".".join(str(p) for p in e["loc"]) or "request"
+            _err(f"error: {where}: {e['msg']}")
+        raise typer.Exit(2) from exc
+    if out is not None:
+        try:
+            _write_private(out, result["credential"])
+        except OSError as exc:
+            _err(f"error: cannot write {out}: {exc.strerror or exc}")
+            raise typer.Exit(2) from exc
+    _err(
+        f"registered job {job_id} on {len(result['nodes'])} node(s)"
+        + (f", world_size {result['world_size']}" if result["world_size"] else "")
+        + f"; credential expires {result['expires_at'].isoformat()}"
+        + (f", written to {out}" if out is not None else "")
+    )
+    if out is None:
+        typer.echo(result["credential"])
 
 
 def main() -> None:

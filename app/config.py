@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from tierwatch.server.actions.drivers import IsolationSettings
 from tierwatch.server.actions.settings import PolicySettings, QueueSettings
 from tierwatch.server.alerts.service import AlertSettings
+from tierwatch.server.credentials.schemas import MAX_TTL_S, MIN_TTL_S
 from tierwatch.server.fleet.rules import HealthThresholds
 
 DEFAULT_DATABASE_URL = "sqlite:///var/tierwatch.db"
@@ -56,6 +57,8 @@ class Settings(BaseSettings):
             kubernetes``; see ``tierwatch.server.actions.drivers``).
         commands: the command queue (``TIERWATCH_COMMANDS__TTL_S`` …).
         policy: the auto-isolation policy (``TIERWATCH_POLICY__ENABLED`` …).
+        job_credential_ttl_s: lifetime of a job credential when its registration gives none
+            (seconds; default 30 days, 60 s to 366 days; see docs/security.md).
         alerts: webhooks (``TIERWATCH_ALERTS__WEBHOOKS='["https://…"]'`` …).
         demo_report: the JSON report ``make demo`` writes (``TIERWATCH_DEMO_REPORT=
             var/demo-report.json``, relative to the working directory), shown at ``/demo``
@@ -85,6 +88,7 @@ class Settings(BaseSettings):
     isolation: IsolationSettings = IsolationSettings()
     commands: QueueSettings = QueueSettings()
     policy: PolicySettings = PolicySettings()
+    job_credential_ttl_s: Annotated[float, Field(ge=MIN_TTL_S, le=MAX_TTL_S)] = 30 * 24 * 3600.0
     alerts: AlertSettings = AlertSettings()
     demo_report: Path | None = None
 

@@ -26,6 +26,7 @@ from tierwatch.server.background import BackgroundWork
 from tierwatch.server.checkpoints import api as checkpoints_api
 from tierwatch.server.checkpoints import views as checkpoints_views
 from tierwatch.server.config import Settings, get_settings
+from tierwatch.server.credentials import api as credentials_api
 from tierwatch.server.db import make_engine, make_sessionmaker
 from tierwatch.server.demo import api as demo_api
 from tierwatch.server.demo import views as demo_views
@@ -175,6 +176,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # group's reports are retried one by one on a fresh one).
     writer_engine = make_engine(settings.database_url, pool_size=1, max_overflow=1, pre_ping=False)
     app.state.ingest_writer = IngestWriter(make_sessionmaker(writer_engine), settings)
+    # tierwatch_ingest_refused_total: report items refused for their job (checkpoints.scoping)
+    app.state.metrics_registry.register(app.state.ingest_writer.refusals)
     app.state.token_resolver = TokenResolver(engine, settings.token_cache_s)
     app.state.background = BackgroundWork(
         app.state.sessionmaker, engine, settings, tick_s=settings.background_tick_s
@@ -197,6 +200,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(ingest_api.router)
     app.include_router(fleet_api.router)
     app.include_router(checkpoints_api.router)
+    app.include_router(credentials_api.router)
     app.include_router(actions_api.router)
     app.include_router(alerts_api.router)
     app.include_router(demo_api.router)

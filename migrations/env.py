@@ -9,6 +9,7 @@ from tierwatch.server.actions import models as _action_models  # noqa: F401
 from tierwatch.server.alerts import models as _alert_models  # noqa: F401
 from tierwatch.server.checkpoints import models as _checkpoint_models  # noqa: F401
 from tierwatch.server.config import get_settings
+from tierwatch.server.credentials import models as _credential_models  # noqa: F401
 from tierwatch.server.db import Base, make_engine
 from tierwatch.server.fleet import models as _fleet_models  # noqa: F401  (registers tables)
 

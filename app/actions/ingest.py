@@ -55,8 +55,13 @@ def record_command_outcome(
 def apply_report(
     session: Session, batch: ReportBatch, *, node_id: int, settings: Settings, now: datetime
 ) -> None:
-    """Apply a freshly stored batch's ``command_results`` and request-tagged ``restores``."""
+    """Apply a freshly stored batch's ``command_results`` and request-tagged ``restores``
+    (``batch`` is scoped: ``checkpoints.ingest.scope_reports`` dropped what the node may not
+    report; a rank's restore progress is moved only by the node the request assigned it
+    to)."""
     for row in queue.apply_results(session, node_id, batch.command_results, now=now):
         if row.state in TERMINAL_STATES:
             record_command_outcome(session, settings, row, batch.node, now=now)
-    restores.apply_rank_reports(session, batch.restores, now=now, settings=settings)
+    restores.apply_rank_reports(
+        session, batch.restores, node=batch.node, now=now, settings=settings
+    )

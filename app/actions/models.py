@@ -150,7 +150,8 @@ class AuditEntry(Base):
         role: the actor's role (``policy`` for the policy).
         action: ``isolate`` | ``release`` | ``restore`` | ``ack`` | ``policy_update`` |
             ``breaker_trip`` | ``breaker_reset`` | ``token_create`` | ``token_revoke`` |
-            ``command`` (a driver run finished).
+            ``command`` (a driver run finished) | ``job_register`` (a job registered and got
+            its credential).
         target_kind: ``node`` | ``job`` | ``policy`` | ``token`` | ``cluster``.
         outcome: ``ok`` | ``noop`` (already in that state) | ``refused`` | ``succeeded`` |
             ``failed`` | ``expired``.

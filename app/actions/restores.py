@@ -202,13 +202,20 @@ def _main_tier(files_by_tier: dict[str, int]) -> str | None:
 
 
 def apply_rank_reports(
-    session: Session, reports: Sequence[RestoreReport], *, now: datetime, settings: Settings
+    session: Session,
+    reports: Sequence[RestoreReport],
+    *,
+    now: datetime,
+    settings: Settings,
+    node: str | None = None,
 ) -> None:
     """Fold ranks' restore reports (those with a ``request_id``) into the requests' progress,
     and finish node commands and requests whose ranks are done (the caller commits).
 
     A rank's phase only moves forward (``pending → staging → loaded | failed``); reports for
-    unknown requests or ranks are ignored.
+    unknown requests or ranks are ignored, and so are reports for a rank that the request
+    assigned to another node than ``node`` (the reporting agent's; its layout snapshot
+    says which node restores each rank).
     """
     reports = [r for r in reports if r.request_id is not None]
     if not reports:
@@ -229,6 +236,8 @@ def apply_rank_reports(
         row = progress.get((rep.request_id, rep.rank))
         req = requests.get(rep.request_id)  # type: ignore[arg-type]
         if row is None or req is None or req.job_id != rep.job_id:
+            continue
+        if node is not None and row.node != node:
             continue
         phase = rep.phase or ("loaded" if rep.ok else "failed")
         if order[phase] <= order[row.phase] and not (phase == row.phase == "staging"):

@@ -3,7 +3,15 @@
 Called by ``fleet.ingest.ingest_reports`` inside the group's transaction, so a report's
 checkpoint events are stored with the rest of it or not at all (the group-commit writer
 retries a failed group report by report). SQLAlchemy Core throughout, a fixed number of
-statements per group; a group without checkpoint content costs nothing here.
+statements per group; a group without checkpoint content (or latency samples) costs nothing
+here.
+
+Two steps: :func:`scope_reports` checks every checkpoint event, progress report, restore
+report and latency sample against the job's registration (``scoping``: registered nodes,
+pinned world size and layout), drops the refused ones and applies the accepted progress
+to the job rows in order, so a layout pinned by one report binds the next;
+:func:`store_checkpoint_content` then stores what was accepted. Jobs are never created here:
+a job exists once it registers (``credentials.service.register_job``).
 
 Ledger updates are idempotent and order-independent: each rank's ``committed`` event is a
 row keyed by (ledger row, rank), so a replayed or late event never counts twice, and
@@ -15,6 +23,7 @@ step at once cannot lose each other's commits).
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -33,8 +42,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from tierwatch.agent.protocol import ReportBatch
-from tierwatch.server.checkpoints import ledger
+from tierwatch.agent.protocol import CheckpointEvent, JobProgress, ReportBatch, RestoreReport
+from tierwatch.server.checkpoints import ledger, scoping
 from tierwatch.server.checkpoints.models import (
     CheckpointEventRow,
     Job,
@@ -115,23 +124,137 @@ def has_checkpoint_content(batch: ReportBatch) -> bool:
     return bool(batch.checkpoint_events or batch.progress or batch.restores)
 
 
-def store_checkpoint_content(
-    session: Session, *, batches: list[ReportBatch], node_ids: dict[str, int], now: datetime
-) -> None:
-    """Store the checkpoint events, progress and restores of freshly stored batches.
+def _names_jobs(batch: ReportBatch) -> bool:
+    return has_checkpoint_content(batch) or bool(batch.latency)
+
+
+@dataclass
+class ScopedReports:
+    """Batches with their refused items removed, and the job rows they touch.
+
+    Attributes:
+        batches: the batches, in order; a batch with refused items is a copy without them.
+        refusals: what was refused (``scoping.Refusal``), in order.
+        jobs: job rows (as dicts) by job id, with the accepted progress applied.
+        sized_before: job row id -> world_size as loaded (to find newly sized jobs).
+        touched: job ids that an accepted item names (their rows are written).
+    """
+
+    batches: list[ReportBatch]
+    refusals: list[scoping.Refusal] = field(default_factory=list)
+    jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sized_before: dict[int, int | None] = field(default_factory=dict)
+    touched: set[str] = field(default_factory=set)
+
+
+def scope_reports(session: Session, *, batches: list[ReportBatch]) -> ScopedReports:
+    """Check the job content of freshly stored batches against the jobs' registrations.
+
+    Each batch's progress is checked and applied oldest first (``scoping.progress_verdict``,
+    then :func:`_apply_progress`), then its checkpoint events, restore reports and latency
+    samples are checked against the updated job rows; batches are taken in order. On
+    PostgreSQL the job rows are locked (in id order) until the group commits, so a
+    registration that replaces a job's nodes and layout cannot be undone by a report read
+    before it.
 
     Args:
         session: the ingest group's session (not committed here).
-        batches: batches stored for the first time (replays are filtered out before).
+        batches: batches stored for the first time; each one's node is its agent token's.
+
+    Returns:
+        The scoped batches, refusals and job rows (nothing is written here).
+    """
+    if not any(_names_jobs(b) for b in batches):
+        return ScopedReports(batches=batches)
+    names = {
+        x.job_id
+        for b in batches
+        for x in (*b.checkpoint_events, *b.progress, *b.restores, *b.latency)
+    }
+    jobs = _load_jobs(session, sorted(names))
+    scoped = ScopedReports(
+        batches=[], jobs=jobs, sized_before={j["id"]: j["world_size"] for j in jobs.values()}
+    )
+    for b in batches:
+        if not _names_jobs(b):
+            scoped.batches.append(b)
+            continue
+        refused_before = len(scoped.refusals)
+
+        def accepted(item: Any, kind: str, verdict: scoping.Verdict, b: ReportBatch = b) -> bool:
+            if verdict is None:
+                if kind != scoping.ITEM_LATENCY:  # latency is the fleet's, not the job row's
+                    scoped.touched.add(item.job_id)
+                return True
+            scoped.refusals.append(
+                scoping.Refusal(
+                    node=b.node,
+                    job_id=item.job_id,
+                    item=kind,
+                    reason=verdict[0],
+                    message=verdict[1],
+                    rank=getattr(item, "rank", None),
+                )
+            )
+            return False
+
+        progress = []
+        for p in sorted(b.progress, key=lambda p: p.ts):
+            if accepted(
+                p, scoping.ITEM_PROGRESS, scoping.progress_verdict(jobs.get(p.job_id), b.node, p)
+            ):
+                _apply_progress(jobs[p.job_id], p)
+                progress.append(p)
+        events = []
+        for e in b.checkpoint_events:
+            if accepted(
+                e, scoping.ITEM_EVENT, scoping.event_verdict(jobs.get(e.job_id), b.node, e)
+            ):
+                _apply_event(jobs[e.job_id], e)
+                events.append(e)
+        restores = []
+        for r in b.restores:
+            if accepted(
+                r, scoping.ITEM_RESTORE, scoping.restore_verdict(jobs.get(r.job_id), b.node, r)
+            ):
+                _apply_restore(jobs[r.job_id], r)
+                restores.append(r)
+        latency = [
+            s
+            for s in b.latency
+            if accepted(
+                s, scoping.ITEM_LATENCY, scoping.latency_verdict(jobs.get(s.job_id), b.node, s)
+            )
+        ]
+        if len(scoped.refusals) > refused_before:
+            b = b.model_copy(
+                update={
+                    "progress": progress,
+                    "checkpoint_events": events,
+                    "restores": restores,
+                    "latency": latency,
+                }
+            )
+        scoped.batches.append(b)
+    return scoped
+
+
+def store_checkpoint_content(
+    session: Session, *, scoped: ScopedReports, node_ids: dict[str, int], now: datetime
+) -> None:
+    """Store the accepted checkpoint events, progress and restores of scoped batches.
+
+    Args:
+        session: the ingest group's session (not committed here).
+        scoped: :func:`scope_reports`' answer for the group's fresh batches.
         node_ids: node name -> node id of the reporting agents.
         now: server receive time (UTC).
     """
-    batches = [b for b in batches if has_checkpoint_content(b)]
+    batches = [b for b in scoped.batches if has_checkpoint_content(b)]
     if not batches:
         return
-    names = {x.job_id for b in batches for x in (*b.checkpoint_events, *b.progress, *b.restores)}
-    jobs = _load_or_create_jobs(session, sorted(names), now)
-    newly_sized = _update_jobs(session, batches, jobs, now)
+    jobs = scoped.jobs
+    newly_sized = _write_jobs(session, scoped, now)
     event_rows: list[dict[str, Any]] = []
     progress_rows: list[dict[str, Any]] = []
     restore_rows: list[dict[str, Any]] = []
@@ -194,18 +317,13 @@ def store_checkpoint_content(
     _update_ledger(session, batches, jobs, newly_sized, now)
 
 
-def _load_or_create_jobs(
-    session: Session, names: list[str], now: datetime
-) -> dict[str, dict[str, Any]]:
-    """Job rows (as mutable dicts) by job id, creating the ones never seen."""
-    insert_fn = _insert_fn(session)
-    session.execute(
-        insert_fn(JOBS)
-        .values([{"job_id": n, "first_seen": now, "last_seen": now} for n in names])
-        .on_conflict_do_nothing()
-    )
-    rows = session.execute(select(JOBS).where(JOBS.c.job_id.in_(names)))
-    return {r.job_id: dict(r._mapping) for r in rows}
+def _load_jobs(session: Session, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Job rows (as mutable dicts) by job id; jobs without a row are absent (never created:
+    a job's row is made by its registration). Locked on PostgreSQL, in id order."""
+    query = select(JOBS).where(JOBS.c.job_id.in_(names))
+    if session.get_bind().dialect.name == "postgresql":
+        query = query.order_by(JOBS.c.id).with_for_update()
+    return {r.job_id: dict(r._mapping) for r in session.execute(query)}
 
 
 _JOB_COLUMNS = (
@@ -224,64 +342,78 @@ _UPDATE_JOB = (
 )
 
 
-def _update_jobs(
-    session: Session, batches: list[ReportBatch], jobs: dict[str, dict[str, Any]], now: datetime
-) -> set[int]:
-    """Apply progress (world_size, layout, step time, current step) and event steps to jobs.
+def _apply_progress(job: dict[str, Any], p: JobProgress) -> None:
+    """Apply one accepted progress report (world_size, layout, step time, current step).
 
-    The newest progress report (by its time) sets world_size, layout and step time; an
-    older one (another node's newer report came first) only fills in a missing layout of
-    the job's world size. The current step only grows (the highest step of any progress or
-    checkpoint event). A ``starting`` report (rank 0's, before its start was accepted) sets
-    world_size and layout only for a job without a world size, else it only fills in a
-    missing layout of that world size: a start that is refused (another world size, another
-    model) leaves a known job's as they were; the first save's report, which carries the
-    layout too, changes them once the start is accepted.
+    A job whose layout is pinned (``scoping.pinned_layout``) keeps its world_size and
+    layout: the report was checked against them. Otherwise the newest progress report (by
+    its time) sets world_size, layout and step time; an older one (another node's newer
+    report came first) only fills in a missing layout of the job's world size. A
+    ``starting`` report (rank 0's, before its start was accepted) sets world_size and layout
+    only for a job without a world size, else it only fills in a missing layout of that
+    world size: a start that is refused (another world size, another model) leaves a known
+    job's as they were; the first save's report, which carries the layout too, changes them
+    once the start is accepted. The first layout applied pins it (the job is registered:
+    ``scoping`` accepts nothing else).
+    """
+    _raise_step(job, p.step, p.ts)
+    newest = job["progress_ts"] is None or p.ts >= job["progress_ts"]
+    if scoping.pinned_layout(job) is not None:
+        if newest and not p.starting:
+            if p.step_time_s is not None:
+                job["step_time_s"] = p.step_time_s
+            job["progress_ts"] = p.ts
+        return
+    if (p.starting and job["world_size"] is not None) or not newest:
+        # not the newest report (or a start that may still be refused): it only fills in a
+        # missing layout of the job's world size
+        if p.layout is not None and job["layout"] is None and p.world_size == job["world_size"]:
+            job["layout"] = list(p.layout)
+        return
+    if p.world_size != job["world_size"] and p.layout is None:
+        job["layout"] = None  # a layout of another world size no longer applies
+    job["world_size"] = p.world_size
+    if p.layout is not None:
+        job["layout"] = list(p.layout)
+    if p.step_time_s is not None:
+        job["step_time_s"] = p.step_time_s
+    job["progress_ts"] = p.ts
+
+
+def _apply_event(job: dict[str, Any], e: CheckpointEvent) -> None:
+    """An accepted checkpoint event raises the current step and fills in a missing
+    world_size."""
+    _raise_step(job, e.step, e.ts)
+    if job["world_size"] is None and e.world_size is not None:
+        job["world_size"] = e.world_size
+
+
+def _apply_restore(job: dict[str, Any], r: RestoreReport) -> None:
+    """An accepted restore report fills in a missing world_size."""
+    if job["world_size"] is None:
+        job["world_size"] = r.world_size
+
+
+def _write_jobs(session: Session, scoped: ScopedReports, now: datetime) -> set[int]:
+    """Write the touched job rows (``last_seen`` = now).
 
     Returns:
         Ids of jobs whose world_size is now known (or changed): their ledger rows
         without a world size are re-evaluated.
     """
-    before = {j["id"]: j["world_size"] for j in jobs.values()}
-    for b in batches:
-        for p in sorted(b.progress, key=lambda p: p.ts):
-            j = jobs[p.job_id]
-            _raise_step(j, p.step, p.ts)
-            if (p.starting and j["world_size"] is not None) or (
-                j["progress_ts"] is not None and p.ts < j["progress_ts"]
-            ):
-                # not the newest report (or a start that may still be refused): it only
-                # fills in a missing layout of the job's world size
-                if p.layout is not None and j["layout"] is None and p.world_size == j["world_size"]:
-                    j["layout"] = list(p.layout)
-                continue
-            if p.world_size != j["world_size"] and p.layout is None:
-                j["layout"] = None  # a layout of another world size no longer applies
-            j["world_size"] = p.world_size
-            if p.layout is not None:
-                j["layout"] = list(p.layout)
-            if p.step_time_s is not None:
-                j["step_time_s"] = p.step_time_s
-            j["progress_ts"] = p.ts
-        for e in b.checkpoint_events:
-            j = jobs[e.job_id]
-            _raise_step(j, e.step, e.ts)
-            if j["world_size"] is None and e.world_size is not None:
-                j["world_size"] = e.world_size
-        for r in b.restores:
-            j = jobs[r.job_id]
-            if j["world_size"] is None:
-                j["world_size"] = r.world_size
-    for j in jobs.values():
+    touched = [scoped.jobs[name] for name in sorted(scoped.touched)]
+    if not touched:
+        return set()
+    for j in touched:
         j["last_seen"] = now
     session.execute(
         _UPDATE_JOB,
-        [{"b_id": j["id"], **{f"b_{c}": j[c] for c in _JOB_COLUMNS}} for j in jobs.values()],
+        [{"b_id": j["id"], **{f"b_{c}": j[c] for c in _JOB_COLUMNS}} for j in touched],
     )
     return {
         j["id"]
-        for j in jobs.values()
-        if j["world_size"] is not None and before[j["id"]] != j["world_size"]
+        for j in touched
+        if j["world_size"] is not None and scoped.sized_before[j["id"]] != j["world_size"]
     }
 
 

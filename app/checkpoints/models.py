@@ -1,8 +1,9 @@
 """Checkpoint tables: jobs, the ledger per (job, step, tier), per-rank commits, event,
 progress and restore history.
 
-- ``jobs``: one row per training job, with its world_size, rank→node layout, current step
-  (the highest step reported) and latest step time.
+- ``jobs``: one row per training job, created when the job registers: its registered
+  nodes, world_size, pinned rank→node layout, current step (the highest step reported) and
+  latest step time.
 - ``checkpoint_ledger``: one row per (job, step, tier) with the completeness the server
   derived from ``committed`` events (see ``ledger.completeness``), the step's size and
   commit time, and whether retention evicted it. Kept while it is young or the newest
@@ -41,18 +42,30 @@ from tierwatch.server.fleet.models import BigId
 
 
 class Job(Base):
-    """A training job, created by the first report that names it.
+    """A training job, created when it registers (``credentials.service.register_job``).
+
+    Reports are accepted for registered jobs only, from the nodes the registration names
+    (``checkpoints.scoping``).
 
     Attributes:
         job_id: the job's id as the training library names it.
-        world_size: number of ranks (from the newest progress report).
-        layout: node name per rank (index = rank), when rank 0 sent one.
+        world_size: number of ranks: the registered one, else the one pinned with the
+            layout, else (while neither is known) the newest progress report's.
+        layout: node name per rank (index = rank): the registered one, else the first
+            accepted from rank 0 after the registration. Pinned once set: only the job's
+            next registration (its restart) changes it.
         step: the current training step: the highest step reported in progress or
             checkpoint events.
         step_ts: when ``step`` was reported done (the reporting rank's clock).
         step_time_s: the newest reported step time (seconds per step).
         progress_ts: time of the newest progress report applied (orders world_size/layout).
-        first_seen, last_seen: server receive times of the first and latest report.
+        first_seen, last_seen: when the job registered first, and server receive time of
+            the latest report.
+        registered_nodes: the nodes the job's registration names (its agents' reports
+            are the only ones accepted for it); None: never registered.
+        registered_world_size: world size given at registration (None: not given).
+        registered_at, registered_by: when and by whom (the actor) it last registered.
+        credential_expires_at: expiry of the newest job credential issued.
     """
 
     __tablename__ = "jobs"
@@ -67,6 +80,11 @@ class Job(Base):
     progress_ts: Mapped[datetime | None] = mapped_column(UTCDateTime)
     first_seen: Mapped[datetime] = mapped_column(UTCDateTime)
     last_seen: Mapped[datetime] = mapped_column(UTCDateTime)
+    registered_nodes: Mapped[list[str] | None] = mapped_column(JSON)
+    registered_world_size: Mapped[int | None] = mapped_column(Integer)
+    registered_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    registered_by: Mapped[str | None] = mapped_column(String(128))
+    credential_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class LedgerRow(Base):

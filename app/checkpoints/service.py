@@ -72,8 +72,8 @@ def get_job(session: Session, job_id: str) -> Job:
         job = session.scalar(select(Job).where(Job.job_id == job_id))
     if job is None:
         raise NotFoundError(
-            f"no job {job_id!r}: jobs appear once an agent reports their progress or "
-            "checkpoint events"
+            f"no job {job_id!r}: jobs appear once they register "
+            f"(POST /api/v1/jobs/{job_id}/credential or `tierwatch-server job credential`)"
         )
     return job
 

@@ -30,6 +30,7 @@ from tierwatch.agent.protocol import GpuSample, ReportAck, ReportBatch
 from tierwatch.server.actions import ingest as actions_ingest
 from tierwatch.server.actions import notify, queue
 from tierwatch.server.checkpoints import ingest as checkpoint_ingest
+from tierwatch.server.checkpoints.scoping import Refusal
 from tierwatch.server.config import Settings
 from tierwatch.server.db import insert_ignore
 from tierwatch.server.fleet import rules
@@ -47,6 +48,11 @@ from tierwatch.server.fleet.models import (
     XidCount,
 )
 from tierwatch.server.fleet.xid_catalog import lookup as lookup_xid
+from tierwatch.server.ingest.refusals import (
+    DEFAULT_REFUSAL_LOG,
+    RefusalLog,
+    store_refusal_events,
+)
 
 NODES = Node.__table__
 GPUS = Gpu.__table__
@@ -134,19 +140,29 @@ def timestamp_errors(
 
 
 def ingest_reports(
-    session: Session, *, batches: list[ReportBatch], settings: Settings, now: datetime
+    session: Session,
+    *,
+    batches: list[ReportBatch],
+    settings: Settings,
+    now: datetime,
+    refusal_log: RefusalLog | None = None,
 ) -> list[ReportAck]:
     """Store a group of agent batches in one transaction; returns one ack per batch.
 
     Idempotent on (node, epoch, seq): a replayed batch changes nothing but ``last_seen``.
     The group must hold at most one batch per node (the writer defers a second one to the
-    next group), so each node's reports are evaluated in order.
+    next group), so each node's reports are evaluated in order. Checkpoint events,
+    progress, restore reports and latency samples that the node may not report for their
+    job (``checkpoints.scoping``) are dropped; the batch is still stored and acked, the
+    node gets a rate-limited agent event saying so, and ``refusal_log`` counts them (for
+    ``/metrics``) and logs a rate-limited warning once the group has committed.
 
     Args:
         session: open session; committed here.
         batches: validated reports (each node already checked against its token).
         settings: server settings (health thresholds).
         now: server receive time (UTC).
+        refusal_log: where refusals are counted (default: this process's shared log).
 
     Raises:
         ValueError: two batches of one node in the group.
@@ -163,15 +179,23 @@ def ingest_reports(
         if node.first_seen is None:
             c["first_seen"] = now
     fresh = [b for b in batches if (nodes[b.node].id, b.epoch, b.seq) in stored]
+    refusals: list[Refusal] = []
     if fresh:
-        _apply_batches(session, fresh, nodes, changes, settings)
+        # Job content a node may not report (checkpoints.scoping) is dropped before anything
+        # is stored; the batch is still acked, and the refusal recorded.
+        scoped = checkpoint_ingest.scope_reports(session, batches=fresh)
+        refusals = scoped.refusals
+        node_ids = {b.node: nodes[b.node].id for b in fresh}
+        _apply_batches(session, scoped.batches, nodes, changes, settings)
         checkpoint_ingest.store_checkpoint_content(
-            session, batches=fresh, node_ids={b.node: nodes[b.node].id for b in fresh}, now=now
+            session, scoped=scoped, node_ids=node_ids, now=now
         )
-        for b in fresh:
+        for b in scoped.batches:
             actions_ingest.apply_report(
                 session, b, node_id=nodes[b.node].id, settings=settings, now=now
             )
+        if refusals:
+            store_refusal_events(session, refusals, node_ids=node_ids, now=now)
     commands = queue.deliver(
         session, [nodes[b.node].id for b in batches], now=now, settings=settings.commands
     )
@@ -199,6 +223,8 @@ def ingest_reports(
         )
     _update_nodes(session, nodes, changes)
     session.commit()
+    if refusals:
+        (refusal_log or DEFAULT_REFUSAL_LOG).record(refusals)
     return acks
 
 

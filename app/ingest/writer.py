@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tierwatch.agent.protocol import ReportAck, ReportBatch, utcnow
 from tierwatch.server.config import Settings
 from tierwatch.server.fleet.ingest import ingest_reports
+from tierwatch.server.ingest.refusals import RefusalLog
 
 log = logging.getLogger("tierwatch.server.ingest")
 
@@ -47,6 +48,8 @@ class IngestWriter:
         settings: server settings.
         max_group: most reports stored in one transaction.
         max_delay_s: longest a report waits for others to join its group (seconds).
+        refusals: counts the report items refused for their job (``checkpoints.scoping``);
+            default: a log of its own (:attr:`refusals`, a collector for ``/metrics``).
     """
 
     def __init__(
@@ -56,8 +59,10 @@ class IngestWriter:
         *,
         max_group: int = 256,
         max_delay_s: float = 0.01,
+        refusals: RefusalLog | None = None,
     ) -> None:
         self._factory = factory
+        self.refusals = refusals if refusals is not None else RefusalLog()
         self._settings = settings
         self._max_group = max_group
         self._max_delay_s = max_delay_s
@@ -165,7 +170,13 @@ class IngestWriter:
 
     def _store(self, batches: list[ReportBatch]) -> list[ReportAck]:
         with self._factory() as session:
-            return ingest_reports(session, batches=batches, settings=self._settings, now=utcnow())
+            return ingest_reports(
+                session,
+                batches=batches,
+                settings=self._settings,
+                now=utcnow(),
+                refusal_log=self.refusals,
+            )
 
 
 def _resolve(

@@ -32,9 +32,7 @@ def upgrade() -> None:
     with op.batch_alter_table("jobs", schema=None) as batch_op:
         batch_op.add_column(sa.Column("registered_nodes", sa.JSON(), nullable=True))
         batch_op.add_column(sa.Column("registered_world_size", sa.Integer(), nullable=True))
-        batch_op.add_column(
-            sa.Column("registered_at", sa.DateTime(timezone=True), nullable=True)
-        )
+        batch_op.add_column(sa.Column("registered_at", sa.DateTime(timezone=True), nullable=True))
         batch_op.add_column(sa.Column("registered_by", sa.String(length=128), nullable=True))
         batch_op.add_column(
             sa.Column("credential_expires_at", sa.DateTime(timezone=True), nullable=True)

@@ -114,6 +114,67 @@ def make_batch(
     )
 
 
+def register_job(  # type: ignore[no-untyped-def]
+    target,
+    job_id: str,
+    nodes: list[str] | tuple[str, ...],
+    *,
+    world_size: int | None = None,
+    layout: list[str] | None = None,
+    ttl_s: float = 3600.0,
+    token: str | None = None,
+) -> dict:
+    """Register a job as its launcher would before its ranks start: only the agents of
+    ``nodes`` may then report for it (``checkpoints.scoping``).
+
+    Args:
+        target: a ``TestClient``, the app, a ``Session`` or a session factory (the service is
+            called directly and committed, actor ``test``), or a server's base URL (``str``)
+            with an operator or admin ``token`` (``POST /api/v1/jobs/{job_id}/credential``).
+        job_id, nodes, world_size, layout, ttl_s: as the endpoint takes them.
+
+    Returns:
+        The endpoint's answer (``job_id``, ``credential``, ``expires_at``, ``nodes``,
+        ``world_size``, ``layout``).
+    """
+    if isinstance(target, str):
+        import httpx
+
+        assert token, "registering through a server URL needs an operator or admin token"
+        r = httpx.post(
+            f"{target.rstrip('/')}/api/v1/jobs/{job_id}/credential",
+            json={"nodes": list(nodes), "world_size": world_size, "layout": layout, "ttl_s": ttl_s},
+            headers=auth(token),
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        return r.json()
+    from sqlalchemy.orm import Session
+
+    from tierwatch.server.credentials.service import register_job as register
+
+    if isinstance(target, TestClient):
+        target = target.app
+    if hasattr(target, "state"):  # the app
+        target = target.state.sessionmaker
+    session = target if isinstance(target, Session) else target()
+    try:
+        result = register(
+            session,
+            job_id=job_id,
+            nodes=list(nodes),
+            world_size=world_size,
+            layout=layout,
+            ttl_s=ttl_s,
+            actor="test",
+        )
+        session.commit()
+    finally:
+        if session is not target:
+            session.close()
+    return result
+
+
 def post_batch(client: TestClient, token: str, batch: ReportBatch):  # type: ignore[no-untyped-def]
     """POST a batch as its agent would."""
     return client.post(
