@@ -330,3 +330,42 @@ def unverified_job_id(credential: str) -> str | None:
         return None
     job = claims.get("job") if claims.get("typ") == "job" else None
     return job if isinstance(job, str) else None
+
+
+class LocalAuthority:
+    """A signing key held in this process, for agents run without a server (benchmarks,
+    single-machine checks): it writes the key set the agents are started with
+    (``--credential-keys-file``) and signs job credentials exactly as the server does.
+
+    Args:
+        kid: Key id.
+        seed: 32+ bytes to derive the key and the job secret from (the same authority in
+            every process that knows the seed); None: random.
+    """
+
+    def __init__(self, kid: str = "local", seed: bytes | None = None) -> None:
+        self.kid = kid
+        if seed is None:
+            self.key = Ed25519PrivateKey.generate()
+            self.job_secret = os.urandom(SECRET_BYTES)
+        else:
+            self.key = Ed25519PrivateKey.from_private_bytes(hashlib.sha256(seed).digest())
+            self.job_secret = hashlib.sha256(b"job secret " + seed).digest()
+
+    def jwks(self) -> dict[str, list[dict[str, str]]]:
+        """The public key set (what ``GET /api/v1/credentials/public-keys`` answers)."""
+        return jwks([(self.kid, self.key.public_key())])
+
+    def write_keys(self, path: os.PathLike[str] | str) -> str:
+        """Write :meth:`jwks` to ``path`` (for ``--credential-keys-file``); returns the path."""
+        import json
+
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(self.jwks(), fh)
+        return str(path)
+
+    def job_credential(self, job_id: str, ttl_s: float = 7 * 86400.0) -> str:
+        """A credential for ``job_id`` (default lifetime 7 days)."""
+        return issue_job_credential(
+            self.key, kid=self.kid, job_secret_key=self.job_secret, job_id=job_id, ttl_s=ttl_s
+        )[0]

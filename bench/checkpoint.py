@@ -54,6 +54,7 @@ from ckpt_worker import build, step  # noqa: E402
 
 from tierwatch import TieredCheckpointer  # noqa: E402
 from tierwatch.agent.checkpoint.format.layout import step_dirname  # noqa: E402
+from tierwatch.agent.credentials import LocalAuthority  # noqa: E402
 from tierwatch.agent.netutil import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -62,6 +63,9 @@ WIDTH, LAYERS = (1024, 8) if QUICK else (3072, 10)
 MEASURED = 8 if QUICK else 20
 BATCH = 8
 PEER_TOKEN = "bench-peer-" + "x" * 32
+NODE_TOKEN = "bench-no-server"
+#: The agents run without a server: this process signs the job credentials they check.
+AUTHORITY = LocalAuthority(kid="bench")
 
 
 def wait(pred, timeout: float, what: str):  # noqa: ANN001, ANN201
@@ -91,7 +95,9 @@ class Agent:
             "--server",
             "http://127.0.0.1:9",
             "--token",
-            "bench-no-server",
+            NODE_TOKEN,
+            "--credential-keys-file",
+            AUTHORITY.write_keys(root / "credential-keys.json"),
             "--collector",
             "simulated",
             "--sim-gpus",
@@ -123,7 +129,14 @@ class Agent:
             stderr=subprocess.STDOUT,
         )
         wait(
-            lambda: httpx.get(f"{self.url}/v1/ckpt/info", timeout=1).status_code == 200,
+            lambda: (
+                httpx.get(
+                    f"{self.url}/v1/ckpt/info",
+                    headers={"Authorization": f"Bearer {NODE_TOKEN}"},
+                    timeout=1,
+                ).status_code
+                == 200
+            ),
             30,
             f"agent {self.name}",
         )
@@ -235,7 +248,12 @@ def part1(root: Path, disk: Path) -> dict:
         ("TieredCheckpointer, every 10 steps", 10),
     ):
         base_block()
-        ckpt = TieredCheckpointer(f"bench-{every}", persist_every=10, latency_every=0)
+        ckpt = TieredCheckpointer(
+            f"bench-{every}",
+            persist_every=10,
+            latency_every=0,
+            job_credential=AUTHORITY.job_credential(f"bench-{every}"),
+        )
         n = MEASURED if every == 1 else (40 if QUICK else 100)
         saves, hooks, steps = [], [], []
         for i in range(n):
@@ -282,6 +300,7 @@ def run_ranks(agents: list[Agent], args: list[str], timeout: float = 900) -> Non
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             TIERWATCH_AGENT_URL=agent.url,
+            TIERWATCH_JOB_CREDENTIAL=AUTHORITY.job_credential(args[args.index("--job-id") + 1]),
             BENCH_THREADS="1",
         )
         procs.append(

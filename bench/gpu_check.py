@@ -459,6 +459,23 @@ def write_doc(text: str, block: str) -> str:
 
 
 # -- the node agent ------------------------------------------------------------------------
+NODE_TOKEN = "gpu-check-no-server"
+
+
+def authority_seed() -> str:
+    """The seed of this run's credential authority (random per run; workers inherit it)."""
+    import secrets
+
+    return os.environ.setdefault("GPU_CHECK_AUTHORITY_SEED", secrets.token_hex(32))
+
+
+def authority():  # noqa: ANN201 - a LocalAuthority (imported lazily with tierwatch)
+    """The agent runs without a server: this run signs the job credentials it checks."""
+    from tierwatch.agent.credentials import LocalAuthority
+
+    return LocalAuthority(kid="gpu-check", seed=bytes.fromhex(authority_seed()))
+
+
 class Agent:
     """A ``tierwatch-agent run`` process on loopback (simulated collector, no server).
 
@@ -482,7 +499,9 @@ class Agent:
             "--server",
             "http://127.0.0.1:9",
             "--token",
-            "gpu-check-no-server",
+            NODE_TOKEN,
+            "--credential-keys-file",
+            authority().write_keys(root / "credential-keys.json"),
             "--collector",
             "simulated",
             "--sim-gpus",
@@ -520,7 +539,12 @@ class Agent:
             if self.proc.poll() is not None:
                 break
             try:
-                if httpx.get(f"{self.url}/v1/ckpt/info", timeout=1).status_code == 200:
+                r = httpx.get(
+                    f"{self.url}/v1/ckpt/info",
+                    headers={"Authorization": f"Bearer {NODE_TOKEN}"},
+                    timeout=1,
+                )
+                if r.status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -596,7 +620,11 @@ def _check_run(sizes: Sizes, device: Any, world: int, rank: int, job: str) -> di
     model, optim = _build(sizes.width, sizes.layers, device, world)
     state = {"model": model, "optim": optim}
     ckpt = TieredCheckpointer(
-        job, persist_every=10**6, keep_memory=sizes.check_steps + 1, latency_every=0
+        job,
+        persist_every=10**6,
+        keep_memory=sizes.check_steps + 1,
+        latency_every=0,
+        job_credential=authority().job_credential(job),
     )
     refs: dict[int, dict[str, Any]] = {}
     try:
@@ -695,7 +723,13 @@ def _timing_run(sizes: Sizes, device: Any, job: str, shm: Path) -> dict[str, Any
         out[name] = rec
 
     baseline()
-    ckpt = TieredCheckpointer(job, persist_every=10**6, keep_memory=2, latency_every=0)
+    ckpt = TieredCheckpointer(
+        job,
+        persist_every=10**6,
+        keep_memory=2,
+        latency_every=0,
+        job_credential=authority().job_credential(job),
+    )
     try:
         method(TIERED, lambda i: ckpt.save(i, {"model": model, "optim": optim}), lambda: None)
         ckpt.wait()
@@ -786,6 +820,7 @@ def run_ranks(
             MASTER_PORT=str(port),
             TIERWATCH_AGENT_URL=agent.url,
             GPU_CHECK_SHM=str(shm),
+            GPU_CHECK_AUTHORITY_SEED=authority_seed(),
         )
         cmd = [sys.executable, __file__, "--worker", str(out), "--role", role]
         if dry_run:

@@ -42,13 +42,15 @@ def detach() -> None:
         pass
 
 
-def wait_http(url: str, timeout: float, *, alive: Any) -> bool:
+def wait_http(
+    url: str, timeout: float, *, alive: Any, headers: dict[str, str] | None = None
+) -> bool:
     """Poll ``url`` until it answers 200 (True), or ``alive()`` turns False or ``timeout``
     seconds pass (False)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and alive():
         try:
-            if httpx.get(url, timeout=1).status_code == 200:
+            if httpx.get(url, headers=headers, timeout=1).status_code == 200:
                 return True
         except httpx.HTTPError:
             pass
@@ -133,12 +135,19 @@ class Node:
     argv: list[str]
     env: dict[str, str]
     log_path: Path
+    token: str = ""
     proc: subprocess.Popen[bytes] | None = None
     log: IO[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """``Authorization`` header of the node's agent token (the agent accepts faults and
+        its own info only with it: loopback alone grants nothing)."""
+        return {"Authorization": f"Bearer {self.token}"}
 
     @property
     def running(self) -> bool:
@@ -159,7 +168,9 @@ class Node:
         Raises:
             RuntimeError: it exited or did not answer within ``timeout`` seconds.
         """
-        if not wait_http(f"{self.url}/v1/ckpt/info", timeout, alive=lambda: self.running):
+        if not wait_http(
+            f"{self.url}/v1/ckpt/info", timeout, alive=lambda: self.running, headers=self.auth
+        ):
             raise RuntimeError(
                 f"agent {self.name} exited or did not answer in {timeout:g} s; see {self.log_path}"
             )
@@ -199,7 +210,7 @@ class Node:
             body["gpu"] = gpu
         if value is not None:
             body["value"] = value
-        r = httpx.post(f"{self.url}/v1/inject", json=body, timeout=5)
+        r = httpx.post(f"{self.url}/v1/inject", json=body, headers=self.auth, timeout=5)
         if r.status_code != 200:
             raise RuntimeError(f"agent {self.name} refused {body}: {r.status_code} {r.text}")
         return str(r.json().get("message", fault))
@@ -297,6 +308,10 @@ class Cluster:
             self.peer_token = secrets.token_urlsafe(PEER_TOKEN_BYTES)
         d = self.var / "nodes" / name
         shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        token_file = d / "agent-token"  # not argv: every local user can read argv
+        token_file.write_text(token)
+        token_file.chmod(0o600)
         port = self.agent_port + index
         node = Node(
             name=name,
@@ -305,6 +320,7 @@ class Cluster:
             spool_dir=d / "spool",
             state_dir=d / "state",
             log_path=self.logs / f"{name}.log",
+            token=token,
             argv=[
                 str(BIN / "tierwatch-agent"),
                 "run",
@@ -312,8 +328,8 @@ class Cluster:
                 name,
                 "--server",
                 self.url,
-                "--token",
-                token,
+                "--token-file",
+                str(token_file),
                 "--collector",
                 self.collector,
                 "--interval",
@@ -355,6 +371,22 @@ class Cluster:
             timeout=10,
             **kw,
         )
+
+    def job_credential(self, job_id: str, nodes: list[str]) -> str:
+        """Register ``job_id`` on ``nodes`` (``POST /api/v1/jobs/{job_id}/credential``, as a
+        launcher does) and return the job credential its ranks show their agents.
+
+        Raises:
+            RuntimeError: the server refused (the message says why).
+        """
+        r = self.api(
+            "POST",
+            f"/jobs/{job_id}/credential",
+            json={"nodes": list(dict.fromkeys(nodes)), "world_size": len(nodes)},
+        )
+        if r.status_code != 200:
+            raise RuntimeError(f"cannot register job {job_id}: {r.status_code} {r.text}")
+        return str(r.json()["credential"])
 
     def node_views(self) -> dict[str, dict[str, Any]]:
         """``GET /api/v1/nodes`` by name (state, isolated, last_seen …)."""

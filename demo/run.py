@@ -144,7 +144,11 @@ class Demo:
             "--sdc-signal",
         ]
         self.sup = Supervisor(
-            self.cluster, world_size=WORLD, train_args=self.train_args, standby=args.standby
+            self.cluster,
+            world_size=WORLD,
+            train_args=self.train_args,
+            standby=args.standby,
+            job_id=JOB,
         )
         self.rng = random.Random(args.seed)
         self.records: list[FailureRecord] = []

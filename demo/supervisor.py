@@ -11,6 +11,7 @@ health engine and the auto-isolation policy) to say so.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -118,8 +119,10 @@ class Supervisor:
         train_args: list[str],
         verdict_timeout_s: float = 30.0,
         standby: bool = True,
+        job_id: str = "demo-gpt",
     ) -> None:
         self.cluster = cluster
+        self.job_id = job_id
         self.world_size = world_size
         self.train_args = train_args
         self.verdict_timeout_s = verdict_timeout_s
@@ -138,6 +141,9 @@ class Supervisor:
             where = ["--standby", str(self.standby_go), "--nnodes", str(self.world_size)]
         else:
             where = [f"--node={n}={self.cluster.nodes[n].url}" for n in nodes]
+        env = dict(os.environ)
+        if nodes is not None:  # the job's own (re)start registers it on its nodes
+            env["TIERWATCH_JOB_CREDENTIAL"] = self.cluster.job_credential(self.job_id, nodes)
         log = open(self.cluster.logs / "train.log", "ab")  # noqa: SIM115 - closed by Job.stop
         proc = subprocess.Popen(
             [
@@ -153,6 +159,7 @@ class Supervisor:
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=str(self.cluster.var),
+            env=env,
             preexec_fn=detach,
         )
         return Job(nodes or [], proc, ranks_file, time.time(), log)
@@ -169,8 +176,17 @@ class Supervisor:
         job, go = self.standby, self.standby_go
         self.standby = self.standby_go = None
         if job is not None and go is not None and job.running:
+            credential = self.cluster.job_credential(self.job_id, layout)
             tmp = go.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"nodes": [[n, self.cluster.nodes[n].url] for n in layout]}))
+            tmp.touch(mode=0o600)
+            tmp.write_text(
+                json.dumps(
+                    {
+                        "nodes": [[n, self.cluster.nodes[n].url] for n in layout],
+                        "credential": credential,
+                    }
+                )
+            )
             tmp.replace(go)
             job.layout, job.started = list(layout), time.time()
             return job

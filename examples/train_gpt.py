@@ -164,7 +164,8 @@ def digest(obj: object) -> str:
 def wait_for_go(path: str) -> None:
     """A standby rank (``examples/launch.py --standby``): its libraries are imported; wait
     until the supervisor's go file names the nodes, then take this rank's node
-    (``nodes[RANK // LOCAL_WORLD_SIZE]``) as ``TIERWATCH_NODE`` / ``TIERWATCH_AGENT_URL``.
+    (``nodes[RANK // LOCAL_WORLD_SIZE]``) as ``TIERWATCH_NODE`` / ``TIERWATCH_AGENT_URL``, and
+    the job credential the supervisor registered for them as ``TIERWATCH_JOB_CREDENTIAL``.
 
     Raises:
         SystemExit: the go file does not name this rank's node.
@@ -172,7 +173,10 @@ def wait_for_go(path: str) -> None:
     while not os.path.exists(path):
         time.sleep(0.02)
     with open(path) as f:
-        nodes = json.load(f).get("nodes", [])
+        go = json.load(f)
+    nodes = go.get("nodes", [])
+    if go.get("credential"):  # the job registered on these nodes: its credential
+        os.environ["TIERWATCH_JOB_CREDENTIAL"] = go["credential"]
     index = int(os.environ["RANK"]) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if index >= len(nodes):
         raise SystemExit(

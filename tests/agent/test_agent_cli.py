@@ -42,11 +42,15 @@ def sim_agent(receiver, tmp_path):
 
 
 def test_inject_ok(sim_agent, receiver):
-    result = runner.invoke(app, ["inject", "--agent", sim_agent, "xid", "79", "--gpu", "3"])
+    result = runner.invoke(
+        app, ["inject", "--token", TOKEN, "--agent", sim_agent, "xid", "79", "--gpu", "3"]
+    )
     assert result.exit_code == 0, result.output
     assert "XID 79 on GPU 3" in result.output
     wait_until(lambda: any(b.xids for b in receiver.stored()), what="XID batch")
-    result = runner.invoke(app, ["inject", "--agent", sim_agent, "temp", "95", "--gpu", "1"])
+    result = runner.invoke(
+        app, ["inject", "--token", TOKEN, "--agent", sim_agent, "temp", "95", "--gpu", "1"]
+    )
     assert result.exit_code == 0, result.output
 
 
@@ -59,7 +63,7 @@ def test_inject_ok(sim_agent, receiver):
     ],
 )
 def test_inject_refused_input(sim_agent, args, needle):
-    result = runner.invoke(app, ["inject", "--agent", sim_agent, *args])
+    result = runner.invoke(app, ["inject", "--token", TOKEN, "--agent", sim_agent, *args])
     assert result.exit_code == EXIT_REFUSED
     assert "refused (HTTP 422)" in result.output
     assert needle in result.output
@@ -70,7 +74,15 @@ def test_inject_refused_on_real_collector(receiver, tmp_path):
     runtime = _agent(receiver, tmp_path, collector)
     try:
         result = runner.invoke(
-            app, ["inject", "--agent", f"http://127.0.0.1:{runtime.api_port}", "thermal"]
+            app,
+            [
+                "inject",
+                "--token",
+                TOKEN,
+                "--agent",
+                f"http://127.0.0.1:{runtime.api_port}",
+                "thermal",
+            ],
         )
     finally:
         runtime.shutdown()
@@ -79,9 +91,24 @@ def test_inject_refused_on_real_collector(receiver, tmp_path):
     assert "--collector simulated" in result.output
 
 
+def test_inject_without_the_agent_token_is_a_usage_error(sim_agent, tmp_path):
+    result = runner.invoke(app, ["inject", "--agent", sim_agent, "clear"], env={})
+    assert result.exit_code == 2
+    assert "only with its agent token" in result.output
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    ok = runner.invoke(
+        app, ["inject", "--token-file", str(token_file), "--agent", sim_agent, "clear"], env={}
+    )
+    assert ok.exit_code == 0, ok.output
+
+
 def test_inject_unreachable():
     port = free_port()
-    result = runner.invoke(app, ["inject", "--agent", f"http://127.0.0.1:{port}", "clear"])
+    result = runner.invoke(
+        app, ["inject", "--token", TOKEN, "--agent", f"http://127.0.0.1:{port}", "clear"]
+    )
     assert result.exit_code == EXIT_UNREACHABLE
     assert "cannot reach the agent" in result.output
 
@@ -155,7 +182,9 @@ def test_run_process_reports_and_exits_0_on_sigterm(receiver, tmp_path):
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 def test_inject_refuses_non_finite_values_without_a_traceback(value):
-    result = runner.invoke(app, ["inject", "--agent", "http://127.0.0.1:9", "temp", "--", value])
+    result = runner.invoke(
+        app, ["inject", "--token", TOKEN, "--agent", "http://127.0.0.1:9", "temp", "--", value]
+    )
     assert result.exit_code == EXIT_USAGE
     assert "finite number" in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)

@@ -9,10 +9,8 @@ these unit tests only.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
-import os
 import queue
 import threading
 import types
@@ -22,41 +20,21 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from procs import wait_for
 from pydantic import ValidationError
 
-from tierwatch.agent.credentials import issue_job_credential, jwks
+from tierwatch.agent.credentials import LocalAuthority
 from tierwatch.agent.protocol import ReportAck, ReportBatch
 
 TOKEN = "test-agent-token"
 
 
-class TestAuthority:
+class TestAuthority(LocalAuthority):
     """The server's credential signing key, for tests whose control plane is a
     :class:`Receiver`: it serves :meth:`jwks` as ``GET /api/v1/credentials/public-keys`` and
-    :meth:`job_credential` signs what ``POST /api/v1/jobs/{job}/credential`` would return
-    (same code: :func:`tierwatch.agent.credentials.issue_job_credential`)."""
+    :meth:`job_credential` signs what ``POST /api/v1/jobs/{job}/credential`` would return."""
 
     __test__ = False  # not a test class
-
-    def __init__(self, kid: str = "test-key", seed: bytes | None = None) -> None:
-        self.kid = kid
-        # a seeded authority is the same in every process (the test, its ranks, xdist workers)
-        self.key = (
-            Ed25519PrivateKey.from_private_bytes(hashlib.sha256(seed).digest())
-            if seed is not None
-            else Ed25519PrivateKey.generate()
-        )
-        self.job_secret = hashlib.sha256(b"job secret " + seed).digest() if seed else os.urandom(32)
-
-    def jwks(self) -> dict[str, Any]:
-        return jwks([(self.kid, self.key.public_key())])
-
-    def job_credential(self, job_id: str, ttl_s: float = 3600.0) -> str:
-        return issue_job_credential(
-            self.key, kid=self.kid, job_secret_key=self.job_secret, job_id=job_id, ttl_s=ttl_s
-        )[0]
 
     def job_auth(self, job_id: str) -> dict[str, str]:
         """``Authorization`` header of a rank of ``job_id``."""
@@ -64,7 +42,7 @@ class TestAuthority:
 
 
 #: One authority per test process; every Receiver serves its keys.
-AUTHORITY = TestAuthority(seed=b"tierwatch test authority")
+AUTHORITY = TestAuthority(kid="test-key", seed=b"tierwatch test authority")
 #: The ``Authorization`` header of the node's agent token (TOKEN).
 NODE_AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
