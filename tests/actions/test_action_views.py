@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
-from support import auth, make_batch, post_batch
+from support import auth, make_batch, post_batch, register_job
 from web_support import csrf_from, sign_in
 
 from tierwatch.agent.protocol import CheckpointEvent, JobProgress, ReportBatch, utcnow
@@ -96,6 +96,7 @@ def test_form_without_csrf_token_is_refused(signed_in, node):
 
 
 def _job(client, make_token) -> str:
+    register_job(client, "llm", ["gpu-07"])
     tok = make_token("agent", "gpu-07")
     ev = [
         CheckpointEvent(

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 from fastapi.testclient import TestClient
-from support import auth, post_batch
+from support import auth, post_batch, register_job
 
 from tierwatch.agent.protocol import (
     CheckpointEvent,
@@ -59,6 +59,7 @@ def committed(step: int, tier: str, rank: int | None) -> CheckpointEvent:
 
 def run_job(agents: Agents) -> None:
     """A 2-rank job on n1/n2: steps 10 and 20 in memory, 10 in persistent, at step 25."""
+    register_job(agents.client, JOB, LAYOUT)  # the layout comes from rank 0's report
     agents.post(
         "n1",
         progress=[

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 from fastapi.testclient import TestClient
-from support import auth, make_batch, post_batch
+from support import auth, make_batch, post_batch, register_job
 
 from tierwatch.agent.protocol import CheckpointEvent, JobProgress, ReportBatch, utcnow
 from tierwatch.server.actions import policy
@@ -135,7 +135,8 @@ def test_unreachable_node_is_isolated_after_the_limit(env):
 
 
 def test_policy_restores_the_jobs_of_an_isolated_node(env):
-    _, report, run, app = env
+    client, report, run, app = env
+    register_job(client, "gpt", ["n1", "n2"])
     report("n1")
     report("n2")
     ev = [
@@ -152,13 +153,14 @@ def test_policy_restores_the_jobs_of_an_isolated_node(env):
     ]
     report(
         "n1",
-        checkpoint_events=ev,
+        checkpoint_events=ev[:1],
         progress=[
             JobProgress(
                 job_id="gpt", rank=0, world_size=2, step=25, ts=utcnow(), layout=["n1", "n2"]
             )
         ],
     )
+    report("n2", checkpoint_events=ev[1:])
     report("n1", xid=79)
     out = run()
     assert out.isolated == ["n1"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from support import post_batch
+from support import post_batch, register_job
 
 from tierwatch.agent.protocol import (
     CheckpointEvent,
@@ -26,6 +26,7 @@ def report(client, token, seq, **content):
 
 
 def scripted_job(client, token):
+    register_job(client, JOB, ["n1"])
     t0 = utcnow() - timedelta(minutes=3)
     report(
         client,

@@ -27,7 +27,7 @@ import subprocess
 from datetime import timedelta
 
 import pytest
-from support import auth, post_batch
+from support import auth, post_batch, register_job
 
 from tierwatch.agent.protocol import (
     CheckpointEvent,
@@ -205,6 +205,7 @@ def run_script(agents: Agents) -> None:
 
 @pytest.fixture
 def scripted(client, make_token):
+    register_job(client, JOB, ["n1", "n2"])  # its layout comes from rank 0's reports
     agents = Agents(client, make_token)
     run_script(agents)
     return agents, make_token("viewer")
@@ -359,6 +360,7 @@ def test_job_list_shows_worst_lag(client, scripted):
 
 
 def test_job_with_no_committed_step_has_everything_at_risk(client, make_token):
+    register_job(client, "fresh", ["n1"])
     agents = Agents(client, make_token)
     agents.post(
         "n1",
@@ -376,6 +378,7 @@ def test_job_with_no_committed_step_has_everything_at_risk(client, make_token):
 
 def test_world_size_learned_later_completes_the_step(client, make_token):
     """Commits that name no world size complete once progress tells the world size."""
+    register_job(client, "late-ws", ["n1"])
     agents = Agents(client, make_token)
     viewer = make_token("viewer")
     bare = [

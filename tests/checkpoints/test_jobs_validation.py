@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from support import auth, post_batch
+from support import auth, post_batch, register_job
 
 from tierwatch.agent.protocol import CheckpointEvent, JobProgress, ReportBatch, utcnow
 
@@ -54,6 +54,7 @@ def good_batch(seq: int) -> ReportBatch:
 
 @pytest.fixture
 def stored(client, make_token):
+    register_job(client, JOB, ["n1"])
     agent, viewer = make_token("agent", "n1"), make_token("viewer")
     assert post_batch(client, agent, good_batch(1)).status_code == 200
     before = client.get(f"/api/v1/jobs/{JOB}", headers=auth(viewer)).json()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from sqlalchemy import select
-from support import auth, post_batch
+from support import auth, post_batch, register_job
 
 from tierwatch.agent.protocol import (
     CheckpointEvent,
@@ -36,9 +36,11 @@ def at(seconds: float):
 
 
 class Agents:
-    """n1 and n2 posting report batches with their own tokens and sequence numbers."""
+    """n1 and n2 posting report batches with their own tokens and sequence numbers, for
+    :data:`JOB`, registered on both (its layout comes from rank 0's reports)."""
 
     def __init__(self, client, make_token):
+        register_job(client, JOB, ["n1", "n2"])
         self.client = client
         self.tokens = {n: make_token("agent", n) for n in ("n1", "n2")}
         self.seq = dict.fromkeys(self.tokens, 0)
@@ -206,8 +208,9 @@ def test_prune_keeps_the_newest_committed_step_after_its_eviction(client, make_t
 
 def test_a_refused_start_does_not_rewrite_the_jobs_world_size_or_layout(client, make_token):
     """Rank 0 of a 1-rank start announces itself (``starting``) before its restore refuses
-    the 2-rank job's steps: the server keeps world size 2 and its layout. The first save of
-    an accepted start changes them."""
+    the 2-rank job's steps. Unregistered, the start is refused for its world size (pinned at
+    2 by the layout); registered again (as a restart is), the announcement changes neither
+    world size nor layout, and the first save of the accepted start sets both."""
     agents, viewer = Agents(client, make_token), make_token("viewer")
     agents.post("n1", progress=[progress(0, 3, layout=["n1", "n2"])])
     start = JobProgress(
@@ -222,19 +225,24 @@ def test_a_refused_start_does_not_rewrite_the_jobs_world_size_or_layout(client, 
         ok=False,
         message="job_id 'fast' holds steps saved at world_size 2 (newest step 3)",
     )
+
+    def job(job_id=JOB) -> tuple:
+        out = client.get(f"/api/v1/jobs/{job_id}", headers=auth(viewer)).json()
+        return out["world_size"], out["layout"], len(out["restores"])
+
     agents.post("n1", progress=[start], restores=[refused])
-    job = client.get(f"/api/v1/jobs/{JOB}", headers=auth(viewer)).json()
-    assert (job["world_size"], job["layout"]) == (2, ["n1", "n2"])
+    assert job() == (2, ["n1", "n2"], 0)  # refused: the layout pins world size 2
+    register_job(client, JOB, ["n1"])  # the 1-rank restart registers again
+    agents.post("n1", progress=[start], restores=[refused])
+    assert job() == (2, None, 1)  # its world size stays; the layout waits for the first save
     # a new job takes its world size and layout from the announcement
-    fresh = start.model_copy(update={"job_id": "fresh"})
-    agents.post("n1", progress=[fresh])
-    job = client.get("/api/v1/jobs/fresh", headers=auth(viewer)).json()
-    assert (job["world_size"], job["layout"]) == (1, ["n1"])
+    register_job(client, "fresh", ["n1"])
+    agents.post("n1", progress=[start.model_copy(update={"job_id": "fresh"})])
+    assert job("fresh") == (1, ["n1"], 0)
     # an accepted start's first save reports the new world size and layout
     first = JobProgress(job_id=JOB, rank=0, world_size=1, step=0, ts=at(6.0), layout=["n1"])
     agents.post("n1", progress=[first])
-    job = client.get(f"/api/v1/jobs/{JOB}", headers=auth(viewer)).json()
-    assert (job["world_size"], job["layout"]) == (1, ["n1"])
+    assert job() == (1, ["n1"], 1)
 
 
 def test_the_layout_of_a_start_survives_another_nodes_newer_report_arriving_first(

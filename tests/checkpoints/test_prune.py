@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from sqlalchemy import func, select
-from support import auth, post_batch
+from support import auth, post_batch, register_job
 
 from tierwatch.agent.protocol import CheckpointEvent, JobProgress, ReportBatch, utcnow
 from tierwatch.server.checkpoints.models import CheckpointEventRow, LedgerRow, ProgressRow
@@ -13,6 +13,7 @@ from tierwatch.server.fleet import service as fleet_service
 
 
 def test_prune_keeps_the_newest_committed_step(client, make_token, session):
+    register_job(client, "j", ["n1"])
     agent, viewer = make_token("agent", "n1"), make_token("viewer")
     ts = utcnow() - timedelta(hours=2)
     for seq, step in enumerate((10, 20), start=1):

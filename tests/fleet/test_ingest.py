@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from sqlalchemy import func, select
-from support import auth, make_batch, post_batch
+from support import auth, make_batch, post_batch, register_job
 
 from tierwatch.agent.protocol import LatencySample, utcnow
 from tierwatch.server.fleet import service
@@ -165,6 +165,7 @@ def test_stale_telemetry_is_degraded(client, make_token):
 
 def test_straggler_rank_is_degraded(client, make_token):
     tokens = {f"n{i}": make_token("agent", f"n{i}") for i in range(4)}
+    register_job(client, "llm", list(tokens), layout=list(tokens))  # rank i on node n<i>
     viewer = make_token("viewer")
     for step in range(3):
         for i, (name, token) in enumerate(tokens.items()):
