@@ -30,6 +30,7 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tierwatch.agent.checkpoint.format.layout import METADATA, check_file_name
+from tierwatch.agent.fsutil import UnsafePathError, open_regular
 
 CHUNK = 4 * 1024 * 1024
 CHECKSUM_ALGO = "xxh3_64"
@@ -228,30 +229,39 @@ def read_commit(data: bytes | str, *, where: str = "commit marker") -> CommitMar
         raise ManifestError(f"{where}: not a valid commit marker ({exc})") from None
 
 
-def load_manifest(path: Path) -> Manifest:
-    """Read and parse ``path``.
+def _read_regular(path: Path) -> bytes:
+    """The bytes of ``path``, a regular file opened without following a symbolic link (so a
+    link planted in a step folder never makes another file's content part of an error
+    message or event).
 
     Raises:
-        ManifestError: unreadable or invalid (the message names the path).
+        ManifestError: a link, not a regular file, or unreadable (names the path).
     """
     try:
-        data = path.read_bytes()
+        with open_regular(path) as f:
+            return f.read()
+    except UnsafePathError as exc:
+        raise ManifestError(str(exc)) from None
     except OSError as exc:
         raise ManifestError(f"{path}: unreadable ({exc})") from None
-    return read_manifest(data, where=str(path))
+
+
+def load_manifest(path: Path) -> Manifest:
+    """Read and parse ``path`` (a regular file, never through a link).
+
+    Raises:
+        ManifestError: unreadable, a link or invalid (the message names the path).
+    """
+    return read_manifest(_read_regular(path), where=str(path))
 
 
 def load_commit(path: Path) -> CommitMarker:
-    """Read and parse a commit marker.
+    """Read and parse a commit marker (a regular file, never through a link).
 
     Raises:
-        ManifestError: unreadable or invalid.
+        ManifestError: unreadable, a link or invalid.
     """
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ManifestError(f"{path}: unreadable ({exc})") from None
-    return read_commit(data, where=str(path))
+    return read_commit(_read_regular(path), where=str(path))
 
 
 def missing_ranks(manifests: Iterable[Manifest], world_size: int) -> list[int]:

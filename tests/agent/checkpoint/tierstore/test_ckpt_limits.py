@@ -40,8 +40,8 @@ from tierwatch.agent.checkpoint.format.layout import (
     manifest_name,
     shard_name,
 )
-from tierwatch.agent.checkpoint.format.manifest import CommitMarker, make_manifest
-from tierwatch.agent.checkpoint.tierstore.persister import PersistentTier
+from tierwatch.agent.checkpoint.format.manifest import CommitMarker, FileEntry, make_manifest
+from tierwatch.agent.checkpoint.tierstore.persister import PersistentError, PersistentTier
 from tierwatch.agent.checkpoint.tierstore.replicator import PeerClient, PeerError
 from tierwatch.agent.checkpoint.tierstore.restore_staging import RestoreStager, StageRequest
 from tierwatch.agent.checkpoint.tierstore.store import UPLOAD_TMP_PREFIX, MemoryStore, StoreError
@@ -396,6 +396,26 @@ def test_a_linked_folder_is_not_served(tmp_path: Path, linked: str) -> None:
         assert "a symbolic link" in exc.value.message
 
 
+def test_the_persistent_tier_uploads_no_link_and_no_file_of_another_size(tmp_path: Path) -> None:
+    store, secret = planted(tmp_path)
+    tier = PersistentTier(f"file://{tmp_path / 'persistent'}")
+    d = store.layout.step_dir(JOB, 1)
+    (d / shard_name(1)).symlink_to(secret)
+    entry = FileEntry(
+        name=shard_name(1), size=secret.stat().st_size, xxh3=xxh3_of(secret.read_bytes())
+    )
+    with pytest.raises(PersistentError, match="a symbolic link"):
+        tier.put_file(d / shard_name(1), JOB, 1, shard_name(1), expect=entry, root=store.root)
+    with pytest.raises(PersistentError, match="a symbolic link"):  # without the root too
+        tier.put_file(d / shard_name(1), JOB, 1, shard_name(1), expect=entry)
+    wrong = FileEntry(name=shard_name(0), size=3, xxh3="0" * 16)
+    with pytest.raises(PersistentError, match="7 bytes, the manifest says 3 bytes; not uploaded"):
+        tier.put_file(d / shard_name(0), JOB, 1, shard_name(0), expect=wrong, root=store.root)
+    assert not (tmp_path / "persistent").exists() or not [
+        p for p in (tmp_path / "persistent").rglob("*") if p.is_file()
+    ]
+
+
 # -- with real agents ---------------------------------------------------------------------
 def commit(memory_dir: Path, step: int, layout: list[str], peer_urls: dict[str, str]) -> None:
     """Write rank 0's manifest (read through whatever the files are) and commit marker."""
@@ -496,6 +516,27 @@ def test_a_linked_step_or_job_folder_is_neither_pushed_nor_persisted(
     nothing_left_node_a(b, persistent_dir, secret)
     # nothing was written into the linked folder either (no .tier-0.json progress)
     assert not (MemoryLayout(outside).step_dir(JOB, 1) / ".tier-0.json").exists()
+
+
+def test_a_linked_commit_marker_is_not_read_into_an_event(make_agent, receiver, tmp_path):
+    a, b, layout, peers = two_agents(make_agent)
+    secret = tmp_path / "shadow"
+    secret.write_bytes(b"root:SECRET-HASH:19000:0:99999:7:::\n")
+    write_step(a.memory_dir, job_id=JOB, step=1, node="node-a", layout=layout, commit=False)
+    (a.step_dir(JOB, 1) / commit_name(0)).symlink_to(secret)
+    a.notify(JOB, 1)
+    ev = wait_event(
+        receiver,
+        node="node-a",
+        job_id=JOB,
+        step=1,
+        kind="failed",
+        contains="unreadable commit marker",
+        agent=a,
+    )
+    assert "a symbolic link" in ev.message
+    assert "SECRET" not in ev.message  # a parse error would have quoted the file's start
+    assert not [p for p in (b.memory_dir / "replicas").rglob("*") if p.is_file()]
 
 
 def test_served_files_are_regular_files_reached_without_links(make_agent, tmp_path):
