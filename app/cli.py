@@ -139,43 +139,69 @@ def token_create(
     role: Annotated[str, typer.Option(help="viewer | operator | admin | agent")],
     node: Annotated[str | None, typer.Option(help="node an agent token reports for")] = None,
     label: Annotated[str, typer.Option(help="free text to recognise the token by")] = "",
+    expires_in: Annotated[
+        str | None,
+        typer.Option(
+            help="the token stops working after this long: seconds, or a number with a unit "
+            "(90m, 12h, 30d, 2w); default: never"
+        ),
+    ] = None,
 ) -> None:
     """Create a token and print it (only its hash is stored: it cannot be shown again)."""
     from tierwatch.server.db import session_scope
-    from tierwatch.server.tokens import TokenError, create_token
+    from tierwatch.server.tokens import TokenError, create_token, parse_duration
 
     try:
+        expires_in_s = None if expires_in is None else parse_duration(expires_in)
         with session_scope(_sessionmaker()) as session:
-            plaintext, row = create_token(session, role=role, node=node, label=label)
+            plaintext, row = create_token(
+                session, role=role, node=node, label=label, expires_in_s=expires_in_s
+            )
             token_id = row.id
+            expires_at = row.expires_at
             _audit_cli(
-                session, "token_create", str(token_id), {"role": role, "node": node, "label": label}
+                session,
+                "token_create",
+                str(token_id),
+                {
+                    "role": role,
+                    "node": node,
+                    "label": label,
+                    "expires_at": expires_at.isoformat() if expires_at else None,
+                },
             )
     except TokenError as exc:
         _err(f"error: {exc}")
         raise typer.Exit(2) from exc
-    _err(f"created {role} token id {token_id}" + (f" for node {node}" if node else ""))
+    _err(
+        f"created {role} token id {token_id}"
+        + (f" for node {node}" if node else "")
+        + (f", expires {expires_at.isoformat()}" if expires_at else "")
+    )
     typer.echo(plaintext)
 
 
 @token_app.command("list")
 def token_list() -> None:
-    """List tokens (ids, roles, nodes; never the tokens themselves)."""
+    """List tokens, tab-separated: id, role, node, status (active | revoked | expired),
+    created, expires (- for never), label; never the tokens themselves."""
+    from tierwatch.agent.protocol import utcnow
     from tierwatch.server.tokens import list_tokens
 
+    now = utcnow()
     with _sessionmaker()() as session:
         for t in list_tokens(session):
-            status = "revoked" if t.revoked_at else "active"
+            expires = t.expires_at.isoformat() if t.expires_at else "-"
             typer.echo(
-                f"{t.id}\t{t.role}\t{t.node_name or '-'}\t{status}\t"
-                f"{t.created_at.isoformat()}\t{t.label}"
+                f"{t.id}\t{t.role}\t{t.node_name or '-'}\t{t.status(now)}\t"
+                f"{t.created_at.isoformat()}\t{expires}\t{t.label}"
             )
 
 
 @token_app.command("revoke")
 def token_revoke(token_id: Annotated[int, typer.Argument(help="id from `token list`")]) -> None:
-    """Revoke a token: state-changing requests refuse it at once; reads (and agent reports)
-    within TIERWATCH_TOKEN_CACHE_S."""
+    """Revoke a token: its dashboard sessions end and state-changing requests refuse it at
+    once; reads (and agent reports) within TIERWATCH_TOKEN_CACHE_S."""
     from tierwatch.server.db import session_scope
     from tierwatch.server.tokens import TokenError, revoke_token
 

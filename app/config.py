@@ -34,7 +34,8 @@ class Settings(BaseSettings):
         database_url: SQLAlchemy URL, ``sqlite:///path/to/file.db`` (default, relative to the
             working directory) or ``postgresql+psycopg://user@host:5432/db``.
         secret_key: signs dashboard session cookies; required unless ``dev`` is set.
-        dev: development mode (allows running without a secret key).
+        dev: development mode (allows running without a secret key; the session cookie
+            is not marked ``Secure`` unless ``session_cookie_secure`` says so).
         sample_retention_s: raw GPU samples, latency samples and report receipts older than
             this are pruned (seconds; default 24 h).
         event_retention_s: events (XIDs, state changes) older than this are pruned (seconds).
@@ -56,6 +57,12 @@ class Settings(BaseSettings):
         isolation: the isolation driver (``TIERWATCH_ISOLATION__DRIVER=none|command|slurm|
             kubernetes``; see ``tierwatch.server.actions.drivers``).
         commands: the command queue (``TIERWATCH_COMMANDS__TTL_S`` …).
+        session_ttl_s: how long a dashboard sign-in lasts (seconds; default 12 h). Absolute,
+            counted from the sign-in (an open dashboard polls, so an idle timeout would never
+            end it); signing out, revoking the token or its expiry end it sooner.
+        session_cookie_secure: mark the session cookie ``Secure`` (sent over HTTPS only).
+            None (default): on outside dev mode, off in dev mode. Set it off only for a
+            dashboard served over plain HTTP on a network you trust.
         policy: the auto-isolation policy (``TIERWATCH_POLICY__ENABLED`` …).
         job_credential_ttl_s: lifetime of a job credential when its registration gives none
             (seconds; default 30 days, 60 s to 366 days; see docs/security.md).
@@ -90,6 +97,8 @@ class Settings(BaseSettings):
     policy: PolicySettings = PolicySettings()
     job_credential_ttl_s: Annotated[float, Field(ge=MIN_TTL_S, le=MAX_TTL_S)] = 30 * 24 * 3600.0
     alerts: AlertSettings = AlertSettings()
+    session_ttl_s: Annotated[float, Field(gt=0, le=366 * 24 * 3600)] = 12 * 3600.0
+    session_cookie_secure: bool | None = None
     demo_report: Path | None = None
 
     @field_validator("demo_report", mode="before")
@@ -128,4 +137,12 @@ class Settings(BaseSettings):
 @lru_cache
 def get_settings() -> Settings:
     """Settings from the environment, read once per process."""
+    @property
+    def cookie_secure(self) -> bool:
+        """Whether the session cookie is marked ``Secure``: ``session_cookie_secure``, or,
+        when that is unset, outside dev mode."""
+        if self.session_cookie_secure is None:
+            return not self.dev
+        return self.session_cookie_secure
+
     return Settings()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -36,8 +37,14 @@ from tierwatch.server.ingest import api as ingest_api
 from tierwatch.server.ingest.writer import IngestWriter
 from tierwatch.server.metrics import make_registry
 from tierwatch.server.resources import resource_dir
-from tierwatch.server.security import LoginLimiter, TokenResolver, principal_from_request
+from tierwatch.server.security import (
+    LoginLimiter,
+    TokenResolver,
+    principal_from_request,
+    role_refusal,
+)
 from tierwatch.server.web import signin
+from tierwatch.server.web.csrf import SESSION_COOKIE
 
 log = logging.getLogger("tierwatch.server")
 
@@ -185,12 +192,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.login_limiter = LoginLimiter(settings.login_attempts, settings.login_window_s)
 
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    # The cookie holds the CSRF token, flash messages and, once signed in, an opaque session
+    # id (web/sessions.py), never a token. Secure outside dev mode (settings.cookie_secure).
     app.add_middleware(
         SessionMiddleware,
         secret_key=settings.session_secret,
-        session_cookie="tierwatch_session",
+        session_cookie=SESSION_COOKIE,
         same_site="lax",
-        max_age=12 * 3600,
+        max_age=max(1, math.ceil(settings.session_ttl_s)),
+        https_only=settings.cookie_secure,
     )
     # Level 5: most of level 9's ratio on JSON/HTML at a fraction of its CPU (the node list
     # of a 2,048-node cluster is ~11 MB before compression).
@@ -226,8 +236,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/metrics", include_in_schema=False)
     def metrics(request: Request) -> Response:
         if settings.metrics_require_token:
-            if principal_from_request(request) is None:
+            principal = principal_from_request(request)
+            if principal is None:
                 return PlainTextResponse("authentication required", status_code=401)
+            if not principal.has_role("viewer"):
+                return PlainTextResponse(role_refusal(principal.role, "viewer"), status_code=403)
         return Response(generate_latest(app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -2,6 +2,11 @@
 
 Routes declare what they need with the ``Annotated`` aliases at the bottom
 (``ReaderDep``, ``AgentDep``, ``OperatorDep``…), so a new role check is one alias.
+Agent tokens may only report (``AgentDep``): every read (``ReaderDep``) needs a viewer,
+operator or admin token, and refuses an agent token with 403.
+
+The dashboard's cookie holds an opaque session id (:mod:`tierwatch.server.web.sessions`),
+never a token: each request made with it looks the session up in the database.
 """
 
 from __future__ import annotations
@@ -21,12 +26,19 @@ from sqlalchemy import Engine, Row, event, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from tierwatch.server.tokens import REVOKED_HASHES_KEY, ApiToken, hash_token
+from tierwatch.agent.protocol import utcnow
+from tierwatch.server.tokens import REVOKED_HASHES_KEY, ApiToken, hash_token, is_expired
 from tierwatch.server.web.csrf import CsrfError, verify_csrf
+from tierwatch.server.web.sessions import WebSession, hash_session_id
 
 ROLE_RANK = {"viewer": 1, "operator": 2, "admin": 3}
-SESSION_TOKEN_KEY = "token"
+#: The signed cookie's key for the dashboard session id (see web/sessions.py).
+SESSION_ID_KEY = "sid"
+#: Where cookies from before server-side sessions kept the plaintext token: dropped on sight.
+LEGACY_SESSION_TOKEN_KEY = "token"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+#: What an agent token is for: the refusal of everything else names it.
+AGENT_ONLY = "agent tokens may only report for their own node (POST /api/v1/ingest/report)"
 
 
 @dataclass(frozen=True)
@@ -74,7 +86,8 @@ def _bearer(request: Request) -> str | None:
 
 
 class TokenResolver:
-    """Resolves tokens to (id, role, node), remembering live tokens for ``ttl_s`` seconds.
+    """Resolves tokens to (id, role, node, expires_at), remembering live tokens for ``ttl_s``
+    seconds, and dashboard session ids to the same (never cached).
 
     Each lookup is one indexed Core query on a connection held only for that query, so a
     request never keeps a pooled connection while it waits (e.g. for the ingest writer):
@@ -87,6 +100,12 @@ class TokenResolver:
     cannot reach this cache: state-changing requests by people are therefore always checked
     against the database (see :func:`_cached_row`), and reads with a revoked token
     stop within ``ttl_s`` (0 disables the cache).
+
+    Expiry: a cached row carries the token's ``expires_at``, which :func:`_principal` checks
+    on every request, so the cache never accepts a token past its expiry.
+
+    Sessions: :meth:`lookup_session` always asks the database, so signing out, a
+    revocation or an expiry ends a session at once in every process.
     """
 
     MAX_ENTRIES = 100_000
@@ -101,12 +120,14 @@ class TokenResolver:
         _RESOLVERS.add(self)
 
     def cached(self, token: str) -> Row[Any] | None:
-        """The remembered ``(id, role, node_name)`` of ``token``, or None (not cached)."""
+        """The remembered ``(id, role, node_name, expires_at)`` of ``token``, or None (not
+        cached)."""
         hit = self._cache.get(hash_token(token))
         return hit[1] if hit is not None and hit[0] > time.monotonic() else None
 
     def lookup(self, token: str, *, fresh: bool = False) -> Row[Any] | None:
-        """``(id, role, node_name)`` of the live token ``token``, or None (unknown/revoked).
+        """``(id, role, node_name, expires_at)`` of the unrevoked token ``token``, or None
+        (unknown/revoked). An expired token is returned (its caller refuses it, saying so).
 
         Blocking (may query the database); the cache answers when it can, unless ``fresh``
         (then the database always does, and the cache is refreshed from its answer).
@@ -120,7 +141,7 @@ class TokenResolver:
         generation = self._generation
         with self._engine.connect() as conn:
             row = conn.execute(
-                select(ApiToken.id, ApiToken.role, ApiToken.node_name).where(
+                select(ApiToken.id, ApiToken.role, ApiToken.node_name, ApiToken.expires_at).where(
                     ApiToken.token_hash == key, ApiToken.revoked_at.is_(None)
                 )
             ).first()
@@ -132,6 +153,24 @@ class TokenResolver:
                     self._cache.clear()
                 self._cache[key] = (now + self._ttl_s, row)
         return row
+
+    def lookup_session(self, session_id: str) -> Row[Any] | None:
+        """``(id, role, node_name, expires_at)`` of the token of the live dashboard session
+        ``session_id``, or None (unknown, signed out, expired, or its token revoked or
+        expired). Blocking: one indexed query, never cached.
+        """
+        now = utcnow()
+        with self._engine.connect() as conn:
+            return conn.execute(
+                select(ApiToken.id, ApiToken.role, ApiToken.node_name, ApiToken.expires_at)
+                .join(WebSession, WebSession.token_id == ApiToken.id)
+                .where(
+                    WebSession.id_hash == hash_session_id(session_id),
+                    WebSession.expires_at > now,
+                    ApiToken.revoked_at.is_(None),
+                    ApiToken.expires_at.is_(None) | (ApiToken.expires_at > now),
+                )
+            ).first()
 
     def forget(self, token_hashes: Iterable[str] | None = None) -> None:
         """Drop the cached tokens with these SHA-256 hashes (all of them for None), e.g.
@@ -164,12 +203,20 @@ def _keep_unrevoked_tokens(session: Session) -> None:
 
 
 def _credentials(request: Request) -> tuple[str, str] | None:
-    """(token, "bearer" | "session") from the request, or None when it carries none."""
+    """(token, "bearer") or (session id, "session") from the request, or None when it
+    carries neither."""
     token = _bearer(request)
     if token is not None:
         return token, "bearer"
-    token = request.session.get(SESSION_TOKEN_KEY) if "session" in request.scope else None
-    return (token, "session") if token else None
+    if "session" not in request.scope:
+        return None
+    if LEGACY_SESSION_TOKEN_KEY in request.session:
+        # A cookie from before server-side sessions: it held the token itself. Drop it (the
+        # browser gets a cookie without it) and let that browser sign in again.
+        request.session.clear()
+        return None
+    session_id = request.session.get(SESSION_ID_KEY)
+    return (session_id, "session") if isinstance(session_id, str) and session_id else None
 
 
 def _principal(request: Request, via: str, row: Row[Any] | None) -> Principal | None:
@@ -178,6 +225,14 @@ def _principal(request: Request, via: str, row: Row[Any] | None) -> Principal | 
             request.session.clear()
             return None
         raise _unauthorized("unknown or revoked token")
+    if is_expired(row.expires_at, utcnow()):
+        if via == "session":  # (lookup_session does not return expired tokens)
+            request.session.clear()
+            return None
+        raise _unauthorized(
+            f"this token expired at {row.expires_at.isoformat()}: create a new one with "
+            "`tierwatch-server token create` (see --expires-in)"
+        )
     return Principal(token_id=row.id, role=row.role, node=row.node_name, via=via)
 
 
@@ -199,12 +254,15 @@ def principal_from_request(request: Request) -> Principal | None:
     """The caller from a bearer token or the dashboard session cookie, or None (blocking).
 
     Raises:
-        HTTPException: 401 for a malformed header or an unknown/revoked bearer token.
+        HTTPException: 401 for a malformed header or an unknown, revoked or expired bearer
+            token.
     """
     creds = _credentials(request)
     if creds is None:
         return None
     resolver: TokenResolver = request.app.state.token_resolver
+    if creds[1] == "session":
+        return _principal(request, "session", resolver.lookup_session(creds[0]))
     row = _cached_row(request, resolver, creds[0])
     if row is None:
         row = resolver.lookup(creds[0], fresh=True)
@@ -214,15 +272,19 @@ def principal_from_request(request: Request) -> Principal | None:
 async def optional_principal(request: Request) -> Principal | None:
     """Dependency form of :func:`principal_from_request`: answered on the event loop when the
     token is cached (and the cache may answer, see :func:`_cached_row`), on a worker thread
-    when it must be looked up.
+    when it must be looked up (a dashboard session always is).
 
     Raises:
-        HTTPException: 401 for a malformed header or an unknown/revoked bearer token.
+        HTTPException: 401 for a malformed header or an unknown, revoked or expired bearer
+            token.
     """
     creds = _credentials(request)
     if creds is None:
         return None
     resolver: TokenResolver = request.app.state.token_resolver
+    if creds[1] == "session":
+        row = await run_in_threadpool(resolver.lookup_session, creds[0])
+        return _principal(request, "session", row)
     row = _cached_row(request, resolver, creds[0])
     if row is None:
         row = await run_in_threadpool(resolver.lookup, creds[0], fresh=True)
@@ -261,18 +323,30 @@ async def current_principal(
 PrincipalDep = Annotated[Principal, Depends(current_principal)]
 
 
+def role_refusal(role: str, minimum: str) -> str:
+    """Why a caller with ``role`` may not do what needs ``minimum`` (what to use instead)."""
+    roles = [r for r, rank in ROLE_RANK.items() if rank >= ROLE_RANK[minimum]]
+    allowed = " or ".join([", ".join(roles[:-1]), roles[-1]] if len(roles) > 1 else roles)
+    if role == "agent":
+        article = "an" if allowed[0] in "aeiou" else "a"
+        return f"{AGENT_ONLY}; this needs {article} {allowed} token"
+    return f"this action needs the {minimum} role; your token has {role}"
+
+
 def require_role(minimum: str):  # noqa: ANN201 - returns a FastAPI dependency
-    """Dependency factory: the caller must hold ``minimum`` or a higher role.
+    """Dependency factory: the caller must hold ``minimum`` or a higher role (agent tokens
+    hold none: they rank below viewers).
 
     Raises:
-        HTTPException: 403 when the role is too low.
+        HTTPException: 403 when the role is too low (an agent token's refusal says what
+            agent tokens are for).
     """
 
     async def dependency(principal: PrincipalDep) -> Principal:
         if not principal.has_role(minimum):
             raise HTTPException(
                 status_code=status.HTTP_403_FORBIDDEN,
-                detail=f"this action needs the {minimum} role; your token has {principal.role}",
+                detail=role_refusal(principal.role, minimum),
             )
         return principal
 
@@ -293,7 +367,7 @@ async def require_agent(principal: PrincipalDep) -> Principal:
     return principal
 
 
-ReaderDep = PrincipalDep  # any valid token may read
+ReaderDep = Annotated[Principal, Depends(require_role("viewer"))]  # people only: no agents
 AgentDep = Annotated[Principal, Depends(require_agent)]
 OperatorDep = Annotated[Principal, Depends(require_role("operator"))]
 AdminDep = Annotated[Principal, Depends(require_role("admin"))]
@@ -337,8 +411,8 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     sends)."""
     descriptions = {
         400: "the body could not be read (e.g. it is not UTF-8)",
-        401: "no token, or an unknown or revoked one",
-        403: "the token's role (or node) does not allow this",
+        401: "no token, or an unknown, revoked or expired one",
+        403: "the token's role (or node) does not allow this (agent tokens may only report)",
         404: "the named object does not exist",
         409: "the request conflicts with the current state",
         413: "the request body is over the size limit",

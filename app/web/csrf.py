@@ -9,7 +9,8 @@ with one dependency::
     def isolate(..., _: CsrfDep) -> Response: ...
 
 A missing or different token raises :class:`CsrfError`, which the web routes answer with a
-403 page that says what to do.
+403 page that says what to do (when the browser sent no session cookie at all over plain
+HTTP to a server that marks the cookie ``Secure``, the page says that is why).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+#: The signed session cookie (Starlette's SessionMiddleware; see main.create_app).
+SESSION_COOKIE = "tierwatch_session"
 SESSION_CSRF_KEY = "csrf"
 FORM_FIELD = "csrf_token"
 HEADER = "X-CSRF-Token"
@@ -60,8 +63,26 @@ async def verify_csrf(request: Request) -> None:
     if not expected or not sent or not secrets.compare_digest(expected.encode(), sent.encode()):
         raise CsrfError(
             "This form has expired or did not come from this dashboard (CSRF check failed). "
-            "Reload the page and try again."
+            "Reload the page and try again." + _insecure_transport_hint(request)
         )
+
+
+def _insecure_transport_hint(request: Request) -> str:
+    """Why a browser may have sent no session cookie: it is ``Secure`` and this is HTTP."""
+    settings = getattr(request.app.state, "settings", None)
+    if (
+        SESSION_COOKIE in request.cookies
+        or request.url.scheme != "http"
+        or settings is None
+        or not settings.cookie_secure
+    ):
+        return ""
+    return (
+        " Your browser sent no session cookie: this server marks it Secure, so browsers "
+        "send it over HTTPS only. Open the dashboard at an https:// address (a TLS proxy in "
+        "front of the server), or, on a network you trust, set "
+        "TIERWATCH_SESSION_COOKIE_SECURE=0."
+    )
 
 
 CsrfDep = Annotated[None, Depends(verify_csrf)]

@@ -101,7 +101,12 @@ def viewer_page(
             403,
             "Not allowed",
             f"The dashboard needs a viewer, operator or admin token; this one has the "
-            f"{principal.role} role.",
+            f"{principal.role} role"
+            + (
+                " (agent tokens may only report for their own node)."
+                if principal.role == "agent"
+                else "."
+            ),
         )
     return principal
 

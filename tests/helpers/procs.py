@@ -175,6 +175,9 @@ def make_server(workdir: Path, database_url: str, port: int | None = None, **env
         base_env(
             TIERWATCH_DATABASE_URL=database_url,
             TIERWATCH_SECRET_KEY="e2e-" + "k" * 40,
+            # Plain HTTP on loopback: httpx's cookie jar never returns a Secure cookie over
+            # http (tests/web/test_sessions.py covers the Secure flag in-process).
+            TIERWATCH_SESSION_COOKIE_SECURE="0",
             TIERWATCH_PRUNE_INTERVAL_S="0",
             **env,
         ),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from fastapi.testclient import TestClient
-from support import auth, make_batch, post_batch
+from support import auth, make_batch, post_batch, register_job
 
 from tierwatch.agent.protocol import CheckpointEvent, JobProgress, ReportBatch, utcnow
 
@@ -36,7 +36,21 @@ def committed(step: int, tier: str, rank: int | None) -> CheckpointEvent:
 
 def seed_cluster(client: TestClient, tokens: dict[str, str | None]) -> None:
     """n1 and n2 report (2 GPUs each) and run the 2-rank job :data:`JOB` at step 25 with
-    steps 10 and 20 committed in memory on both ranks (and 10 persistent)."""
+    steps 10 and 20 committed in memory on both ranks (and 10 persistent).
+
+    The job is registered on n1 and n2 first, as its launcher would: through the API with
+    ``tokens["operator"]`` (or ``"admin"``), else, for a ``TestClient``, through its app.
+    """
+    registrar = tokens.get("operator") or tokens.get("admin")
+    if registrar:
+        r = client.post(
+            f"/api/v1/jobs/{JOB}/credential",
+            json={"nodes": LAYOUT, "world_size": 2, "layout": LAYOUT},
+            headers=auth(registrar),
+        )
+        assert r.status_code == 200, r.text
+    else:
+        register_job(client, JOB, LAYOUT, world_size=2, layout=LAYOUT)
     for seq, node, token in ((1, "n1", tokens["agent_n1"]), (1, "n2", tokens["agent_n2"])):
         r = post_batch(client, token, make_batch(node, seq))
         assert r.status_code == 200, r.text

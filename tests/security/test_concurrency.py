@@ -47,8 +47,9 @@ def test_concurrent_isolate_release_leaves_a_consistent_state(server, make_token
         "agent_n1": make_token("agent", "n1"),
         "agent_n2": make_token("agent", "n2"),
         "viewer": make_token("viewer"),
+        "operator": make_token("operator"),  # (registers the seeded job)
     }
-    operator = make_token("operator")
+    operator = tokens["operator"]
     with httpx.Client(base_url=server.url, timeout=30) as c:
         seed_cluster(c, tokens)  # type: ignore[arg-type]
 

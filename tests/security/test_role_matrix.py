@@ -1,9 +1,12 @@
-"""Who may change what: every role against every state-changing route (API and dashboard),
-on both database backends, with valid bodies so the role check is what decides.
+"""Who may change what, and who may read what: every role against every state-changing route
+and every read (API and dashboard), on both database backends, with valid bodies so the role
+check is what decides.
 
 The routes come from ``app.routes`` at collection time; :data:`MATRIX` holds the expected
-answer per route and role, and :func:`test_every_state_changing_route_has_a_row` fails when a
-route exists that the table does not cover (a new endpoint needs its row here first).
+answer per state-changing route and role, :data:`READS` per read route, and
+:func:`test_every_state_changing_route_has_a_row` / :func:`test_every_read_route_has_a_row`
+fail when a route exists that the tables do not cover (a new endpoint needs its row here
+first). Agent tokens may only report: every read refuses them with 403.
 
 Roles (see ``security_support.ROLES``): no token, viewer, operator, admin, an agent token
 for n1 (the node the requests are about) and an agent token for another node. API rows send
@@ -42,6 +45,9 @@ from tierwatch.server.tokens import ApiToken, lookup_token, revoke_token
 
 OK = "ok"  # 2xx, or a 303 somewhere other than the sign-in form (a dashboard action's redirect)
 LOGIN = "login"  # sent to the sign-in form (303 /login…, or 401 + HX-Redirect for htmx)
+# Let past the role check: anything but 401/403/a sign-in redirect/5xx (a read of a command
+# that does not exist is a 404, the demo report without a demo 404).
+ALLOWED = "allowed"
 
 PEOPLE_WRITE = {
     "none": 401,
@@ -106,6 +112,10 @@ MATRIX: dict[tuple[str, str], Row] = {
         "api", PEOPLE_WRITE, json=lambda: {"reason": "matrix"}
     ),
     ("PUT", "/api/v1/policy"): Row("api", ADMIN_WRITE, json=lambda: {"breaker_pct": 25}),
+    # Registering the job again (the next role) replaces its registration: each call is valid.
+    ("POST", "/api/v1/jobs/{job_id}/credential"): Row(
+        "api", PEOPLE_WRITE, json=lambda: {"nodes": ["n1", "n2"]}
+    ),
     # --- dashboard ---
     # The "role" of a sign-in is the token submitted ("none": an empty field).
     ("POST", "/login"): Row(
@@ -129,7 +139,58 @@ MATRIX: dict[tuple[str, str], Row] = {
     ),
     ("POST", "/policy"): Row("web", PAGE_ADMIN, form={"breaker_pct": "25"}),
 }
-PATH_PARAMS = {"name": "n1", "job_id": JOB}
+PATH_PARAMS = {"name": "n1", "job_id": JOB, "command_id": "1", "request_id": "1"}
+
+# --- reads ---
+API_READ: dict[str, int | str] = {
+    "none": 401,
+    "viewer": ALLOWED,
+    "operator": ALLOWED,
+    "admin": ALLOWED,
+    "agent_n1": 403,
+    "agent_other": 403,
+}
+PAGE_READ: dict[str, int | str] = {**API_READ, "none": LOGIN}
+#: Reads that name no principal: the sign-in form, the API's own description, liveness,
+#: /metrics (public unless TIERWATCH_METRICS_REQUIRE_TOKEN; see tests/server/test_metrics.py)
+#: and the job-credential public keys (agents verify job credentials with them).
+PUBLIC_READS = frozenset(
+    {
+        "/openapi.json",
+        "/docs",
+        "/docs/oauth2-redirect",
+        "/redoc",
+        "/login",
+        "/favicon.ico",
+        "/healthz",
+        "/metrics",
+        "/api/v1/credentials/public-keys",
+    }
+)
+READS: dict[str, dict[str, int | str]] = {
+    "/api/v1/nodes": API_READ,
+    "/api/v1/nodes/{name}": API_READ,
+    "/api/v1/nodes/{name}/samples": API_READ,
+    "/api/v1/events": API_READ,
+    "/api/v1/jobs": API_READ,
+    "/api/v1/jobs/{job_id}": API_READ,
+    "/api/v1/jobs/{job_id}/history": API_READ,
+    "/api/v1/jobs/{job_id}/restores": API_READ,
+    "/api/v1/restores/{request_id}": API_READ,
+    "/api/v1/commands": API_READ,
+    "/api/v1/commands/{command_id}": API_READ,
+    "/api/v1/audit": API_READ,
+    "/api/v1/policy": API_READ,
+    "/api/v1/alerts": API_READ,
+    "/api/v1/demo/report": API_READ,
+    "/": PAGE_READ,
+    "/nodes/{name}": PAGE_READ,
+    "/jobs/{job_id}": PAGE_READ,
+    "/alerts": PAGE_READ,
+    "/audit": PAGE_READ,
+    "/policy": PAGE_READ,
+    "/demo": PAGE_READ,
+}
 
 
 def state_changing_routes(app) -> set[tuple[str, str]]:  # type: ignore[no-untyped-def]
@@ -143,15 +204,26 @@ def state_changing_routes(app) -> set[tuple[str, str]]:  # type: ignore[no-untyp
     return found
 
 
+def read_routes(app) -> set[str]:  # type: ignore[no-untyped-def]
+    """Paths of every GET route of ``app`` (API and dashboard)."""
+    return {
+        route.path
+        for route in iter_route_contexts(app.routes)
+        if "GET" in (route.methods or ()) and route.path is not None
+    }
+
+
 def _collection_app():  # type: ignore[no-untyped-def]
     # Routes only: create_app() opens no connection until its lifespan runs.
     return create_app(Settings(database_url="sqlite:///:memory:", dev=True))
 
 
-ROUTES = state_changing_routes(_collection_app())
+_APP = _collection_app()
+ROUTES = state_changing_routes(_APP)
 # Rows of routes that do not exist (yet) are not collected; every route that exists has a
 # row, or test_every_state_changing_route_has_a_row fails.
 PRESENT = sorted(key for key in MATRIX if key in ROUTES)
+READS_PRESENT = sorted(path for path in READS if path in read_routes(_APP))
 
 
 def test_every_state_changing_route_has_a_row(app):
@@ -164,9 +236,23 @@ def test_every_state_changing_route_has_a_row(app):
         assert set(row.expect) == set(ROLES), f"{key}: expectations must name every role"
 
 
+def test_every_read_route_has_a_row(app):
+    missing = sorted(read_routes(app) - READS.keys() - PUBLIC_READS)
+    assert not missing, (
+        "read routes without a row in tests/security/test_role_matrix.py READS (add the "
+        f"expected status per role, or list a route that names no principal in PUBLIC_READS): "
+        f"{missing}"
+    )
+    assert not READS.keys() & PUBLIC_READS
+    for path, expect in READS.items():
+        assert set(expect) == set(ROLES), f"{path}: expectations must name every role"
+
+
 def _verdict(response, expected: int | str) -> bool:  # type: ignore[no-untyped-def]
     if expected == LOGIN:
         return is_login_redirect(response)
+    if expected == ALLOWED:
+        return response.status_code not in (401, 403) and not is_login_redirect(response)
     if expected == OK:
         if response.status_code == 303:
             return not is_login_redirect(response)
@@ -224,17 +310,75 @@ def test_role_matrix(app, client, tokens, key):
     assert not wrong, f"{key[0]} {key[1]}: {wrong}"
 
 
-def test_every_role_reads_the_audit_log(seeded, tokens):
+def _read(app, client: TestClient, tokens, path: str, role: str):  # type: ignore[no-untyped-def]
+    """GET ``path`` as ``role``: a bearer token for the API and for agents; people sign in
+    to the dashboard for its pages (as a browser would)."""
+    token = tokens[role]
+    if path.startswith("/api/") or role not in ("viewer", "operator", "admin"):
+        return client.get(path, headers=auth(token) if token else {}, follow_redirects=False)
+    browser = TestClient(app, follow_redirects=False)
+    sign_in(browser, token)
+    return browser.get(path)
+
+
+@pytest.mark.parametrize("template", READS_PRESENT)
+def test_read_matrix(app, client, tokens, template):
+    """People read everything; agent tokens read nothing (403 saying what they are for)."""
+    seed_cluster(client, tokens)
+    path = template.format(**PATH_PARAMS)
+    expect = READS[template]
+    wrong = {}
+    for role in ROLES:
+        response = _read(app, client, tokens, path, role)
+        if response.status_code >= 500 or not _verdict(response, expect[role]):
+            wrong[role] = f"expected {expect[role]}, got {_describe(response)}"
+        elif role.startswith("agent") and path.startswith("/api/"):
+            detail = response.json()["detail"]
+            if "agent tokens may only report" not in detail:
+                wrong[role] = f"403 without saying what agent tokens are for: {detail!r}"
+        elif role.startswith("agent") and "agent tokens may only report" not in response.text:
+            wrong[role] = "403 page without saying what agent tokens are for"
+    assert not wrong, f"GET {template}: {wrong}"
+
+
+@pytest.mark.parametrize("path", sorted(PUBLIC_READS & read_routes(_APP)))
+def test_public_reads_answer_everyone(client, tokens, path):
+    for role in ROLES:
+        token = tokens[role]
+        r = client.get(path, headers=auth(token) if token else {}, follow_redirects=False)
+        assert r.status_code in (200, 204, 303), (role, r.status_code, r.text[:200])
+
+
+def test_people_read_the_audit_log_and_agents_do_not(seeded, tokens):
     client = seeded
     r = client.post(
         "/api/v1/nodes/n1/isolate", json={"reason": "audit me"}, headers=auth(tokens["operator"])
     )
     assert r.status_code == 200, r.text
-    for role in ROLES[1:]:
+    for role in ("viewer", "operator", "admin"):
         r = client.get("/api/v1/audit", headers=auth(tokens[role]))
         assert r.status_code == 200, (role, r.text)
         assert [e["reason"] for e in r.json()][:1] == ["audit me"], role
+    for role in ("agent_n1", "agent_other"):
+        r = client.get("/api/v1/audit", headers=auth(tokens[role]))
+        assert r.status_code == 403, (role, r.text)
+        assert "audit me" not in r.text
+        assert r.json()["detail"].startswith("agent tokens may only report"), r.text
     assert client.get("/api/v1/audit").status_code == 401
+
+
+def test_agent_tokens_still_reach_what_the_agent_calls(seeded, tokens):
+    """What the agent (agent/reporter.py) calls on the server keeps working for its token:
+    the report, whose answer carries the node's pending commands."""
+    from tierwatch.agent.reporter import INGEST_PATH
+
+    r = seeded.post(
+        INGEST_PATH,
+        content=make_batch("n1", 3).model_dump_json(),
+        headers={**auth(tokens["agent_n1"]), "Content-Type": "application/json"},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["acked_seq"] == 3
 
 
 # --- revocation ------------------------------------------------------------------------------

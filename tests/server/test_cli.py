@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,51 @@ def test_unusable_isolation_settings_are_one_line_errors(cli_env):
     assert out.returncode == 2
     assert """TIERWATCH_POLICY__ACTIONS='["RESET_GPU","RESTART_BM"]'""" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@one_backend
+def test_token_create_with_an_expiry(cli_env, session):
+    from tierwatch.server.tokens import lookup_token
+
+    out = run("token", "create", "--role", "viewer", "--expires-in", "2h", env=cli_env)
+    assert out.returncode == 0, out.stderr
+    row = lookup_token(session, out.stdout.strip())
+    assert row is not None
+    assert row.expires_at - row.created_at == timedelta(hours=2)
+    assert f"expires {row.expires_at.isoformat()}" in out.stderr
+    [line] = run("token", "list", env=cli_env).stdout.splitlines()
+    fields = line.split("\t")
+    assert fields[3:6] == ["active", row.created_at.isoformat(), row.expires_at.isoformat()]
+
+
+@one_backend
+def test_token_create_refuses_a_bad_expiry(cli_env):
+    out = run("token", "create", "--role", "viewer", "--expires-in", "soon", env=cli_env)
+    assert out.returncode == 2
+    assert out.stdout == ""
+    assert "invalid duration 'soon'" in out.stderr
+    assert run("token", "list", env=cli_env).stdout == ""
+
+
+@one_backend
+def test_token_list_shows_expired_tokens_and_tokens_without_expiry(cli_env, session):
+    from sqlalchemy import update
+
+    from tierwatch.agent.protocol import utcnow
+    from tierwatch.server.tokens import ApiToken, create_token
+
+    _, forever = create_token(session, role="viewer", label="forever")
+    _, short = create_token(session, role="viewer", label="short", expires_in_s=60)
+    session.execute(
+        update(ApiToken)
+        .where(ApiToken.id == short.id)
+        .values(expires_at=utcnow() - timedelta(seconds=1))
+    )
+    session.commit()
+    rows = {
+        line.split("\t")[-1]: line.split("\t")
+        for line in run("token", "list", env=cli_env).stdout.splitlines()
+    }
+    assert rows["forever"][3] == "active"
+    assert rows["forever"][5] == "-"
+    assert rows["short"][3] == "expired"

@@ -54,6 +54,21 @@ def test_metrics_can_require_a_token(settings, make_token):
         assert c.get("/metrics", headers={"Authorization": f"Bearer {token}"}).status_code == 200
 
 
+def test_required_metrics_token_is_not_an_agent_token(settings, make_token):
+    """With a token required, /metrics is a read like any other: agent tokens only report."""
+    from fastapi.testclient import TestClient
+
+    from tierwatch.server.main import create_app
+
+    app = create_app(settings.model_copy(update={"metrics_require_token": True}))
+    with TestClient(app) as c:
+        agent = make_token("agent", "n1")
+        r = c.get("/metrics", headers={"Authorization": f"Bearer {agent}"})
+        assert r.status_code == 403, r.text
+        assert r.text.startswith("agent tokens may only report for their own node")
+        assert "DCGM_FI" not in r.text
+
+
 @pytest.mark.skipif(
     shutil.which("promtool") is None,
     reason="promtool absent (.ci/run installs the Debian prometheus package)",
