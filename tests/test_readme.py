@@ -350,10 +350,11 @@ def curl_lines() -> list[str]:
 def seed(server_url: str, token_for) -> None:  # noqa: ANN001 - Server.token
     """gpu-017 reports XID 79 (unhealthy); a 2-rank job on gpu-017/gpu-018 has step 1200
     complete in memory and is at step 1250."""
-    from support import auth, make_batch
+    from support import auth, make_batch, register_job
 
     from tierwatch.agent.protocol import CheckpointEvent, JobProgress, utcnow
 
+    register_job(server_url, JOB, [SICK, OTHER], token=token_for("operator"))
     now = utcnow()
     for rank, node in enumerate((SICK, OTHER)):
         # interval_s: one report each, which must not turn unreachable during the test

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support import register_job
 
 from tierwatch.agent.protocol import CheckpointEvent, JobProgress, ReportBatch, utcnow
 
@@ -22,6 +23,7 @@ JOB = "browser-job"
 
 
 def post_reports(server) -> None:
+    register_job(server.url, JOB, ["gpu-a"], token=server.token("operator"))
     token = server.token("agent", "gpu-a")
     t0 = utcnow() - timedelta(minutes=2)
     for seq, step in enumerate((10, 20, 30), start=1):

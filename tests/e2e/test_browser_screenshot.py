@@ -1,8 +1,9 @@
 r"""The README's screenshot: the cluster overview of a real server in headless Chromium.
 
 Four simulated agents report (one with an injected XID 79, so unhealthy; one running hot),
-and a fifth node reports a 4-rank job's progress and committed checkpoint steps through the
-ingest API, so the page shows every part of the overview. The screenshot is 1280x800 and
+and a fifth node, registered as the node of a 4-rank job, reports the job's progress and
+committed checkpoint steps through the ingest API, so the page shows every part of the
+overview. The screenshot is 1280x800 and
 must be a PNG under 200 KB; with ``TIERWATCH_SCREENSHOT_OUT=path.png`` it is written there
 (that is how ``docs/dashboard.png`` is made)::
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 from procs import BIN, wait_for
-from support import auth, make_batch
+from support import auth, make_batch, register_job
 
 from tierwatch.agent.protocol import CheckpointEvent, JobProgress, utcnow
 
@@ -46,9 +47,11 @@ def _inject(agent_url: str, *fault: str) -> None:
     )
 
 
-def _report_job(server_url: str, token: str) -> None:
-    """One report from the spare node with the job's progress and its committed steps in
-    every tier (whole-step events, ``rank`` None), as an agent forwards them."""
+def _report_job(server_url: str, token: str, operator: str) -> None:
+    """One report from the spare node, which runs the job's 4 ranks, with their progress and
+    the committed steps in every tier (whole-step events, ``rank`` None), as an agent
+    forwards them. The job registers on the spare node first, as its launcher would."""
+    register_job(server_url, JOB, [SPARE], layout=[SPARE] * 4, token=operator)
     now = utcnow()
     events = [
         CheckpointEvent(
@@ -78,7 +81,7 @@ def _report_job(server_url: str, token: str) -> None:
             step=300,
             step_time_s=0.5,
             ts=now,
-            layout=list(NODES) if r == 0 else None,
+            layout=[SPARE] * 4 if r == 0 else None,
         )
         for r in range(4)
     ]
@@ -109,7 +112,7 @@ def test_cluster_overview_screenshot(browser, server, start_agent, tmp_path: Pat
     wait_for(reported, timeout=30, what="every agent's first report")
     _inject(agents["gpu-node-03"].url, "xid", "79", "--gpu", "3")
     _inject(agents["gpu-node-02"].url, "temp", "87", "--gpu", "5")
-    _report_job(server.url, server.token("agent", SPARE))
+    _report_job(server.url, server.token("agent", SPARE), server.token("operator"))
 
     page = browser.new_page(viewport=VIEWPORT)
     page.set_default_timeout(15_000)
