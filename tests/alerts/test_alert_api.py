@@ -113,8 +113,11 @@ def test_filters(client, make_token, seeded, params, expected) -> None:  # type:
     assert [a["id"] for a in r.json()["alerts"]] == [seeded[n] for n in expected]
 
 
-def test_any_role_may_read_but_a_token_is_needed(client, make_token, seeded) -> None:  # type: ignore[no-untyped-def]
-    assert _get(client, make_token("agent", "n1")).status_code == 200
+def test_people_may_read_agents_may_not_and_a_token_is_needed(client, make_token, seeded) -> None:  # type: ignore[no-untyped-def]
+    assert _get(client, make_token("viewer")).status_code == 200
+    r = _get(client, make_token("agent", "n1"))
+    assert r.status_code == 403, r.text
+    assert r.json()["detail"].startswith("agent tokens may only report")
     assert client.get("/api/v1/alerts").status_code == 401
 
 
