@@ -210,3 +210,15 @@ def test_two_processes_making_the_key_at_once_agree_on_one(app):
     first.close()
     with factory() as s:
         assert len(list(s.scalars(select(SigningKey)))) == 1
+
+
+def test_a_registered_job_without_reports_is_listed_and_shown(client, make_token, viewer):
+    register(client, make_token("operator"))
+    reader = auth(make_token("viewer"))
+    [job] = client.get("/api/v1/jobs", headers=reader).json()
+    assert (job["job_id"], job["step"], job["world_size"]) == (JOB, None, 4)
+    one = client.get(f"/api/v1/jobs/{JOB}", headers=reader).json()
+    assert one["layout"] == BODY["layout"]
+    assert one["tiers"]["memory"]["newest_step"] is None
+    assert viewer.get(f"/jobs/{JOB}").status_code == 200
+    assert viewer.get("/").status_code == 200
