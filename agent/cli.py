@@ -113,16 +113,13 @@ def run(
     peer_token: Annotated[
         str | None,
         typer.Option(
-            help="Token agents present on each other's peer endpoints; without it no peer tier "
-            "[TIERWATCH_PEER_TOKEN]."
+            hidden=True,
+            help="Retired: agents authenticate to each other as nodes [TIERWATCH_PEER_TOKEN].",
         ),
     ] = None,
     peer_token_file: Annotated[
         Path | None,
-        typer.Option(
-            help="File holding the peer token, mode 0600 (as --token-file) "
-            "[TIERWATCH_PEER_TOKEN_FILE]."
-        ),
+        typer.Option(hidden=True, help="Retired, as --peer-token [TIERWATCH_PEER_TOKEN_FILE]."),
     ] = None,
     credential_keys_file: Annotated[
         Path | None,

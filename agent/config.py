@@ -305,10 +305,8 @@ class AgentSettings(BaseSettings):
         log_level: Python logging level name.
         memory_dir: The node's memory-tier folder, shared with its training ranks (default
             ``/dev/shm/tierwatch/<node>``).
-        peer_token: Bearer token that peer agents present on ``/v1/peer/*`` (and that this
-            agent presents to them); without one the agent has no peer tier.
-        peer_token_file: A file that holds ``peer_token`` (as ``token_file``). Not with
-            ``peer_token``.
+        peer_token, peer_token_file: Retired (a shared secret opened every job's checkpoints):
+            set, they stop the agent with a message (:meth:`check_runnable`).
         advertise_url: URL other agents use to reach this agent (default
             ``http://<listen host>:<actual port>``).
         persistent_url: fsspec URL of the persistent tier (default
@@ -531,11 +529,6 @@ class AgentSettings(BaseSettings):
         """The token as plain text (None when unset or empty)."""
         return self.token.get_secret_value() if self.token else None
 
-    @property
-    def peer_token_value(self) -> str | None:
-        """The peer token as plain text (None when unset or empty)."""
-        return self.peer_token.get_secret_value() if self.peer_token else None
-
     def resolved_memory_dir(self) -> Path:
         """The memory folder: :attr:`memory_dir`, else ``/dev/shm/tierwatch/<node>``.
 
@@ -655,14 +648,14 @@ class AgentSettings(BaseSettings):
         return Path.cwd() / "var" / "spool" / self.node
 
     def load_token_files(self) -> None:
-        """Set ``token`` / ``peer_token`` from ``token_file`` / ``peer_token_file``.
+        """Set ``token`` from ``token_file``.
 
         Raises:
             SettingsError: a token and its file are both given (``--token`` or
                 ``TIERWATCH_TOKEN`` with ``--token-file`` or ``TIERWATCH_TOKEN_FILE``, the
                 same for the peer token), or the file is unusable (:func:`read_secret_file`).
         """
-        for name in ("token", "peer_token"):
+        for name in ("token",):
             path: Path | None = getattr(self, f"{name}_file")
             if path is None:
                 continue
@@ -678,7 +671,7 @@ class AgentSettings(BaseSettings):
     def check_runnable(self) -> None:
         """Check that everything ``tierwatch-agent run`` needs is set.
 
-        Reads ``token_file`` / ``peer_token_file`` into ``token`` / ``peer_token`` first
+        Refuses the retired peer token. Reads ``token_file`` into ``token`` first
         (:meth:`load_token_files`).
 
         Raises:
@@ -686,6 +679,12 @@ class AgentSettings(BaseSettings):
                 a token file is unusable or given beside its token, or the isolation command
                 is not an executable file.
         """
+        if self.peer_token is not None or self.peer_token_file is not None:
+            raise SettingsError(
+                "--peer-token / --peer-token-file (TIERWATCH_PEER_TOKEN[_FILE]) are no longer "
+                "used: agents authenticate to each other as nodes, with keys the server "
+                'certifies (docs/security.md, "Peers"); remove the setting and its Secret'
+            )
         self.load_token_files()
         missing = [
             f"--{name} (TIERWATCH_{name.upper()})"

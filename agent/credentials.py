@@ -154,6 +154,65 @@ class JobCredential:
         )
 
 
+@dataclass(frozen=True)
+class NodeCertificate:
+    """A checked node certificate: the server vouches that ``node``'s agent holds the key
+    ``public_key`` and is reached at ``url`` (docs/security.md, "Peers").
+
+    Attributes:
+        node: The node name (the agent token's node that asked for it).
+        url: The agent's advertised peer URL.
+        public_key: The node's own Ed25519 key (signs its peer requests).
+        expires_at: ``exp`` (Unix seconds).
+        token: The certificate as sent (a JWT).
+    """
+
+    node: str
+    url: str
+    public_key: Ed25519PublicKey
+    expires_at: float
+    token: str
+
+
+def issue_node_certificate(
+    private_key: Ed25519PrivateKey,
+    *,
+    kid: str,
+    node: str,
+    url: str,
+    node_public_key: str,
+    ttl_s: float,
+    now: float | None = None,
+) -> tuple[str, float]:
+    """Sign a node certificate (a JWT: ``typ`` ``node``, ``sub`` ``node:<name>``, ``node``,
+    ``url``, ``cnf`` ``{"x": <base64url raw Ed25519 public key>}`` as in RFC 7800, ``iat``,
+    ``exp``).
+
+    Returns:
+        ``(certificate, expires_at)``.
+
+    Raises:
+        CredentialError: ``node_public_key`` is not 32 bytes of base64url, or ``ttl_s`` ≤ 0.
+    """
+    if ttl_s <= 0:
+        raise CredentialError(f"certificate lifetime must be positive, got {ttl_s} s")
+    if len(b64url_decode(node_public_key)) != 32:
+        raise CredentialError("a node's public key is 32 bytes (Ed25519), base64url")
+    issued = int(time.time() if now is None else now)
+    claims = {
+        "iss": ISSUER,
+        "typ": "node",
+        "sub": f"node:{node}",
+        "node": node,
+        "url": url,
+        "cnf": {"x": node_public_key},
+        "iat": issued,
+        "exp": issued + int(ttl_s),
+    }
+    token = jwt.encode(claims, private_key, algorithm=ALGORITHM, headers={"kid": kid})
+    return token, float(issued + int(ttl_s))
+
+
 def public_key_jwk(public_key: Ed25519PublicKey, kid: str) -> dict[str, str]:
     """One Ed25519 public key as a JWK (RFC 8037 section 2: ``kty: OKP``, ``crv: Ed25519``)."""
     from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
@@ -208,6 +267,74 @@ class CredentialVerifier:
             raise CredentialError("a public key set is a JSON object with a 'keys' list")
         return cls(dict(_key_from_jwk(k) for k in keys if isinstance(k, Mapping)))
 
+    def _decode(self, token: str, what: str) -> dict[str, Any]:
+        """Check a server-signed JWT's signature, issuer and expiry; its claims.
+
+        Raises:
+            CredentialError: no keys, unknown key, bad signature, wrong issuer, expired.
+        """
+        if not self.keys:
+            raise CredentialError(
+                f"this agent has no public key of the server yet, so it cannot check {what}s: "
+                "it fetches them from the server at start (GET /api/v1/credentials/public-keys),"
+                " or give --credential-keys-file"
+            )
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.PyJWTError as exc:
+            raise CredentialError(f"not a {what}: {exc}") from None
+        kid = header.get("kid")
+        key = self.keys.get(kid) if isinstance(kid, str) else None
+        if key is None:
+            raise CredentialError(
+                f"{what} signed with key {kid!r}, which this agent does not know "
+                "(issued by another server, or the agent's key set is stale)"
+            )
+        try:
+            claims: dict[str, Any] = jwt.decode(
+                token,
+                key,
+                algorithms=[ALGORITHM],
+                issuer=ISSUER,
+                leeway=LEEWAY_S,
+                options={"require": ["exp", "iat", "iss", "sub"]},
+            )
+        except jwt.ExpiredSignatureError:
+            raise CredentialError(f"{what} has expired") from None
+        except jwt.PyJWTError as exc:
+            raise CredentialError(f"{what} refused: {exc}") from None
+        claims["_kid"] = kid
+        return claims
+
+    def verify_node_certificate(self, token: str) -> NodeCertificate:
+        """Check a node certificate.
+
+        Raises:
+            CredentialError: as :meth:`_decode`, or not a node certificate.
+        """
+        if len(token) > MAX_CREDENTIAL_CHARS:
+            raise CredentialError("node certificate too long")
+        claims = self._decode(token, "node certificate")
+        node, url, cnf = claims.get("node"), claims.get("url"), claims.get("cnf")
+        if (
+            claims.get("typ") != "node"
+            or not isinstance(node, str)
+            or not isinstance(url, str)
+            or not isinstance(cnf, dict)
+            or not isinstance(cnf.get("x"), str)
+        ):
+            raise CredentialError("not a node certificate (typ, node, url or cnf missing)")
+        raw = b64url_decode(cnf["x"])
+        if len(raw) != 32:
+            raise CredentialError("node certificate's key is not 32 bytes")
+        return NodeCertificate(
+            node=node,
+            url=url,
+            public_key=Ed25519PublicKey.from_public_bytes(raw),
+            expires_at=float(claims["exp"]),
+            token=token,
+        )
+
     def verify_job(self, credential: str, *, now: float | None = None) -> JobCredential:
         """Check one job credential.
 
@@ -222,12 +349,6 @@ class CredentialVerifier:
             CredentialError: malformed, unknown key, bad signature, wrong issuer/type,
                 expired, or a secret that does not match the statement.
         """
-        if not self.keys:
-            raise CredentialError(
-                "this agent has no public key of the server yet, so it cannot check job "
-                "credentials: it fetches them from the server at start "
-                "(GET /api/v1/credentials/public-keys), or give --credential-keys-file"
-            )
         if len(credential) > MAX_CREDENTIAL_CHARS or credential.count(SEPARATOR) != 1:
             raise CredentialError(
                 "not a job credential: expected '<statement>~<secret>' as issued by "
@@ -235,31 +356,14 @@ class CredentialVerifier:
             )
         statement, secret_text = credential.split(SEPARATOR)
         try:
-            header = jwt.get_unverified_header(statement)
-        except jwt.PyJWTError as exc:
-            raise CredentialError(f"not a job credential: {exc}") from None
-        kid = header.get("kid")
-        key = self.keys.get(kid) if isinstance(kid, str) else None
-        if key is None:
-            raise CredentialError(
-                f"job credential signed with key {kid!r}, which this agent does not know "
-                "(issued by another server, or the agent's key set is stale: restart it)"
-            )
-        try:
-            claims = jwt.decode(
-                statement,
-                key,
-                algorithms=[ALGORITHM],
-                issuer=ISSUER,
-                leeway=LEEWAY_S,
-                options={"require": ["exp", "iat", "iss", "sub"]},
-            )
-        except jwt.ExpiredSignatureError:
-            raise CredentialError(
-                "job credential has expired: register the job again to get a new one"
-            ) from None
-        except jwt.PyJWTError as exc:
-            raise CredentialError(f"job credential refused: {exc}") from None
+            claims = self._decode(statement, "job credential")
+        except CredentialError as exc:
+            if "has expired" in str(exc):
+                raise CredentialError(
+                    "job credential has expired: register the job again to get a new one"
+                ) from None
+            raise
+        kid = claims["_kid"]
         if claims.get("typ") != "job" or not isinstance(claims.get("job"), str):
             raise CredentialError("not a job credential (typ is not 'job')")
         if now is not None and float(claims["exp"]) + LEEWAY_S < now:
@@ -363,6 +467,19 @@ class LocalAuthority:
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(self.jwks(), fh)
         return str(path)
+
+    def node_certificate(
+        self, node: str, url: str, node_public_key: str, ttl_s: float = 86400.0
+    ) -> str:
+        """A node certificate, as ``POST /api/v1/agent/peer-certificate`` issues it."""
+        return issue_node_certificate(
+            self.key,
+            kid=self.kid,
+            node=node,
+            url=url,
+            node_public_key=node_public_key,
+            ttl_s=ttl_s,
+        )[0]
 
     def job_credential(self, job_id: str, ttl_s: float = 7 * 86400.0) -> str:
         """A credential for ``job_id`` (default lifetime 7 days)."""

@@ -250,9 +250,24 @@ class AgentRuntime:
     def _make_ckpt(self) -> None:
         from tierwatch.agent.checkpoint.tierstore.api import CheckpointService
         from tierwatch.agent.checkpoint.tierstore.persister import PersistentError
+        from tierwatch.agent.registry import PeerRegistry
 
+        registry = None
         try:
-            self.ckpt = CheckpointService(self.settings, emit=self.add_checkpoint_event)
+            registry = PeerRegistry(
+                node=self.settings.node or "",
+                server=self.settings.server or "",
+                token=self.settings.token_value or "",
+                state_dir=self.settings.resolved_state_dir(),
+                keys=self.keys,
+            )
+        except (OSError, ValueError) as exc:
+            log.error("no peer tier: this node's key cannot be loaded: %s", exc)
+            self.add_event("checkpoint_error", f"no peer tier: node key unusable: {exc}")
+        try:
+            self.ckpt = CheckpointService(
+                self.settings, emit=self.add_checkpoint_event, registry=registry
+            )
         except (OSError, PersistentError, ValueError) as exc:
             log.error("checkpoint store disabled: %s", exc)
             self.add_event("checkpoint_error", f"checkpoint store disabled: {exc}")

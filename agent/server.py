@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tierwatch import __version__
 from tierwatch.agent.access import Caller, LocalAccess, require_jobs
+from tierwatch.agent.bodylimit import BodyLimit
 from tierwatch.agent.collectors.simulated import Fault, FaultError
 from tierwatch.agent.protocol import LatencySample
 
@@ -75,6 +76,7 @@ def create_app(runtime: "AgentRuntime") -> FastAPI:
         The FastAPI application.
     """
     app = FastAPI(title="tierwatch agent", version=__version__, docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit)  # every endpoint's body limit: agent/bodylimit.py
 
     access = LocalAccess(runtime.settings.token_value, runtime.keys)
     NodeCaller = Annotated[Caller, Depends(access.node())]

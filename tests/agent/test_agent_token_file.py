@@ -1,4 +1,4 @@
-"""``--token-file`` / ``--peer-token-file`` (``TIERWATCH_TOKEN_FILE`` /
+"""``--token-file`` (``TIERWATCH_TOKEN_FILE``), the retired peer token (``TIERWATCH_PEER_TOKEN`` /
 ``TIERWATCH_PEER_TOKEN_FILE``): tokens out of argv, read from files only their owner can read.
 
 A table of :func:`read_secret_file`, the settings that load the files, then
@@ -90,13 +90,17 @@ def test_a_root_owned_secret_may_be_group_readable_for_a_non_root_reader(
         read_secret_file(path, option=OPTION)
 
 
-def test_settings_load_both_token_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_retired_peer_token_is_refused_with_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One shared peer token opened every job's checkpoints on every node: it is gone, and
+    a deployment that still sets it is told so instead of running without a peer tier."""
     monkeypatch.setenv("TIERWATCH_PEER_TOKEN_FILE", str(secret(tmp_path, b"peer\n", name="p")))
     settings = AgentSettings(
         node="n1", server="http://cp:8000", token_file=secret(tmp_path, b"agent\n")
     )
-    settings.check_runnable()
-    assert (settings.token_value, settings.peer_token_value) == ("agent", "peer")
+    with pytest.raises(SettingsError, match="no longer used: agents authenticate"):
+        settings.check_runnable()
 
 
 runner = CliRunner()
@@ -122,17 +126,8 @@ def test_run_reads_the_token_from_the_file(tmp_path: Path) -> None:
         (["--token-file", "{missing}"], {}, f"{OPTION} {{missing}}: no such file"),
         (["--token-file", "{empty}"], {}, f"{OPTION} {{empty}}: is empty"),
         ([], {"TIERWATCH_TOKEN_FILE": "{open}"}, f"{OPTION} {{open}}: is readable by others"),
-        (
-            ["--token", "t", "--peer-token-file", "{open}"],
-            {},
-            "--peer-token-file (TIERWATCH_PEER_TOKEN_FILE) {open}: is readable by others",
-        ),
-        (
-            ["--token", "t", "--peer-token", "p", "--peer-token-file", "{ok}"],
-            {},
-            "--peer-token (TIERWATCH_PEER_TOKEN) and --peer-token-file "
-            "(TIERWATCH_PEER_TOKEN_FILE) are both set",
-        ),
+        (["--token", "t", "--peer-token", "p"], {}, "are no longer used: agents authenticate"),
+        (["--token", "t"], {"TIERWATCH_PEER_TOKEN": "p"}, "are no longer used"),
     ],
 )
 def test_run_refuses_bad_token_files_in_one_line(

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from procs import wait_for
@@ -273,6 +274,12 @@ class Receiver:
     """A real HTTP endpoint for ``POST /api/v1/ingest/report`` (unit-test stand-in).
 
     ``fail_with`` makes it answer that status (e.g. 503, 429, 403) instead of storing.
+
+    It also stands in for the server's credential endpoints, signing with ``authority``:
+    ``GET /api/v1/credentials/public-keys``, ``POST /api/v1/agent/peer-certificate``
+    (for the node of the token, see :meth:`token_for`), ``GET /api/v1/agent/peers`` and
+    ``GET /api/v1/agent/jobs/{job}`` (the jobs of :meth:`register_job`; with ``open_jobs``,
+    an unregistered job answers every certified node, no layout).
     """
 
     def __init__(
@@ -287,6 +294,10 @@ class Receiver:
         self.fail_with: int | None = None
         self.retry_after: str | None = None
         self.commands: list[dict[str, Any]] = []
+        self.node_tokens: dict[str, str] = {}  # token -> node
+        self.certificates: dict[str, dict[str, Any]] = {}  # node -> {url, certificate}
+        self.jobs: dict[str, dict[str, Any]] = {}
+        self.open_jobs = True
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -303,19 +314,57 @@ class Receiver:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _node(self) -> str | None:
+                header = self.headers.get("Authorization", "")
+                return receiver.node_tokens.get(header.removeprefix("Bearer "))
+
             def do_GET(self) -> None:  # noqa: N802 - http.server API
-                if self.path != "/api/v1/credentials/public-keys":
-                    return self._answer(404, {"detail": "not found"})
-                return self._answer(200, receiver.authority.jwks())
+                url = urlsplit(self.path)
+                if url.path == "/api/v1/credentials/public-keys":
+                    return self._answer(200, receiver.authority.jwks())
+                node = self._node()
+                if url.path == "/api/v1/agent/peers" and node:
+                    wanted = parse_qs(url.query).get("node", [])
+                    with receiver.lock:
+                        peers = [
+                            {"node": n, **receiver.certificates[n]}
+                            for n in wanted
+                            if n in receiver.certificates
+                        ]
+                    return self._answer(200, {"peers": peers})
+                if url.path.startswith("/api/v1/agent/jobs/") and node:
+                    job = url.path.rsplit("/", 1)[1]
+                    with receiver.lock:
+                        j = receiver.jobs.get(job)
+                        if j is None and receiver.open_jobs:
+                            j = {"nodes": sorted(receiver.certificates), "layout": None}
+                    if j is None:
+                        return self._answer(404, {"detail": f"job {job} is not registered"})
+                    if node not in j["nodes"]:
+                        return self._answer(403, {"detail": f"{node} is not a node of {job}"})
+                    return self._answer(200, {"job_id": job, "world_size": None, **j})
+                return self._answer(404, {"detail": "not found"})
 
             def do_POST(self) -> None:  # noqa: N802 - http.server API
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path == "/api/v1/agent/peer-certificate":
+                    node = self._node()
+                    if node is None:
+                        return self._answer(401, {"detail": "not an agent token"})
+                    got = json.loads(body)
+                    cert = receiver.authority.node_certificate(node, got["url"], got["public_key"])
+                    with receiver.lock:
+                        receiver.certificates[node] = {"url": got["url"], "certificate": cert}
+                    return self._answer(200, {"node": node, "url": got["url"], "certificate": cert})
                 with receiver.lock:
                     receiver.attempts += 1
                     fail, retry_after = receiver.fail_with, receiver.retry_after
                 if self.path != "/api/v1/ingest/report":
                     return self._answer(404, {"detail": "not found"})
-                if self.headers.get("Authorization") != f"Bearer {receiver.token}":
+                if (
+                    self.headers.get("Authorization") != f"Bearer {receiver.token}"
+                    and not self._node()
+                ):
                     return self._answer(401, {"detail": "missing or invalid token"})
                 if fail is not None:
                     headers = {"Retry-After": retry_after} if retry_after else None
@@ -343,6 +392,18 @@ class Receiver:
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self._thread.start()
+
+    def token_for(self, node: str) -> str:
+        """An agent token bound to ``node`` (as ``tierwatch-server token create --role agent
+        --node NODE`` makes one)."""
+        token = f"{self.token}-{node}"
+        self.node_tokens[token] = node
+        return token
+
+    def register_job(self, job_id: str, nodes: list[str], layout: list[str] | None = None) -> None:
+        """What ``POST /api/v1/jobs/{job_id}/credential`` pins: the job's nodes (and layout)."""
+        with self.lock:
+            self.jobs[job_id] = {"nodes": sorted(set(nodes)), "layout": layout}
 
     def stored(self) -> list[ReportBatch]:
         with self.lock:

@@ -21,9 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import httpx
-from agent_helpers import AUTHORITY, NODE_AUTH, TOKEN, Receiver, wait_until
+from agent_helpers import AUTHORITY, Receiver, wait_until
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from procs import BIN, base_env, free_port
 
 from tierwatch.agent.checkpoint.format.layout import (
@@ -35,9 +37,9 @@ from tierwatch.agent.checkpoint.format.layout import (
 )
 from tierwatch.agent.checkpoint.format.manifest import CommitMarker, make_manifest
 from tierwatch.agent.fsutil import atomic_write_json
+from tierwatch.agent.peer_identity import CERT_HEADER, SCHEME, public_key_text, sign_request
 from tierwatch.agent.protocol import CheckpointEvent
 
-PEER_TOKEN = "peer-secret-for-tests"
 SIGNATURE = "sig-test"
 
 
@@ -142,6 +144,33 @@ def evict_memory_step(memory_dir: Path, job_id: str, step: int, ranks: list[int]
                 (d / name).unlink(missing_ok=True)
 
 
+class PeerAs:
+    """Another node, as a test plays it: its own key, certified by the test authority (and
+    known to ``receiver``'s registry), signing peer requests as that node."""
+
+    def __init__(
+        self, node: str, receiver: Receiver | None = None, url: str = "http://127.0.0.1:9"
+    ) -> None:
+        self.node = node
+        self.key = Ed25519PrivateKey.generate()
+        self.certificate = AUTHORITY.node_certificate(node, url, public_key_text(self.key))
+        if receiver is not None:
+            with receiver.lock:
+                receiver.certificates[node] = {"url": url, "certificate": self.certificate}
+
+    def auth(self, to: str, method: str, url: str) -> dict[str, str]:
+        """The headers of one request to node ``to`` (``url``: the whole URL as sent)."""
+        split = urlsplit(url)
+        path = unquote(split.path) + (f"?{split.query}" if split.query else "")
+        proof = sign_request(self.key, sender=self.node, receiver=to, method=method, path=path)
+        return {"Authorization": f"{SCHEME} {proof}", CERT_HEADER: self.certificate}
+
+    def request(self, method: str, url: str, *, to: str, **kw: Any) -> httpx.Response:
+        """``httpx.request`` signed for node ``to`` (``headers=`` are added to)."""
+        headers = {**kw.pop("headers", {}), **self.auth(to, method, url)}
+        return httpx.request(method, url, headers=headers, **kw)
+
+
 @dataclass
 class CkptAgent:
     """A ``tierwatch-agent run`` process with a memory folder, on an ephemeral port."""
@@ -151,7 +180,6 @@ class CkptAgent:
     receiver: Receiver
     persistent_url: str
     port: int = field(default_factory=free_port)
-    peer_token: str | None = PEER_TOKEN
     replication: int = 1
     memory_budget: str | None = None
     extra_args: list[str] = field(default_factory=list)
@@ -162,6 +190,16 @@ class CkptAgent:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def token(self) -> str:
+        """This node's agent token (the receiver knows which node it is bound to)."""
+        return self.receiver.token_for(self.node)
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """``Authorization`` header of this node's agent token (its administrator)."""
+        return {"Authorization": f"Bearer {self.token}"}
 
     @property
     def memory_dir(self) -> Path:
@@ -184,7 +222,9 @@ class CkptAgent:
             "--server",
             self.receiver.url,
             "--token",
-            TOKEN,
+            self.token,
+            "--state-dir",
+            str(d / "state"),
             "--collector",
             "simulated",
             "--sim-gpus",
@@ -205,8 +245,6 @@ class CkptAgent:
             "0.2",
             *self.extra_args,
         ]
-        if self.peer_token:
-            args += ["--peer-token", self.peer_token]
         if self.memory_budget:
             args += ["--memory-budget", self.memory_budget]
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
@@ -222,13 +260,16 @@ class CkptAgent:
         if self.popen is not None and self.popen.poll() is not None:
             raise AssertionError(f"agent {self.node} exited:\n{self.log_tail()}")
         try:
-            r = httpx.get(f"{self.url}/v1/ckpt/info", headers=NODE_AUTH, timeout=1)
+            r = httpx.get(f"{self.url}/v1/ckpt/info", headers=self.auth, timeout=1)
             if r.status_code != 200:
                 return False
         except httpx.HTTPError:
             return False
-        # the local API answers before the checkpoint store has written agent.json
-        return (self.memory_dir / "agent.json").is_file()
+        # the local API answers before the checkpoint store has written agent.json, and
+        # before the server's registry has certified this node
+        with self.receiver.lock:
+            certified = self.node in self.receiver.certificates
+        return certified and (self.memory_dir / "agent.json").is_file()
 
     def stop(self) -> int | None:
         """SIGTERM and wait (SIGKILL after 15 s)."""

@@ -21,12 +21,11 @@ from typing import Any
 
 import httpx
 import warm
-from agent_helpers import AUTHORITY
+from agent_helpers import AUTHORITY, Receiver
 from procs import BIN, REPO_ROOT, Proc, Server, base_env, free_port, make_server, wait_for
 
 from tierwatch.agent.checkpoint.format.layout import parse_step_dirname
 
-PEER_TOKEN = "peer-" + "t" * 40
 TRAIN_GPT = REPO_ROOT / "examples" / "train_gpt.py"
 
 
@@ -85,6 +84,7 @@ class InProcessNode:
     memory_dir: Path
     spool_dir: Path
     settings: Any
+    receiver: Any = None  # the cluster's stand-in server, when it has no server
     runtime: Any = None
     thread: threading.Thread | None = None
 
@@ -161,8 +161,13 @@ class InProcessNode:
         )
 
     def spooled_restores(self) -> list[dict[str, Any]]:
-        """Restore reports in the batches this agent built and has not delivered."""
+        """Restore reports in the batches this agent built: those it has not delivered (its
+        spool) and those the cluster's receiver, standing in for the server, holds."""
         out: list[dict[str, Any]] = []
+        if self.receiver is not None:
+            for batch in self.receiver.stored():
+                if batch.node == self.name:
+                    out += [r.model_dump(mode="json") for r in batch.restores]
         for p in sorted(self.spool_dir.glob("*.json")):
             try:
                 out += json.loads(p.read_text()).get("restores", [])
@@ -280,6 +285,9 @@ class Cluster:
     root: Path
     persistent_dir: Path
     server: Server | None = None
+    # without a server, a receiver stands in for it (ingest, public keys, node certificates,
+    # the peer and job registry; tests/helpers/agent_helpers.py)
+    receiver: Receiver | None = None
     nodes: dict[str, Any] = field(default_factory=dict)  # Node or InProcessNode
     ranks: list[Proc] = field(default_factory=list)
 
@@ -287,22 +295,21 @@ class Cluster:
     def persistent_url(self) -> str:
         return f"file://{self.persistent_dir}"
 
-    def credential_keys_args(self) -> list[str]:
-        """Without a server, agents check job credentials with the test authority's keys
-        (a ``--credential-keys-file``, as a ConfigMap would give them)."""
+    def control_plane(self, name: str) -> tuple[str, str]:
+        """(server URL, agent token of node ``name``): the server's, or the receiver's."""
         if self.server:
-            return []
-        path = self.root / "credential-keys.json"
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(AUTHORITY.jwks()))
-        return ["--credential-keys-file", str(path)]
+            return self.server.url, self.server.token("agent", name)
+        if self.receiver is None:
+            self.receiver = Receiver()
+        return self.receiver.url, self.receiver.token_for(name)
 
     def job_credential(self, job_id: str, nodes: list[str]) -> str:
         """The credential of ``job_id`` on ``nodes``: registered with the server (as a
-        launcher does), or signed by the test authority when there is no server."""
+        launcher does), or with the receiver and signed by the test authority."""
         if self.server:
             return self.server.job_credential(job_id, nodes)
+        if self.receiver is not None:
+            self.receiver.register_job(job_id, nodes)
         return AUTHORITY.job_credential(job_id)
 
     def add_node(
@@ -316,8 +323,7 @@ class Cluster:
         port = free_port()
         d = self.root / "nodes" / name
         d.mkdir(parents=True, exist_ok=True)
-        server_url = self.server.url if self.server else "http://127.0.0.1:9"
-        token = self.server.token("agent", name) if self.server else "no-server-token"
+        server_url, token = self.control_plane(name)
         args = [
             str(BIN / "tierwatch-agent"),
             "run",
@@ -345,16 +351,14 @@ class Cluster:
             "0.5",
             "--state-dir",
             str(d / "state"),
-            *self.credential_keys_args(),
             *(extra_args or []),
         ]
-        # Without a server a stopping agent would spend its whole shutdown flush on an
-        # address nobody listens on.
+        # A test that stops the receiver must not wait on a whole shutdown flush.
         flush = {} if self.server else {"TIERWATCH_SHUTDOWN_FLUSH_S": "0.2"}
         proc = Proc(
             name,
             args,
-            base_env(TIERWATCH_PEER_TOKEN=PEER_TOKEN, **{**flush, **(env or {})}),
+            base_env(**{**flush, **(env or {})}),
             d / "agent.log",
         )
         node = Node(name, port, d / "memory", proc, args, token)
@@ -369,10 +373,11 @@ class Cluster:
 
         d = self.root / "nodes" / name
         d.mkdir(parents=True, exist_ok=True)
+        server_url, token = self.control_plane(name)
         settings = AgentSettings(
             node=name,
-            server=self.server.url if self.server else "http://127.0.0.1:9",
-            token=self.server.token("agent", name) if self.server else "no-server-token",
+            server=server_url,
+            token=token,
             collector="simulated",
             interval=1,
             listen="127.0.0.1:0",
@@ -382,14 +387,10 @@ class Cluster:
             persistent_url=self.persistent_url,
             ckpt_scan_interval=0.5,
             state_dir=d / "state",
-            peer_token=PEER_TOKEN,
             log_level="INFO",
             shutdown_flush_s=1.0 if self.server else 0.2,
-            credential_keys_file=(
-                Path(self.credential_keys_args()[1]) if not self.server else None
-            ),
         )
-        node = InProcessNode(name, d / "memory", d / "spool", settings)
+        node = InProcessNode(name, d / "memory", d / "spool", settings, self.receiver)
         self.nodes[name] = node
         if start:
             node.start()
@@ -471,6 +472,8 @@ class Cluster:
             node.stop()
         if self.server:
             self.server.stop()
+        if self.receiver is not None:
+            self.receiver.stop()
 
 
 def start_cluster(
@@ -547,7 +550,6 @@ __all__ = [
     "Gate",
     "InProcessNode",
     "Node",
-    "PEER_TOKEN",
     "TINY_GPT",
     "committed_steps",
     "read_log",

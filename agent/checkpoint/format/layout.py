@@ -129,6 +129,19 @@ def parse_commit_name(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def rank_of_file(name: str) -> int | None:
+    """The rank whose file ``name`` is: shards ``__<r>_<i>.distcp``, ``manifest-<r>.json``,
+    ``commit-<r>.json``; ``.metadata`` is rank 0's (its coordinator writes it); None for
+    other names."""
+    if name == METADATA:
+        return 0
+    for pattern in (_SHARD_RE, _MANIFEST_RE, _COMMIT_RE):
+        m = pattern.fullmatch(name)
+        if m:
+            return int(m.group(1))
+    return None
+
+
 def check_file_name(name: str) -> str:
     """Return ``name`` when it is a file a step may hold.
 

@@ -34,16 +34,15 @@ this agent has no peer token):
 - ``GET /v1/peer/files/{job_id}/{step}/{name}?tier=memory|peer&src=<node>`` → the bytes
 """
 
-import hmac
 import logging
 import socket
+import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi import Path as PathParam
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
@@ -52,8 +51,11 @@ from tierwatch.agent.access import Caller, LocalAccess, require_jobs
 from tierwatch.agent.checkpoint.format.layout import (
     LayoutError,
     MemoryLayout,
+    check_file_name,
     check_job_id,
+    check_node_name,
     check_step,
+    rank_of_file,
 )
 from tierwatch.agent.checkpoint.tierstore.persister import PersistentError, PersistentTier
 from tierwatch.agent.checkpoint.tierstore.replicator import XXH3_HEADER, PeerClient
@@ -62,6 +64,15 @@ from tierwatch.agent.checkpoint.tierstore.restore_staging import RestoreStager, 
 from tierwatch.agent.checkpoint.tierstore.store import MemoryStore, StoreError
 from tierwatch.agent.checkpoint.tierstore.worker import TierWorker
 from tierwatch.agent.config import AgentSettings
+from tierwatch.agent.fsutil import iter_file
+from tierwatch.agent.peer_identity import (
+    CERT_HEADER,
+    SCHEME,
+    PeerAuthError,
+    PeerCaller,
+    ReplayCache,
+    verify_request,
+)
 from tierwatch.agent.protocol import (
     CheckpointEvent,
     Command,
@@ -70,6 +81,7 @@ from tierwatch.agent.protocol import (
     RestoreReport,
     utcnow,
 )
+from tierwatch.agent.registry import PeerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +97,7 @@ class CheckpointService:
     """The tiered checkpoint store of one agent.
 
     Args:
-        settings: Agent settings (node, memory_dir, persistent_url, peer_token, replication,
+        settings: Agent settings (node, memory_dir, persistent_url, replication,
             memory_budget, ckpt_scan_interval).
         emit: Receives every checkpoint event (the runtime queues them into the next report).
 
@@ -97,7 +109,13 @@ class CheckpointService:
     a WARNING is logged at start and every step to persist gets a ``failed`` event.
     """
 
-    def __init__(self, settings: AgentSettings, *, emit: EventSink) -> None:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        *,
+        emit: EventSink,
+        registry: PeerRegistry | None = None,
+    ) -> None:
         self.settings = settings
         self.emit = emit
         self.node = settings.node or ""
@@ -122,18 +140,21 @@ class CheckpointService:
             )
         except PersistentError as exc:  # the memory and peer tiers work without it
             self.persistent = PersistentTier.unavailable(url, str(exc))
-        self.peer_token = settings.peer_token_value
+        # peers authenticate as nodes (agent/peer_identity.py); addresses and job
+        # membership come from the server's registry
+        self.registry = registry
+        self.replays = ReplayCache()
         self.peer_url = ""
+        self._peer = PeerClient(registry) if registry is not None else None
         self.worker = TierWorker(
             self.store,
             self.persistent,
             emit=emit,
-            peer_token=self.peer_token,
+            peer=self._peer,
             replication=settings.replication,
             scan_interval_s=settings.ckpt_scan_interval,
             nice=settings.ckpt_nice,
         )
-        self._peer = PeerClient(self.peer_token) if self.peer_token else None
         self.restore_stager = RestoreStager(
             self.store.layout,
             node=self.node,
@@ -157,6 +178,13 @@ class CheckpointService:
         self.agent_info = self.store.write_agent_file(
             peer_url=self.peer_url, persistent_url=self.persistent.shown_url
         )
+        if self.registry is not None:  # ask for this node's certificate in the background
+            threading.Thread(
+                target=self.registry.register,
+                args=(self.peer_url,),
+                name="tierwatch-peer-certificate",
+                daemon=True,
+            ).start()
         self.worker.start()
         self.started = True
         problem = self.persistent.write_problem()
@@ -180,7 +208,7 @@ class CheckpointService:
             self.persistent.shown_url,
             self.peer_url,
             self.settings.replication,
-            "" if self.peer_token else " (no peer token: no peer tier)",
+            "" if self.registry is not None else " (no server registry: no peer tier)",
         )
 
     def stop(self) -> None:
@@ -188,6 +216,8 @@ class CheckpointService:
         self.worker.stop()
         if self._peer is not None:
             self._peer.close()
+        if self.registry is not None:
+            self.registry.close()
 
     def info(self) -> dict[str, Any]:
         """The answer of ``GET /v1/ckpt/info``."""
@@ -200,7 +230,7 @@ class CheckpointService:
             "persistent_url": self.persistent.shown_url,  # credentials redacted
             "persistent_error": self.persistent.error,
             "replication": self.settings.replication,
-            "peer_tier": bool(self.peer_token) and self.settings.replication > 0,
+            "peer_tier": self.registry is not None and self.settings.replication > 0,
         }
 
     def available(self, job_id: str, *, persistent: bool) -> dict[str, Any]:
@@ -218,7 +248,8 @@ class CheckpointService:
                 for step in self.persistent.steps(job_id):
                     if not self.persistent.has_metadata(job_id, step):
                         continue
-                    url = self.persistent.step_url(job_id, step)
+                    # credentials redacted: staging reads its own tier, not this URL
+                    url = self.persistent.shown_step_url(job_id, step)
                     for m in self.persistent.manifests(job_id, step):
                         entries.append(
                             {
@@ -471,32 +502,102 @@ def ckpt_router(
     AnyCaller = Annotated[Caller, Depends(access.any())]
     JobCaller = Annotated[Caller, Depends(access.job())]
 
-    def peer_access(request: Request, svc: Service) -> None:
-        token = svc.peer_token
-        if not token:
+    def peer_caller(request: Request, svc: Service) -> PeerCaller:
+        """The node that signed a peer request (agent/peer_identity.py).
+
+        Raises:
+            HTTPException: 403 when this agent has no peer tier; 401 when the request does
+                not authenticate as a node (the detail says why).
+        """
+        if svc.registry is None:
             raise HTTPException(
                 status_code=403,
-                detail=f"agent {svc.node} has no peer token, "
-                "so it has no peer tier; start it with --peer-token "
-                "(TIERWATCH_PEER_TOKEN)",
+                detail=f"agent {svc.node} has no peer tier: it has no server registry to "
+                "check peers with",
             )
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if not header or scheme.lower() != "bearer" or not given.strip():
+        query = request.scope.get("query_string", b"").decode()
+        try:
+            return verify_request(
+                svc.registry.keys.verifier,
+                svc.replays,
+                me=svc.node,
+                method=request.method,
+                path=request.scope["path"] + (f"?{query}" if query else ""),
+                authorization=request.headers.get("authorization"),
+                certificate=request.headers.get(CERT_HEADER),
+            )
+        except PeerAuthError as exc:
             raise HTTPException(
-                status_code=401,
-                detail="peer endpoints need 'Authorization: "
-                "Bearer <peer token>' (TIERWATCH_PEER_TOKEN of the cluster)",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        if not hmac.compare_digest(given.strip().encode(), token.encode()):
+                status_code=401, detail=str(exc), headers={"WWW-Authenticate": SCHEME}
+            ) from None
+
+    Peer = Annotated[PeerCaller, Depends(peer_caller)]
+
+    def member(svc: CheckpointService, caller: PeerCaller, job_id: str, rank: int | None) -> None:
+        """Refuse a peer that is not a node of the job (or, for ``rank``, not the node the
+        job's layout names for it), by the server's registry.
+
+        Raises:
+            HTTPException: 403 naming the reason, 422 for a bad job id.
+        """
+        try:
+            check_job_id(job_id)
+        except LayoutError as exc:
+            raise bad_name(exc) from None
+        assert svc.registry is not None
+        job = svc.registry.job(job_id)
+        if job is None or caller.node not in job.nodes or svc.node not in job.nodes:
+            job = svc.registry.job(job_id, fresh=True)  # a restart may have re-registered it
+        if job is None:
             raise HTTPException(
                 status_code=403,
-                detail="wrong peer token: every agent of the "
-                "cluster must use the same --peer-token",
+                detail=f"job {job_id} is not registered with the server, or {svc.node} is "
+                "not one of its nodes",
+            )
+        if caller.node not in job.nodes:
+            raise HTTPException(
+                status_code=403, detail=f"{caller.node} is not a node of job {job_id}"
+            )
+        owner = job.node_of(rank) if rank is not None else None
+        if owner is not None and owner != caller.node:
+            raise HTTPException(
+                status_code=403,
+                detail=f"rank {rank} of job {job_id} runs on {owner}, not on {caller.node}",
             )
 
-    peer = [Depends(peer_access)]
+    def replica_access(
+        src_node: str, job_id: str, name: str, svc: Service, caller: Peer
+    ) -> PeerCaller:
+        """A node pushes only its own ranks' replicas, of a job both nodes belong to."""
+        try:  # bad names are 422 whoever asks
+            check_node_name(src_node)
+            check_job_id(job_id)
+            check_file_name(name)
+        except LayoutError as exc:
+            raise bad_name(exc) from None
+        if src_node != caller.node:
+            raise HTTPException(
+                status_code=403,
+                detail=f"{caller.node} may push and delete only its own replicas, not {src_node}'s",
+            )
+        member(svc, caller, job_id, rank_of_file(name))
+        return caller
+
+    def replica_delete_access(src_node: str, job_id: str, svc: Service, caller: Peer) -> None:
+        try:
+            check_node_name(src_node)
+        except LayoutError as exc:
+            raise bad_name(exc) from None
+        if src_node != caller.node:
+            raise HTTPException(
+                status_code=403,
+                detail=f"{caller.node} may push and delete only its own replicas, not {src_node}'s",
+            )
+        member(svc, caller, job_id, None)
+
+    def file_access(job_id: str, svc: Service, caller: Peer) -> None:
+        """Files are served only to nodes of the job."""
+        member(svc, caller, job_id, None)
 
     def bad_name(exc: Exception) -> HTTPException:
         return HTTPException(status_code=422, detail=str(exc))
@@ -577,7 +678,10 @@ def ckpt_router(
         except RollbackRefused as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from None
 
-    @router.put("/v1/peer/replicas/{src_node}/{job_id}/{step}/{name}", dependencies=peer)
+    @router.put(
+        "/v1/peer/replicas/{src_node}/{job_id}/{step}/{name}",
+        dependencies=[Depends(replica_access)],
+    )
     async def put_replica(
         src_node: str, job_id: str, step: int, name: str, request: Request, svc: Service
     ) -> Any:
@@ -625,7 +729,10 @@ def ckpt_router(
         evicted = svc.evicted_events(src_node, job_id, step, got.evicted)
         return {"ok": True, "name": name, "bytes": got.size, "xxh3": got.xxh3, "evicted": evicted}
 
-    @router.delete("/v1/peer/replicas/{src_node}/{job_id}/{step}", dependencies=peer)
+    @router.delete(
+        "/v1/peer/replicas/{src_node}/{job_id}/{step}",
+        dependencies=[Depends(replica_delete_access)],
+    )
     def delete_replica(src_node: str, job_id: str, step: int, svc: Service) -> dict[str, Any]:
         """Evict one replica step held for src_node."""
         try:
@@ -645,7 +752,7 @@ def ckpt_router(
             )
         return {"deleted": deleted}
 
-    @router.get("/v1/peer/files/{job_id}/{step}/{name}", dependencies=peer)
+    @router.get("/v1/peer/files/{job_id}/{step}/{name}", dependencies=[Depends(file_access)])
     def get_file(
         job_id: str,
         step: int,
@@ -653,19 +760,18 @@ def ckpt_router(
         svc: Service,
         tier: Literal["memory", "peer"] = "memory",
         src: str | None = None,
-    ) -> FileResponse:
-        """Stream one file from this agent's memory tier or from a replica it holds."""
+    ) -> StreamingResponse:
+        """Stream one file from this agent's memory tier or from a replica it holds (opened
+        without following a link below the memory folder; regular files only)."""
         try:
-            path = svc.store.file_path(job_id=job_id, step=step, name=name, tier=tier, src=src)
+            f, size = svc.store.open_file(job_id=job_id, step=step, name=name, tier=tier, src=src)
         except StoreError as exc:
             raise HTTPException(status_code=exc.status, detail=exc.message) from None
-        if not Path(path).is_file():
-            where = "memory tier" if tier == "memory" else f"replicas of {src}"
-            raise HTTPException(
-                status_code=404,
-                detail=f"{name} of {job_id} step {step} is not in {svc.node}'s {where}",
-            )
-        return FileResponse(path, media_type="application/octet-stream")
+        return StreamingResponse(
+            iter_file(f, size, UPLOAD_BUFFER),
+            media_type="application/octet-stream",
+            headers={"Content-Length": str(size)},
+        )
 
     return router
 

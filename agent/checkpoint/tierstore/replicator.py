@@ -7,8 +7,10 @@ skipping its own node; with the usual contiguous layout that is the node of rank
 
 Pushes stream each file from an open file (never whole files in memory; the caller opens it
 without following links, :func:`~tierwatch.agent.fsutil.open_regular`) with its size in
-``Content-Length``, its xxh3-64 in ``X-Tierwatch-Xxh3`` and the peer token; the holder
-reserves the size, verifies and renames into place.
+``Content-Length`` and its xxh3-64 in ``X-Tierwatch-Xxh3``; the holder reserves the size,
+verifies and renames into place. Every request is signed as this node for the node it goes
+to (:mod:`tierwatch.agent.peer_identity`); the caller takes the URL from the server's
+registry (:class:`~tierwatch.agent.registry.PeerRegistry`), never from the ranks.
 
 Fetches ask for the bytes as they are (``Accept-Encoding: identity``), read the raw body
 (never decoded: a compressed answer is refused, so a small gzip bomb cannot expand on this
@@ -19,13 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import BinaryIO
-from urllib.parse import quote
+from urllib.parse import quote, unquote, urlencode, urlsplit
 
 import httpx
 
 from tierwatch.agent.checkpoint.format.manifest import CHUNK
 from tierwatch.agent.fsutil import iter_file
 from tierwatch.agent.httputil import error_detail
+from tierwatch.agent.registry import PeerRegistry, RegistryError
 
 XXH3_HEADER = "X-Tierwatch-Xxh3"
 
@@ -67,15 +70,35 @@ class PeerClient:
     """HTTP client for other agents' ``/v1/peer/*`` endpoints.
 
     Args:
-        token: The peer token.
+        registry: Signs the requests as this node, and says where peers are.
         timeout_s: Connect/read timeout per request, seconds.
     """
 
-    def __init__(self, token: str, timeout_s: float = 60.0) -> None:
-        self._client = httpx.Client(
-            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
-            headers={"Authorization": f"Bearer {token}"},
-        )
+    def __init__(self, registry: PeerRegistry, timeout_s: float = 60.0) -> None:
+        self.registry = registry
+        self._client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)))
+
+    def url_of(self, node: str) -> str:
+        """Where ``node``'s agent listens, by its server-issued certificate.
+
+        Raises:
+            PeerError: the server's registry does not know the node.
+        """
+        cert = self.registry.peer(node)
+        if cert is None:
+            raise PeerError(
+                f"{node} is not in the server's registry (its agent never registered, or "
+                "the server is unreachable and it was never seen)"
+            )
+        return cert.url
+
+    def _signed(self, receiver: str, method: str, target: str) -> dict[str, str]:
+        split = urlsplit(target)
+        path = unquote(split.path) + (f"?{split.query}" if split.query else "")
+        try:
+            return self.registry.headers(receiver=receiver, method=method, path=path)
+        except RegistryError as exc:
+            raise PeerError(f"cannot authenticate to {receiver}: {exc}") from None
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -115,6 +138,7 @@ class PeerClient:
             XXH3_HEADER: xxh3,
             "Content-Length": str(size),
             "Content-Type": "application/octet-stream",
+            **self._signed(peer, "PUT", target),
         }
         try:
             resp = self._client.put(target, content=_chunks(source, size), headers=headers)
@@ -157,15 +181,17 @@ class PeerClient:
         Raises:
             PeerError: unreachable, refused, encoded, or more than ``max_bytes`` bytes.
         """
-        target = f"{url.rstrip('/')}/v1/peer/files/{quote(job_id)}/{step}/{quote(name)}"
         params = {"tier": tier}
         if src:
             params["src"] = src
+        target = (
+            f"{url.rstrip('/')}/v1/peer/files/{quote(job_id)}/{step}/{quote(name)}?"
+            + urlencode(params)
+        )
+        headers = {"Accept-Encoding": "identity", **self._signed(holder, "GET", target)}
         n = 0
         try:
-            with self._client.stream(
-                "GET", target, params=params, headers={"Accept-Encoding": "identity"}
-            ) as resp:
+            with self._client.stream("GET", target, headers=headers) as resp:
                 if resp.status_code != 200:
                     resp.read()
                     raise PeerError(

@@ -50,6 +50,7 @@ from tierwatch.agent.checkpoint.tierstore.persister import PersistentTier
 from tierwatch.agent.checkpoint.tierstore.replicator import PeerClient, PeerError
 from tierwatch.agent.fsutil import open_regular
 from tierwatch.agent.protocol import CheckpointEvent, utcnow
+from tierwatch.agent.urlsafe import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +228,7 @@ class RestoreStager:
 
     def _fetch(self, job_id: str, step: int, f: StageFile, source: StageSource, tmp: Path) -> None:
         if source.tier == "persistent":
-            self._fetch_persistent(f, source, tmp)
+            self._fetch_persistent(job_id, step, f, source, tmp)
             return
         if source.holder == self.node:
             if source.tier == "memory":
@@ -240,14 +241,14 @@ class RestoreStager:
             return
         if self.peer is None:
             raise StageError(
-                "this agent has no peer token (--peer-token), so it cannot read "
-                f"from {source.holder}"
+                "this agent has no server registry to find and authenticate peers with, so "
+                f"it cannot read from {source.holder}"
             )
-        if not source.url:
-            raise StageError(f"no URL for holder {source.holder}")
+        # the holder's address is the server registry's, whatever URL the request named
+        url = self.peer.url_of(source.holder)
         with open(tmp, "wb") as out:
             self.peer.fetch_to(
-                url=source.url,
+                url=url,
                 holder=source.holder,
                 job_id=job_id,
                 step=step,
@@ -258,12 +259,21 @@ class RestoreStager:
                 max_bytes=f.size,
             )
 
-    def _fetch_persistent(self, f: StageFile, source: StageSource, tmp: Path) -> None:
-        if not source.url:
-            raise StageError("a persistent source needs url (the step's fsspec URL)")
+    def _fetch_persistent(
+        self, job_id: str, step: int, f: StageFile, source: StageSource, tmp: Path
+    ) -> None:
         if self.persistent is None:
             raise StageError("this agent has no persistent tier to read from")
-        url = f"{source.url.rstrip('/')}/{f.name}"
+        # only this agent's own tier, at the job's own step: a URL in the request is not
+        # followed (it could name another job's folder, or another store)
+        own = self.persistent.step_url(job_id, step)
+        shown = self.persistent.shown_step_url(job_id, step)
+        if source.url and source.url.rstrip("/") not in (own.rstrip("/"), shown.rstrip("/")):
+            raise StageError(
+                f"a persistent source must be this agent's own tier ({shown}); "
+                f"{redact_url(source.url)} is not read"
+            )
+        url = f"{own.rstrip('/')}/{f.name}"
         try:
             with self.persistent.open_url(url) as src, open(tmp, "wb") as out:
                 _copy_at_most(src, out, f.size, what=url)

@@ -138,12 +138,13 @@ class TierWorker:
         store: The node's memory store.
         persistent: The persistent tier.
         emit: Receives every checkpoint event (queued into the next report).
-        peer_token: The peer token (None: no peer tier; one ``failed`` event per job).
+        peer: The client for peers' endpoints (None: no peer tier, since the agent has no
+            server registry; one ``failed`` event per job). Replicas go to the URLs the
+            server's registry gives for the layout's nodes, never to URLs a rank wrote.
         replication: Peer nodes per rank (0: no peer tier, silently).
         scan_interval_s: Seconds between scans.
         metadata_wait_s: How long the ``.metadata`` writer waits for the other ranks'
             manifests on the persistent tier, seconds.
-        http_timeout_s: Per-request timeout towards peers, seconds.
         nice: Nice value of the worker threads, so they yield the cores to training
             (:mod:`~tierwatch.agent.checkpoint.format.priority`; 0 keeps the agent's).
     """
@@ -154,22 +155,20 @@ class TierWorker:
         persistent: PersistentTier,
         *,
         emit: EventSink,
-        peer_token: str | None,
+        peer: PeerClient | None,
         replication: int,
         scan_interval_s: float,
         metadata_wait_s: float = METADATA_WAIT_S,
-        http_timeout_s: float = 60.0,
         nice: int = DEFAULT_NICE,
     ) -> None:
         self.store = store
         self.nice = nice
         self.persistent = persistent
         self.emit = emit
-        self.peer_token = peer_token
         self.replication = replication
         self.scan_interval_s = scan_interval_s
         self.metadata_wait_s = metadata_wait_s
-        self._peer = PeerClient(peer_token, http_timeout_s) if peer_token else None
+        self._peer = peer
         self._stop = threading.Event()
         self._wake = {"peer": threading.Event(), "persistent": threading.Event()}
         self._threads: list[threading.Thread] = []
@@ -397,8 +396,8 @@ class TierWorker:
                 c.job_id,
                 c.step,
                 "peer",
-                f"agent on {own} has no peer token (--peer-token / "
-                "TIERWATCH_PEER_TOKEN): no peer tier",
+                f"agent on {own} has no server registry to find and authenticate peers "
+                "with: no peer tier",
                 None,
             )
             return
@@ -427,15 +426,10 @@ class TierWorker:
         for target in targets:
             if done_targets.get(target) == "done":
                 continue
-            url = marker.peer_urls.get(target)
-            if not url:
-                self._fail(
-                    key,
-                    c,
-                    "peer",
-                    f"{commit_name(c.rank)}: no peer URL for {target} "
-                    "in the commit marker's peer_urls",
-                )
+            try:
+                url = self._peer_client().url_of(target)
+            except PeerError as exc:
+                self._fail(key, c, "peer", f"{commit_name(c.rank)}: no peer URL: {exc}")
                 failed = True
                 continue
             try:

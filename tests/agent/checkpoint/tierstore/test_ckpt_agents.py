@@ -13,10 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from agent_helpers import AUTHORITY, NODE_AUTH, wait_until
+from agent_helpers import AUTHORITY, wait_until
 from ckpt_helpers import (
-    PEER_TOKEN,
     CkptAgent,
+    PeerAs,
     ckpt_events,
     evict_memory_step,
     read_json,
@@ -37,7 +37,6 @@ from tierwatch.agent.checkpoint.format.manifest import load_manifest, verify_fil
 pytestmark = [pytest.mark.slow]
 
 JOB = "job-1"
-AUTH = {"Authorization": f"Bearer {PEER_TOKEN}"}
 JOB_AUTH = AUTHORITY.job_auth(JOB)
 
 
@@ -56,7 +55,7 @@ def test_agent_json_and_info(make_agent):
     assert info_file["pid"] == a.popen.pid
     assert info_file["started_at"].endswith("+00:00")
     assert not list(a.memory_dir.glob(".tmp-*"))  # written atomically
-    info = httpx.get(f"{a.url}/v1/ckpt/info", headers=NODE_AUTH).json()
+    info = httpx.get(f"{a.url}/v1/ckpt/info", headers=a.auth).json()
     assert info["node"] == "node-a"
     assert info["memory_dir"] == str(a.memory_dir)
     assert info["peer_url"] == a.url
@@ -121,7 +120,7 @@ def test_events_and_notify_are_queued_into_reports(make_agent, receiver):
     ).json() == {"ok": True}
     assert (
         httpx.post(
-            f"{a.url}/v1/ckpt/notify", json={"job_id": "../x", "step": 1}, headers=NODE_AUTH
+            f"{a.url}/v1/ckpt/notify", json={"job_id": "../x", "step": 1}, headers=a.auth
         ).status_code
         == 422
     )
@@ -186,33 +185,6 @@ def test_two_agents_replicate_to_each_other_and_evict_per_retain(make_agent, rec
     assert read_json(a.step_dir(JOB, 3) / ".tier-0.json")["peer"]["done"] is True
 
 
-def test_peer_endpoints_need_the_peer_token(make_agent):
-    a = make_agent("node-a").start()
-    n = make_agent("node-n", peer_token=None).start()
-    put = f"{a.url}/v1/peer/replicas/node-b/{JOB}/1/__2_0.distcp"
-    get = f"{a.url}/v1/peer/files/{JOB}/1/__0_0.distcp"
-    dele = f"{a.url}/v1/peer/replicas/node-b/{JOB}/1"
-    for method, url in (("PUT", put), ("GET", get), ("DELETE", dele)):
-        r = httpx.request(method, url, content=b"x" if method == "PUT" else None)
-        assert r.status_code == 401, (method, r.text)
-        assert "Authorization: Bearer <peer token>" in r.json()["detail"]
-        r = httpx.request(
-            method,
-            url,
-            headers={"Authorization": "Bearer wrong"},
-            content=b"x" if method == "PUT" else None,
-        )
-        assert r.status_code == 403, (method, r.text)
-        assert "wrong peer token" in r.json()["detail"]
-    r = httpx.get(f"{n.url}/v1/peer/files/{JOB}/1/__0_0.distcp", headers=AUTH)
-    assert r.status_code == 403
-    assert "no peer token" in r.json()["detail"]
-    assert "--peer-token" in r.json()["detail"]
-    r = httpx.get(get, headers=AUTH)
-    assert r.status_code == 404
-    assert "not in node-a's memory tier" in r.json()["detail"]
-
-
 @pytest.mark.parametrize(
     ("path", "needle"),
     [
@@ -224,11 +196,16 @@ def test_peer_endpoints_need_the_peer_token(make_agent):
         ("/v1/peer/replicas/node-b/job-1/-1/__2_0.distcp", "step"),
     ],
 )
-def test_bad_names_are_422(make_agent, path, needle):
+def test_bad_names_are_422(make_agent, receiver, path, needle):
     a = make_agent("node-a").start()
+    b = PeerAs("node-b", receiver)
     body = b"hello"
-    r = httpx.put(
-        f"{a.url}{path}", content=body, headers={**AUTH, "X-Tierwatch-Xxh3": xxh3_of(body)}
+    r = b.request(
+        "PUT",
+        f"{a.url}{path}",
+        to="node-a",
+        content=body,
+        headers={"X-Tierwatch-Xxh3": xxh3_of(body)},
     )
     assert r.status_code == 422, r.text
     assert needle in r.text
@@ -237,12 +214,14 @@ def test_bad_names_are_422(make_agent, path, needle):
     )
     assert not (a.memory_dir.parent / "job-1").exists()
     # %2F decodes to "/": the path has one segment too many and matches no route.
-    r = httpx.get(f"{a.url}/v1/peer/files/job-1/1/%2E%2E%2Fagent.json", headers=AUTH)
+    r = b.request("GET", f"{a.url}/v1/peer/files/job-1/1/%2E%2E%2Fagent.json", to="node-a")
     assert r.status_code == 404, r.text
     assert r.json() == {"detail": "Not Found"}
-    r = httpx.get(f"{a.url}/v1/peer/files/job-1/1/__0_0.distcp?tier=peer&src=%2E%2E", headers=AUTH)
+    r = b.request(
+        "GET", f"{a.url}/v1/peer/files/job-1/1/__0_0.distcp?tier=peer&src=%2E%2E", to="node-a"
+    )
     assert r.status_code == 422
-    r = httpx.get(f"{a.url}/v1/ckpt/jobs/%2E%2E/available", headers=NODE_AUTH)
+    r = httpx.get(f"{a.url}/v1/ckpt/jobs/%2E%2E/available", headers=a.auth)
     assert r.status_code == 422
 
 
@@ -252,18 +231,25 @@ def xxh3_of(data: bytes) -> str:
     return xxhash.xxh3_64(data).hexdigest()
 
 
-def test_upload_with_wrong_checksum_is_409_and_leaves_nothing(make_agent):
+def test_upload_with_wrong_checksum_is_409_and_leaves_nothing(make_agent, receiver):
     a = make_agent("node-a").start()
+    b = PeerAs("node-b", receiver)
     body = os.urandom(300_000)
     url = f"{a.url}/v1/peer/replicas/node-b/{JOB}/1/__2_0.distcp"
-    r = httpx.put(url, content=body, headers={**AUTH, "X-Tierwatch-Xxh3": "0" * 16})
+
+    def put(digest: str) -> httpx.Response:
+        return b.request(
+            "PUT", url, to="node-a", content=body, headers={"X-Tierwatch-Xxh3": digest}
+        )
+
+    r = put("0" * 16)
     assert r.status_code == 409, r.text
     assert "does not match" in r.json()["detail"]
     replicas = a.memory_dir / "replicas"
     assert not replicas.exists() or not [p for p in replicas.rglob("*") if p.is_file()]
-    r = httpx.put(url, content=body, headers={**AUTH, "X-Tierwatch-Xxh3": "nothex"})
+    r = put("nothex")
     assert r.status_code == 422
-    r = httpx.put(url, content=body, headers={**AUTH, "X-Tierwatch-Xxh3": xxh3_of(body)})
+    r = put(xxh3_of(body))
     assert r.status_code == 200, r.text
     assert r.json()["bytes"] == len(body)
     assert a.replica_dir("node-b", JOB, 1).joinpath("__2_0.distcp").read_bytes() == body
@@ -275,10 +261,12 @@ def test_memory_budget_refuses_with_507_and_failed_events(make_agent, receiver):
     a.start()
     b.start()
     big = os.urandom(512 * 1024)
-    r = httpx.put(
+    r = PeerAs("node-a").request(  # node-a's own key is its agent's; any certified one signs
+        "PUT",
         f"{b.url}/v1/peer/replicas/node-a/{JOB}/1/__0_0.distcp",
+        to="node-b",
         content=big,
-        headers={**AUTH, "X-Tierwatch-Xxh3": xxh3_of(big)},
+        headers={"X-Tierwatch-Xxh3": xxh3_of(big)},
     )
     assert r.status_code == 507, r.text
     assert "memory budget" in r.json()["detail"]
@@ -449,7 +437,7 @@ def test_unwritable_persistent_tier_is_a_failed_event_and_memory_stays(
     for f in load_manifest(a.step_dir(JOB, 1) / manifest_name(0)).files:
         assert verify_file(a.step_dir(JOB, 1) / f.name, f) is None
     assert (
-        httpx.get(f"{a.url}/v1/ckpt/info", headers=NODE_AUTH).status_code == 200
+        httpx.get(f"{a.url}/v1/ckpt/info", headers=a.auth).status_code == 200
     )  # the agent goes on
 
 
@@ -784,6 +772,7 @@ def test_two_local_ranks_stage_the_same_files_at_once(make_agent, receiver):
 
 def test_unreachable_peer_is_a_failed_event_then_retried(make_agent, receiver):
     a, b = make_agent("node-a"), make_agent("node-b")  # node-b's agent not started yet
+    PeerAs("node-b", receiver, url=b.url)  # the registry knows node-b from before it went down
     layout = ["node-a", "node-b"]
     a.start()
     write_step(a.memory_dir, job_id=JOB, step=1, node="node-a", layout=layout, peer_urls=urls(a, b))
@@ -827,7 +816,7 @@ def test_unusable_persistent_url_keeps_memory_and_peer_tiers(make_agent, receive
     peers = urls(a, b)
     a.start()
     b.start()
-    info = httpx.get(f"{a.url}/v1/ckpt/info", headers=NODE_AUTH).json()
+    info = httpx.get(f"{a.url}/v1/ckpt/info", headers=a.auth).json()
     assert info["persistent_url"] == url
     assert info["persistent_error"]
     warning = [ln for ln in a.log_tail().splitlines() if "persistent tier unavailable" in ln]
@@ -886,7 +875,7 @@ def test_unwritable_file_url_warns_at_start(make_agent, tmp_path):
     line = next(ln for ln in a.log_tail().splitlines() if "looks unwritable" in ln)
     assert "WARNING" in line
     assert str(blocker) in line
-    assert httpx.get(f"{a.url}/v1/ckpt/info", headers=NODE_AUTH).json()["persistent_error"] is None
+    assert httpx.get(f"{a.url}/v1/ckpt/info", headers=a.auth).json()["persistent_error"] is None
 
 
 def _persistent_step_of_world(
@@ -944,14 +933,17 @@ def test_persistent_step_of_another_world_size_is_left_alone(
     assert len(ckpt_events(receiver, node="node-a", tier="persistent", kind="failed")) == 1
 
 
-def test_upload_cut_off_mid_body_leaves_nothing_and_no_traceback(make_agent):
+def test_upload_cut_off_mid_body_leaves_nothing_and_no_traceback(make_agent, receiver):
     import socket
 
     a = make_agent("node-a").start()
+    b = PeerAs("node-b", receiver)
     total, sent = 4 * 1024 * 1024, 2 * 1024 * 1024 + 123
+    path = f"/v1/peer/replicas/node-b/{JOB}/1/__2_0.distcp"
+    signed = "".join(f"{k}: {v}\r\n" for k, v in b.auth("node-a", "PUT", a.url + path).items())
     head = (
-        f"PUT /v1/peer/replicas/node-b/{JOB}/1/__2_0.distcp HTTP/1.1\r\n"
-        f"Host: 127.0.0.1:{a.port}\r\nAuthorization: Bearer {PEER_TOKEN}\r\n"
+        f"PUT {path} HTTP/1.1\r\n"
+        f"Host: 127.0.0.1:{a.port}\r\n{signed}"
         f"X-Tierwatch-Xxh3: {'0' * 16}\r\nContent-Length: {total}\r\n\r\n"
     ).encode()
     with socket.create_connection(("127.0.0.1", a.port), timeout=10) as s:
@@ -980,13 +972,15 @@ def test_upload_cut_off_mid_body_leaves_nothing_and_no_traceback(make_agent):
         timeout=10,
         what="partial upload removed",
     )
-    info = httpx.get(f"{a.url}/v1/ckpt/info", headers=NODE_AUTH).json()
+    info = httpx.get(f"{a.url}/v1/ckpt/info", headers=a.auth).json()
     assert info["memory_used_bytes"] < 4096  # the reservation is released
     assert (
-        httpx.put(
+        b.request(
+            "PUT",
             f"{a.url}/v1/peer/replicas/node-b/{JOB}/1/__2_0.distcp",
+            to="node-a",
             content=b"ok",
-            headers={**AUTH, "X-Tierwatch-Xxh3": xxh3_of(b"ok")},
+            headers={"X-Tierwatch-Xxh3": xxh3_of(b"ok")},
         ).status_code
         == 200
     )
@@ -1011,4 +1005,4 @@ def test_agent_json_is_rewritten_when_the_memory_folder_is_deleted(make_agent):
         timeout=10,
         what="agent.json rewritten again",
     )
-    assert httpx.get(f"{a.url}/v1/ckpt/info", headers=NODE_AUTH).status_code == 200
+    assert httpx.get(f"{a.url}/v1/ckpt/info", headers=a.auth).status_code == 200

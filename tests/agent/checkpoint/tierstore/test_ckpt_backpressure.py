@@ -140,7 +140,7 @@ def slowfs() -> Iterator[type[SlowFS]]:
 
 # -- the agent and the ranks --------------------------------------------------------------
 def service(
-    tmp_path: Path, *, url: str | None = None, peer_token: str | None = None, replication: int = 0
+    tmp_path: Path, *, url: str | None = None, replication: int = 0
 ) -> tuple[CheckpointService, list[CheckpointEvent]]:
     events: list[CheckpointEvent] = []
     settings = AgentSettings(
@@ -150,7 +150,6 @@ def service(
         spool_dir=tmp_path / "spool",
         memory_dir=tmp_path / "memory",
         persistent_url=url or f"file://{tmp_path / 'persistent'}",
-        peer_token=peer_token,
         replication=replication,
         memory_budget=1 << 30,
         ckpt_scan_interval=0.02,
@@ -296,6 +295,9 @@ class FakePeer:
         self.gate.set()
         self.inside = threading.Event()
 
+    def url_of(self, node: str) -> str:
+        return "http://127.0.0.1:9"  # never dialled: push_file records instead
+
     def push_file(self, **kw: Any) -> None:
         self.inside.set()
         assert self.gate.wait(10)
@@ -323,7 +325,7 @@ def write4(svc: CheckpointService, step: int) -> None:
 
 
 def test_agent_replicates_one_step_for_all_local_ranks(tmp_path) -> None:
-    svc, events = service(tmp_path, peer_token="p" * 20, replication=1)
+    svc, events = service(tmp_path, replication=1)
     peer = FakePeer()
     svc.worker._peer = peer  # type: ignore[assignment]
     write4(svc, 7)
@@ -343,7 +345,7 @@ def test_agent_replicates_one_step_for_all_local_ranks(tmp_path) -> None:
 
 
 def test_a_step_in_flight_stays_in_memory_until_the_transfer_ends(tmp_path) -> None:
-    svc, _events = service(tmp_path, peer_token="p" * 20, replication=1)
+    svc, _events = service(tmp_path, replication=1)
     peer = FakePeer()
     peer.gate.clear()
     svc.worker._peer = peer  # type: ignore[assignment]
@@ -367,7 +369,7 @@ def test_a_step_in_flight_stays_in_memory_until_the_transfer_ends(tmp_path) -> N
 
 
 def test_a_job_on_one_node_pins_nothing_and_skips_nothing_for_the_peer_tier(tmp_path) -> None:
-    svc, events = service(tmp_path, peer_token="p" * 20, replication=1)
+    svc, events = service(tmp_path, replication=1)
     for step in range(1, 7):
         write_step(svc.store.root, job_id=JOB, step=step, node="node-a", layout=["node-a"])
         if step % 2:  # two steps committed between passes
@@ -377,7 +379,7 @@ def test_a_job_on_one_node_pins_nothing_and_skips_nothing_for_the_peer_tier(tmp_
 
 
 def test_a_step_evicted_before_the_agent_pins_it_is_not_read(tmp_path) -> None:
-    svc, events = service(tmp_path, peer_token="p" * 20, replication=1)
+    svc, events = service(tmp_path, replication=1)
     write4(svc, 7)
     with svc.store.pin_transfer(JOB, 7, "peer", [0, 1]) as ok:
         assert ok

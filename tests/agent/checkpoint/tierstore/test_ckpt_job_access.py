@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from agent_helpers import AUTHORITY, NODE_AUTH, TestAuthority, wait_until
+from agent_helpers import AUTHORITY, TestAuthority, wait_until
 from ckpt_helpers import ckpt_events, wait_more_batches, write_step
 
 from tierwatch.agent.checkpoint.format.layout import step_dirname
@@ -135,5 +135,5 @@ def test_the_jobs_own_rollback_needs_a_restore_request_it_received(victim_agent,
     r = httpx.post(f"{url}/v1/ckpt/jobs/{VICTIM}/rollback", json=ok, headers=own)
     assert r.status_code == 200
     # the node's own agent token (its administrator) is accepted for any job
-    r = httpx.get(f"{url}/v1/ckpt/jobs/{VICTIM}/available", headers=NODE_AUTH)
+    r = httpx.get(f"{url}/v1/ckpt/jobs/{VICTIM}/available", headers=victim_agent.auth)
     assert r.status_code == 200

@@ -29,8 +29,8 @@ from typing import Any
 import httpx
 import pytest
 import xxhash
-from agent_helpers import AUTHORITY, NODE_AUTH, wait_until
-from ckpt_helpers import PEER_TOKEN, SIGNATURE, CkptAgent, wait_event, write_step
+from agent_helpers import AUTHORITY, wait_until
+from ckpt_helpers import SIGNATURE, CkptAgent, PeerAs, wait_event, write_step
 
 from tierwatch.agent.bodylimit import AGENT_LIMITS
 from tierwatch.agent.checkpoint.format.layout import (
@@ -48,7 +48,23 @@ from tierwatch.agent.checkpoint.tierstore.store import UPLOAD_TMP_PREFIX, Memory
 from tierwatch.agent.fsutil import atomic_write_json
 
 JOB = "job-1"
-AUTH = {"Authorization": f"Bearer {PEER_TOKEN}"}
+
+
+class StubRegistry:
+    """Where a :class:`PeerClient` looks peers up, for fetches from the loopback holder: it
+    names each holder's URL and signs nothing (the holder checks no identity)."""
+
+    def __init__(self, urls: dict[str, str] | None = None) -> None:
+        self.urls = urls or {}
+
+    def peer(self, node: str) -> Any:
+        url = self.urls.get(node)
+        return None if url is None else type("Cert", (), {"url": url})()
+
+    def headers(self, **_: Any) -> dict[str, str]:
+        return {}
+
+
 JOB_AUTH = AUTHORITY.job_auth(JOB)
 MiB = 1024 * 1024
 
@@ -147,7 +163,7 @@ class _Counting:
 
 
 def fetch(holder: _HolderServer, kind: str, out: Any, max_bytes: int) -> int:
-    client = PeerClient("t")
+    client = PeerClient(StubRegistry())  # type: ignore[arg-type]
     try:
         return client.fetch_to(
             url=f"{holder.url}/{kind}",
@@ -195,14 +211,17 @@ def test_a_peer_that_sends_the_manifest_size_is_read(holder: _HolderServer) -> N
     assert out.n == len(EXACT)
 
 
-def stager(tmp_path: Path, events: list[Any]) -> tuple[RestoreStager, MemoryLayout]:
+def stager(
+    tmp_path: Path, events: list[Any], holder: _HolderServer
+) -> tuple[RestoreStager, MemoryLayout]:
     layout = MemoryLayout(tmp_path / "mem")
     layout.root.mkdir(parents=True, exist_ok=True)
     persistent = PersistentTier(f"file://{tmp_path / 'persistent'}")
+    urls = {n: f"{holder.url}/{k}" for n, k in (("node-x", "gzip"), ("node-z", "endless"))}
+    urls["node-y"] = f"{holder.url}/exact"
+    peer = PeerClient(StubRegistry(urls))  # type: ignore[arg-type]
     return (
-        RestoreStager(
-            layout, node="node-a", peer=PeerClient("t"), emit=events.append, persistent=persistent
-        ),
+        RestoreStager(layout, node="node-a", peer=peer, emit=events.append, persistent=persistent),
         layout,
     )
 
@@ -211,15 +230,16 @@ def test_staging_stops_every_source_at_the_manifest_size(
     tmp_path: Path, holder: _HolderServer
 ) -> None:
     events: list[Any] = []
-    st, layout = stager(tmp_path, events)
+    st, layout = stager(tmp_path, events, holder)
     big = tmp_path / "persistent" / JOB / "step-1" / shard_name(0)
     big.parent.mkdir(parents=True)
     big.write_bytes(EXACT + b"more")  # the persistent copy is longer than the manifest says
     sources = [
-        {"tier": "memory", "holder": "node-x", "url": f"{holder.url}/gzip"},
-        {"tier": "memory", "holder": "node-x", "url": f"{holder.url}/endless"},
-        {"tier": "persistent", "holder": "persistent", "url": f"file://{big.parent}"},
-        {"tier": "memory", "holder": "node-y", "url": f"{holder.url}/exact"},
+        # the URLs a rank names are not followed: the registry's are (StubRegistry)
+        {"tier": "memory", "holder": "node-x", "url": "http://ignored.invalid"},
+        {"tier": "memory", "holder": "node-z"},
+        {"tier": "persistent", "holder": "persistent"},
+        {"tier": "memory", "holder": "node-y"},
     ]
     req = StageRequest.model_validate(
         {
@@ -247,9 +267,11 @@ def test_staging_stops_every_source_at_the_manifest_size(
     assert (staged / shard_name(0)).read_bytes() == EXACT
 
 
-def test_staging_never_links_or_copies_a_planted_link(tmp_path: Path) -> None:
+def test_staging_never_links_or_copies_a_planted_link(
+    tmp_path: Path, holder: _HolderServer
+) -> None:
     events: list[Any] = []
-    st, layout = stager(tmp_path, events)
+    st, layout = stager(tmp_path, events, holder)
     secret = tmp_path / "secret"
     secret.write_bytes(EXACT)
     step_dir = layout.step_dir(JOB, 1)
@@ -539,8 +561,9 @@ def test_a_linked_commit_marker_is_not_read_into_an_event(make_agent, receiver, 
     assert not [p for p in (b.memory_dir / "replicas").rglob("*") if p.is_file()]
 
 
-def test_served_files_are_regular_files_reached_without_links(make_agent, tmp_path):
+def test_served_files_are_regular_files_reached_without_links(make_agent, receiver, tmp_path):
     a = make_agent("node-a").start()
+    b = PeerAs("node-b", receiver)
     write_step(a.memory_dir, job_id=JOB, step=1, node="node-a", layout=["node-a", "node-b"])
     secret = tmp_path / "secret"
     secret.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n")
@@ -549,7 +572,8 @@ def test_served_files_are_regular_files_reached_without_links(make_agent, tmp_pa
     os.mkfifo(a.step_dir(JOB, 1) / shard_name(2))  # a plain open would hang the server thread
 
     def get(step: int, name: str) -> httpx.Response:
-        return httpx.get(f"{a.url}/v1/peer/files/{JOB}/{step}/{name}", headers=AUTH, timeout=10)
+        url = f"{a.url}/v1/peer/files/{JOB}/{step}/{name}"
+        return b.request("GET", url, to="node-a", timeout=10)
 
     assert get(1, shard_name(0)).status_code == 200
     for step, name, what in [
@@ -563,8 +587,10 @@ def test_served_files_are_regular_files_reached_without_links(make_agent, tmp_pa
         assert b"root:" not in r.content
 
 
-def test_stage_through_the_agent_stops_at_the_manifest_size(make_agent, holder):
+def test_stage_through_the_agent_stops_at_the_manifest_size(make_agent, receiver, holder):
     a = make_agent("node-a").start()
+    PeerAs("node-x", receiver, url=f"{holder.url}/gzip")  # where the registry says they are
+    PeerAs("node-z", receiver, url=f"{holder.url}/endless")
     body = {
         "step": 3,
         "files": [
@@ -573,8 +599,8 @@ def test_stage_through_the_agent_stops_at_the_manifest_size(make_agent, holder):
                 "size": 1000,
                 "xxh3": xxh3_of(EXACT),
                 "sources": [
-                    {"tier": "memory", "holder": "node-x", "url": f"{holder.url}/gzip"},
-                    {"tier": "memory", "holder": "node-x", "url": f"{holder.url}/endless"},
+                    {"tier": "memory", "holder": "node-x"},
+                    {"tier": "memory", "holder": "node-z"},
                 ],
             }
         ],
@@ -590,16 +616,19 @@ def test_stage_through_the_agent_stops_at_the_manifest_size(make_agent, holder):
     assert list(staged.iterdir()) == []
 
 
-def test_a_chunked_replica_put_is_411(make_agent):
+def test_a_chunked_replica_put_is_411(make_agent, receiver):
     a = make_agent("node-a").start()
+    url = f"{a.url}/v1/peer/replicas/node-b/{JOB}/1/{shard_name(1)}"
 
     def body() -> Iterator[bytes]:
         yield b"x" * 1000
 
-    r = httpx.put(
-        f"{a.url}/v1/peer/replicas/node-b/{JOB}/1/{shard_name(1)}",
+    r = PeerAs("node-b", receiver).request(
+        "PUT",
+        url,
+        to="node-a",
         content=body(),  # no Content-Length: Transfer-Encoding chunked
-        headers={**AUTH, "X-Tierwatch-Xxh3": "0" * 16},
+        headers={"X-Tierwatch-Xxh3": "0" * 16},
     )
     assert r.status_code == 411, r.text
     assert "needs Content-Length" in r.json()["detail"]
@@ -608,18 +637,24 @@ def test_a_chunked_replica_put_is_411(make_agent):
     )
 
 
-def test_an_upload_in_progress_counts_in_memory_used(make_agent):
+def test_an_upload_in_progress_counts_in_memory_used(make_agent, receiver):
     a = make_agent("node-a", memory_budget="64MiB").start()
 
     def used() -> int:
-        info = httpx.get(f"{a.url}/v1/ckpt/info", headers=NODE_AUTH, timeout=5).json()
+        info = httpx.get(f"{a.url}/v1/ckpt/info", headers=a.auth, timeout=5).json()
         return info["memory_used_bytes"]
 
     base = used()
     conn = http.client.HTTPConnection("127.0.0.1", a.port, timeout=10)
     try:
-        conn.putrequest("PUT", f"/v1/peer/replicas/node-b/{JOB}/1/{shard_name(1)}")
-        for k, v in {**AUTH, "X-Tierwatch-Xxh3": "0" * 16, "Content-Length": str(8 * MiB)}.items():
+        path = f"/v1/peer/replicas/node-b/{JOB}/1/{shard_name(1)}"
+        conn.putrequest("PUT", path)
+        signed = PeerAs("node-b", receiver).auth("node-a", "PUT", a.url + path)
+        for k, v in {
+            **signed,
+            "X-Tierwatch-Xxh3": "0" * 16,
+            "Content-Length": str(8 * MiB),
+        }.items():
             conn.putheader(k, v)
         conn.endheaders()
         conn.send(b"x" * 4096)  # the rest never comes
@@ -696,9 +731,7 @@ def test_wired_a_chunked_control_body_is_cut_at_its_limit(make_agent):
 
 def test_wired_a_body_on_an_endpoint_without_one_is_413(make_agent):
     a = make_agent("node-a").start()
-    r = httpx.request(
-        "GET", f"{a.url}/v1/ckpt/info", content=b"x" * 100, headers=NODE_AUTH, timeout=5
-    )
+    r = httpx.request("GET", f"{a.url}/v1/ckpt/info", content=b"x" * 100, headers=a.auth, timeout=5)
     assert r.status_code == 413, r.text
     assert r.json()["detail"] == (
         "GET /v1/ckpt/info takes no request body; this request's Content-Length is 100 bytes"

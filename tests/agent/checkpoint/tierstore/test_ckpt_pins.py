@@ -44,7 +44,6 @@ def service(tmp_path: Path, node: str = "node-a") -> tuple[CheckpointService, li
         spool_dir=tmp_path / "spool",
         memory_dir=tmp_path / "memory",
         persistent_url=f"file://{tmp_path / 'persistent'}",
-        peer_token="p" * 20,
         memory_budget=64 * 2**20,
     )
     return CheckpointService(settings, emit=events.append), events

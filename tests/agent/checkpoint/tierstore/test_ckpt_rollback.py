@@ -73,7 +73,6 @@ def make_runtime(receiver, tmp_path, persistent) -> AgentRuntime:
         listen="127.0.0.1:0",
         memory_dir=tmp_path / "memory",
         persistent_url=f"file://{persistent}",
-        peer_token="p" * 20,
     )
     runtime = AgentRuntime(
         settings, collector=SimulatedCollector("node-a", gpus=1, seed=1), flush_timeout_s=2.0

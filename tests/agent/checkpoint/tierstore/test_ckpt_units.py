@@ -41,12 +41,10 @@ def test_parse_bytes_refuses(text):
 
 def test_checkpoint_settings_from_env(monkeypatch, tmp_path):
     monkeypatch.setenv("TIERWATCH_MEMORY_BUDGET", "8GiB")
-    monkeypatch.setenv("TIERWATCH_PEER_TOKEN", "s3cret")
     monkeypatch.setenv("TIERWATCH_REPLICATION", "2")
     monkeypatch.setenv("TIERWATCH_PERSISTENT_URL", str(tmp_path / "p"))
     s = AgentSettings(node="gpu-1")
     assert s.memory_budget == 8 * 1024**3
-    assert s.peer_token_value == "s3cret"
     assert s.replication == 2
     assert s.resolved_persistent_url() == f"file://{tmp_path / 'p'}"
     assert str(s.resolved_memory_dir()) == "/dev/shm/tierwatch/gpu-1"
@@ -177,7 +175,7 @@ def _worker(tmp_path, events):
         store,
         PersistentTier(f"file://{tmp_path / 'pers'}"),
         emit=events.append,
-        peer_token=None,
+        peer=None,
         replication=1,
         scan_interval_s=0.1,
     )

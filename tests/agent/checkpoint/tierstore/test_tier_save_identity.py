@@ -74,7 +74,7 @@ def make_worker(tmp_path: Path, events: list) -> TierWorker:
         store,
         PersistentTier(f"file://{tmp_path / 'pers'}"),
         emit=events.append,
-        peer_token=None,
+        peer=None,
         replication=0,
         scan_interval_s=0.1,
     )
