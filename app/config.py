@@ -15,6 +15,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from tierwatch.server.actions.drivers import IsolationSettings
 from tierwatch.server.actions.settings import PolicySettings, QueueSettings
 from tierwatch.server.alerts.service import AlertSettings
+from tierwatch.server.credentials.peer_schemas import (
+    MAX_NODE_CERTIFICATE_TTL_S,
+    MIN_NODE_CERTIFICATE_TTL_S,
+)
 from tierwatch.server.credentials.schemas import MAX_TTL_S, MIN_TTL_S
 from tierwatch.server.fleet.rules import HealthThresholds
 
@@ -53,19 +57,21 @@ class Settings(BaseSettings):
         login_attempts: failed dashboard sign-ins allowed per client address within
             ``login_window_s`` before further attempts are refused with 429.
         login_window_s: the sign-in rate limit's window (seconds).
-        health: health-rule thresholds (see ``tierwatch.server.fleet.rules``).
-        isolation: the isolation driver (``TIERWATCH_ISOLATION__DRIVER=none|command|slurm|
-            kubernetes``; see ``tierwatch.server.actions.drivers``).
-        commands: the command queue (``TIERWATCH_COMMANDS__TTL_S`` …).
         session_ttl_s: how long a dashboard sign-in lasts (seconds; default 12 h). Absolute,
             counted from the sign-in (an open dashboard polls, so an idle timeout would never
             end it); signing out, revoking the token or its expiry end it sooner.
         session_cookie_secure: mark the session cookie ``Secure`` (sent over HTTPS only).
             None (default): on outside dev mode, off in dev mode. Set it off only for a
             dashboard served over plain HTTP on a network you trust.
+        health: health-rule thresholds (see ``tierwatch.server.fleet.rules``).
+        isolation: the isolation driver (``TIERWATCH_ISOLATION__DRIVER=none|command|slurm|
+            kubernetes``; see ``tierwatch.server.actions.drivers``).
+        commands: the command queue (``TIERWATCH_COMMANDS__TTL_S`` …).
         policy: the auto-isolation policy (``TIERWATCH_POLICY__ENABLED`` …).
         job_credential_ttl_s: lifetime of a job credential when its registration gives none
             (seconds; default 30 days, 60 s to 366 days; see docs/security.md).
+        node_certificate_ttl_s: lifetime of a node certificate (``POST
+            /api/v1/agent/peer-certificate``; seconds; default 24 h, 300 s to 30 days).
         alerts: webhooks (``TIERWATCH_ALERTS__WEBHOOKS='["https://…"]'`` …).
         demo_report: the JSON report ``make demo`` writes (``TIERWATCH_DEMO_REPORT=
             var/demo-report.json``, relative to the working directory), shown at ``/demo``
@@ -91,14 +97,17 @@ class Settings(BaseSettings):
     background_tick_s: Annotated[float, Field(ge=0)] = 1.0
     login_attempts: Annotated[int, Field(ge=1)] = 10
     login_window_s: Annotated[float, Field(gt=0)] = 60.0
+    session_ttl_s: Annotated[float, Field(gt=0, le=366 * 24 * 3600)] = 12 * 3600.0
+    session_cookie_secure: bool | None = None
     health: HealthThresholds = HealthThresholds()
     isolation: IsolationSettings = IsolationSettings()
     commands: QueueSettings = QueueSettings()
     policy: PolicySettings = PolicySettings()
     job_credential_ttl_s: Annotated[float, Field(ge=MIN_TTL_S, le=MAX_TTL_S)] = 30 * 24 * 3600.0
+    node_certificate_ttl_s: Annotated[
+        float, Field(ge=MIN_NODE_CERTIFICATE_TTL_S, le=MAX_NODE_CERTIFICATE_TTL_S)
+    ] = 24 * 3600.0
     alerts: AlertSettings = AlertSettings()
-    session_ttl_s: Annotated[float, Field(gt=0, le=366 * 24 * 3600)] = 12 * 3600.0
-    session_cookie_secure: bool | None = None
     demo_report: Path | None = None
 
     @field_validator("demo_report", mode="before")
@@ -129,6 +138,14 @@ class Settings(BaseSettings):
             )
 
     @property
+    def cookie_secure(self) -> bool:
+        """Whether the session cookie is marked ``Secure``: ``session_cookie_secure``, or,
+        when that is unset, outside dev mode."""
+        if self.session_cookie_secure is None:
+            return not self.dev
+        return self.session_cookie_secure
+
+    @property
     def session_secret(self) -> str:
         """The key that signs session cookies (a fixed dev key in dev mode without one)."""
         return self.secret_key or "tierwatch-dev-mode-insecure-session-key"
@@ -137,12 +154,4 @@ class Settings(BaseSettings):
 @lru_cache
 def get_settings() -> Settings:
     """Settings from the environment, read once per process."""
-    @property
-    def cookie_secure(self) -> bool:
-        """Whether the session cookie is marked ``Secure``: ``session_cookie_secure``, or,
-        when that is unset, outside dev mode."""
-        if self.session_cookie_secure is None:
-            return not self.dev
-        return self.session_cookie_secure
-
     return Settings()

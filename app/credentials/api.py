@@ -5,6 +5,7 @@
   request is not looked at.
 - ``POST /jobs/{job_id}/credential``: register a job and issue its credential (operator or
   admin; agent tokens and viewers are refused).
+- ``/agent/...``: the peer registry, for agent tokens (``peer_api``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException, Response
 
 from tierwatch.server.checkpoints.api import JobIdPath
-from tierwatch.server.credentials import service
+from tierwatch.server.credentials import peer_api, service
 from tierwatch.server.credentials.schemas import JobCredentialIn, JobCredentialOut, JwksOut
 from tierwatch.server.deps import SessionDep, SettingsDep
 from tierwatch.server.security import OperatorDep, error_responses
@@ -69,3 +70,6 @@ def job_credential(
         )
     except service.RegistrationError as exc:  # (the path pattern refuses a bad id first)
         raise HTTPException(status_code=422, detail=str(exc)) from exc
+
+
+router.include_router(peer_api.router)

@@ -6,7 +6,8 @@ The routes come from ``app.routes`` at collection time; :data:`MATRIX` holds the
 answer per state-changing route and role, :data:`READS` per read route, and
 :func:`test_every_state_changing_route_has_a_row` / :func:`test_every_read_route_has_a_row`
 fail when a route exists that the tables do not cover (a new endpoint needs its row here
-first). Agent tokens may only report: every read refuses them with 403.
+first). Agent tokens may only report, and call what agents call on the server (the peer
+registry, :data:`AGENT_READS`): every other read refuses them with 403.
 
 Roles (see ``security_support.ROLES``): no token, viewer, operator, admin, an agent token
 for n1 (the node the requests are about) and an agent token for another node. API rows send
@@ -58,6 +59,15 @@ PEOPLE_WRITE = {
     "agent_other": 403,
 }
 ADMIN_WRITE = {**PEOPLE_WRITE, "operator": 403}
+#: What agents call on the server besides reporting (the peer registry): agents only.
+AGENT_CALL: dict[str, int | str] = {
+    "none": 401,
+    "viewer": 403,
+    "operator": 403,
+    "admin": 403,
+    "agent_n1": OK,
+    "agent_other": OK,
+}
 PAGE_OPERATOR = {
     "none": LOGIN,
     "viewer": 403,
@@ -81,6 +91,15 @@ class Row:
     expect: dict[str, int | str]
     json: Callable[[], Any] | None = None
     form: dict[str, str] = field(default_factory=dict)
+
+
+def _node_key() -> str:
+    """A fresh node key's public half, as an agent sends it for its certificate."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from tierwatch.agent.peer_identity import public_key_text
+
+    return public_key_text(Ed25519PrivateKey.generate())
 
 
 def _report() -> dict[str, Any]:
@@ -115,6 +134,10 @@ MATRIX: dict[tuple[str, str], Row] = {
     # Registering the job again (the next role) replaces its registration: each call is valid.
     ("POST", "/api/v1/jobs/{job_id}/credential"): Row(
         "api", PEOPLE_WRITE, json=lambda: {"nodes": ["n1", "n2"]}
+    ),
+    # Any agent certifies its own node (the body names none); people are refused.
+    ("POST", "/api/v1/agent/peer-certificate"): Row(
+        "api", AGENT_CALL, json=lambda: {"public_key": _node_key(), "url": "http://n1:9470"}
     ),
     # --- dashboard ---
     # The "role" of a sign-in is the token submitted ("none": an empty field).
@@ -190,7 +213,14 @@ READS: dict[str, dict[str, int | str]] = {
     "/audit": PAGE_READ,
     "/policy": PAGE_READ,
     "/demo": PAGE_READ,
+    # The peer registry: agents only; a job's layout only for the agents of its nodes.
+    "/api/v1/agent/peers": AGENT_CALL,
+    "/api/v1/agent/jobs/{job_id}": {**AGENT_CALL, "agent_other": 403},
 }
+#: Reads for agents (the peer registry): their refusals of people name what agents may do.
+AGENT_READS = frozenset({"/api/v1/agent/peers", "/api/v1/agent/jobs/{job_id}"})
+#: Query strings the reads need to be valid.
+READ_QUERIES = {"/api/v1/agent/peers": "?node=n1&node=n2"}
 
 
 def state_changing_routes(app) -> set[tuple[str, str]]:  # type: ignore[no-untyped-def]
@@ -323,15 +353,20 @@ def _read(app, client: TestClient, tokens, path: str, role: str):  # type: ignor
 
 @pytest.mark.parametrize("template", READS_PRESENT)
 def test_read_matrix(app, client, tokens, template):
-    """People read everything; agent tokens read nothing (403 saying what they are for)."""
+    """People read everything; agent tokens read nothing (403 saying what they are for) but
+    the peer registry, which only agents read."""
     seed_cluster(client, tokens)
-    path = template.format(**PATH_PARAMS)
+    path = template.format(**PATH_PARAMS) + READ_QUERIES.get(template, "")
     expect = READS[template]
     wrong = {}
     for role in ROLES:
         response = _read(app, client, tokens, path, role)
         if response.status_code >= 500 or not _verdict(response, expect[role]):
             wrong[role] = f"expected {expect[role]}, got {_describe(response)}"
+        elif template in AGENT_READS:
+            if response.status_code == 403 and not role.startswith("agent"):
+                if "only agent tokens" not in response.json()["detail"]:
+                    wrong[role] = f"403 without saying who may: {response.text[:160]!r}"
         elif role.startswith("agent") and path.startswith("/api/"):
             detail = response.json()["detail"]
             if "agent tokens may only report" not in detail:
