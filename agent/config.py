@@ -660,12 +660,14 @@ class AgentSettings(BaseSettings):
             if path is None:
                 continue
             flag, env = name.replace("_", "-"), f"TIERWATCH_{name.upper()}"
-            if getattr(self, name) is not None:
+            value = read_secret_file(path, option=f"--{flag}-file ({env}_FILE)")
+            given: SecretStr | None = getattr(self, name)
+            # a second check (the CLI's, then the runtime's) finds the file's own value
+            if given is not None and given.get_secret_value() != value:
                 raise SettingsError(
                     f"--{flag} ({env}) and --{flag}-file ({env}_FILE) are both set; "
                     "keep only the file"
                 )
-            value = read_secret_file(path, option=f"--{flag}-file ({env}_FILE)")
             setattr(self, name, SecretStr(value))
 
     def check_runnable(self) -> None:

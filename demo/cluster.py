@@ -25,7 +25,6 @@ from typing import IO, Any
 import httpx
 
 BIN = Path(sys.executable).parent
-PEER_TOKEN_BYTES = 32
 
 
 def detach() -> None:
@@ -110,6 +109,9 @@ def server_env(
     return {
         "TIERWATCH_DATABASE_URL": f"sqlite:///{var / 'tierwatch.db'}",
         "TIERWATCH_SECRET_KEY": secrets.token_urlsafe(48),
+        # the demo serves plain HTTP on loopback: a Secure cookie would not come back from
+        # every browser (Safari), and the dashboard sign-in would fail
+        "TIERWATCH_SESSION_COOKIE_SECURE": "0",
         "TIERWATCH_POLICY__ENABLED": "true",
         "TIERWATCH_POLICY__UNREACHABLE_S": f"{policy_unreachable_s:g}",
         "TIERWATCH_POLICY__BREAKER_PCT": "40",
@@ -237,7 +239,6 @@ class Cluster:
     nodes: dict[str, Node] = field(default_factory=dict)
     server: subprocess.Popen[bytes] | None = None
     token: str = ""
-    peer_token: str = ""
 
     @property
     def url(self) -> str:
@@ -304,8 +305,6 @@ class Cluster:
     def add_node(self, name: str, index: int) -> Node:
         """Create node ``name`` (an agent token, its folders, its argv) and start its agent."""
         token = self._cli("token", "create", "--role", "agent", "--node", name)
-        if not self.peer_token:
-            self.peer_token = secrets.token_urlsafe(PEER_TOKEN_BYTES)
         d = self.var / "nodes" / name
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
@@ -354,7 +353,6 @@ class Cluster:
             ],
             env={
                 **{k: v for k, v in os.environ.items() if not k.startswith("TIERWATCH_")},
-                "TIERWATCH_PEER_TOKEN": self.peer_token,
             },
         )
         self.nodes[name] = node

@@ -317,7 +317,10 @@ def test_restart_at_another_world_size_is_refused_not_started_from_scratch(
         return j if refused else None
 
     j = wait_for(refusal_seen, timeout=30, what="the refused restore on the server")
-    assert (j["world_size"], j["layout"]) == (2, ["node-a", "node-b"])
+    # the launcher registered the new run on node-a (a registration replaces the pinned
+    # layout); the refused start's reports change nothing: the world size stays the 2-rank
+    # job's, and no layout is pinned until a run's rank 0 saves
+    assert (j["world_size"], j["layout"]) == (2, None)
 
 
 def test_launcher_stops_the_job_when_a_rank_dies(cluster: Cluster, tmp_path: Path) -> None:
@@ -340,7 +343,11 @@ def test_launcher_stops_the_job_when_a_rank_dies(cluster: Cluster, tmp_path: Pat
             str(REPO_ROOT / "examples" / "train_gpt.py"),
             *train_args("launched", 100_000, log),
         ],
-        env=base_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"),
+        env=base_env(
+            PYTHONPATH=str(REPO_ROOT),
+            OMP_NUM_THREADS="1",
+            TIERWATCH_JOB_CREDENTIAL=cluster.job_credential("launched", ["node-a", "node-b"]),
+        ),
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -389,7 +396,11 @@ def test_ranks_do_not_outlive_a_killed_launcher(cluster: Cluster, tmp_path: Path
             str(REPO_ROOT / "examples" / "train_gpt.py"),
             *train_args("orphans", 100_000, log),
         ],
-        env=base_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"),
+        env=base_env(
+            PYTHONPATH=str(REPO_ROOT),
+            OMP_NUM_THREADS="1",
+            TIERWATCH_JOB_CREDENTIAL=cluster.job_credential("orphans", ["node-a"]),
+        ),
     )
     wait_committed(a, "orphans", 1, 1)
     ranks = subprocess.run(
@@ -511,8 +522,11 @@ def test_persistent_copy_loads_with_plain_dcp_at_another_world_size(
 
 
 def test_agent_api_reports_steps_when_server_is_down(cluster: Cluster, tmp_path: Path) -> None:
-    """The whole save/restore path works with no control plane at all."""
+    """The whole save/restore path works while the control plane is down: the agent keeps
+    the server's public keys it fetched at start (job credentials are checked offline)."""
     a = cluster.add_node("node-a")
+    assert cluster.receiver is not None
+    cluster.receiver.stop()  # the stand-in server goes away before the job starts
     log = tmp_path / "log"
     procs = cluster.launch(train_args("no-server", 4, log), placement=["node-a"], log_dir=log)
     assert cluster.wait_ranks(procs, 120) == [0]

@@ -392,6 +392,7 @@ class Receiver:
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self._thread.start()
+        self._stopped = False
 
     def token_for(self, node: str) -> str:
         """An agent token bound to ``node`` (as ``tierwatch-server token create --role agent
@@ -410,6 +411,10 @@ class Receiver:
             return list(self.batches)
 
     def stop(self) -> None:
+        """Stop serving (a second call does nothing)."""
+        if self._stopped:
+            return
+        self._stopped = True
         self.server.shutdown()
         self.server.server_close()
         self._thread.join(5)
