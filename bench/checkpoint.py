@@ -54,7 +54,6 @@ from ckpt_worker import build, step  # noqa: E402
 
 from tierwatch import TieredCheckpointer  # noqa: E402
 from tierwatch.agent.checkpoint.format.layout import step_dirname  # noqa: E402
-from tierwatch.agent.credentials import LocalAuthority  # noqa: E402
 from tierwatch.agent.netutil import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -62,10 +61,58 @@ QUICK = os.environ.get("BENCH_QUICK") == "1"
 WIDTH, LAYERS = (1024, 8) if QUICK else (3072, 10)
 MEASURED = 8 if QUICK else 20
 BATCH = 8
-PEER_TOKEN = "bench-peer-" + "x" * 32
-NODE_TOKEN = "bench-no-server"
-#: The agents run without a server: this process signs the job credentials they check.
-AUTHORITY = LocalAuthority(kid="bench")
+
+
+class ControlPlane:
+    """A tierwatch-server on loopback (SQLite): it issues the agents' node certificates and
+    the jobs' credentials, as on a cluster (the peer tier needs its registry)."""
+
+    def __init__(self, root: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("TIERWATCH_")}
+        self.env.update(
+            TIERWATCH_DATABASE_URL=f"sqlite:///{root / 'server.db'}",
+            TIERWATCH_SECRET_KEY="bench-" + "k" * 40,
+            TIERWATCH_PRUNE_INTERVAL_S="0",
+        )
+        self.cli("migrate")
+        self.log = root / "server.log"
+        self.proc = subprocess.Popen(
+            [
+                str(BIN / "tierwatch-server"),
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            env=self.env,
+            stdout=open(self.log, "ab"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+        )
+        wait(lambda: httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200, 60, "server")
+
+    def cli(self, *args: str) -> str:
+        out = subprocess.run(
+            [str(BIN / "tierwatch-server"), *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip()
+
+    def agent_token(self, node: str) -> str:
+        return self.cli("token", "create", "--role", "agent", "--node", node)
+
+    def job_credential(self, job_id: str, nodes: list[str]) -> str:
+        return self.cli("job", "credential", job_id, *[x for n in nodes for x in ("--node", n)])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(20)
 
 
 def wait(pred, timeout: float, what: str):  # noqa: ANN001, ANN201
@@ -81,8 +128,9 @@ def wait(pred, timeout: float, what: str):  # noqa: ANN001, ANN201
 class Agent:
     """A tierwatch-agent process (simulated collector, no server)."""
 
-    def __init__(self, root: Path, name: str, persistent_url: str) -> None:
+    def __init__(self, root: Path, name: str, persistent_url: str, cp: ControlPlane) -> None:
         self.name = name
+        self.token = cp.agent_token(name)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.memory_dir = Path("/dev/shm") / f"tw-bench-{os.getpid()}" / name
@@ -93,11 +141,11 @@ class Agent:
             "--node",
             name,
             "--server",
-            "http://127.0.0.1:9",
+            cp.url,
             "--token",
-            NODE_TOKEN,
-            "--credential-keys-file",
-            AUTHORITY.write_keys(root / "credential-keys.json"),
+            self.token,
+            "--state-dir",
+            str(root / name / "state"),
             "--collector",
             "simulated",
             "--sim-gpus",
@@ -121,7 +169,6 @@ class Agent:
 
     def start(self) -> Agent:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIERWATCH_")}
-        env["TIERWATCH_PEER_TOKEN"] = PEER_TOKEN
         self.proc = subprocess.Popen(
             self.args,
             env=env,
@@ -132,7 +179,7 @@ class Agent:
             lambda: (
                 httpx.get(
                     f"{self.url}/v1/ckpt/info",
-                    headers={"Authorization": f"Bearer {NODE_TOKEN}"},
+                    headers={"Authorization": f"Bearer {self.token}"},
                     timeout=1,
                 ).status_code
                 == 200
@@ -166,8 +213,8 @@ def state_bytes(model: torch.nn.Module, optim: torch.optim.Optimizer) -> int:
     return n
 
 
-def part1(root: Path, disk: Path) -> dict:
-    agent = Agent(root, "bench-a", f"file://{disk / 'persistent'}").start()
+def part1(root: Path, disk: Path, cp: ControlPlane) -> dict:
+    agent = Agent(root, "bench-a", f"file://{disk / 'persistent'}", cp).start()
     os.environ["TIERWATCH_AGENT_URL"] = agent.url
     model, optim = build(WIDTH, LAYERS, seed=1)
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
@@ -252,7 +299,7 @@ def part1(root: Path, disk: Path) -> dict:
             f"bench-{every}",
             persist_every=10,
             latency_every=0,
-            job_credential=AUTHORITY.job_credential(f"bench-{every}"),
+            job_credential=cp.job_credential(f"bench-{every}", [agent.name]),
         )
         n = MEASURED if every == 1 else (40 if QUICK else 100)
         saves, hooks, steps = [], [], []
@@ -288,7 +335,7 @@ def part1(root: Path, disk: Path) -> dict:
     return out
 
 
-def run_ranks(agents: list[Agent], args: list[str], timeout: float = 900) -> None:
+def run_ranks(agents: list[Agent], args: list[str], credential: str, timeout: float = 900) -> None:
     port = free_port()
     procs = []
     for rank, agent in enumerate(agents):
@@ -300,7 +347,7 @@ def run_ranks(agents: list[Agent], args: list[str], timeout: float = 900) -> Non
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             TIERWATCH_AGENT_URL=agent.url,
-            TIERWATCH_JOB_CREDENTIAL=AUTHORITY.job_credential(args[args.index("--job-id") + 1]),
+            TIERWATCH_JOB_CREDENTIAL=credential,
             BENCH_THREADS="1",
         )
         procs.append(
@@ -313,14 +360,17 @@ def run_ranks(agents: list[Agent], args: list[str], timeout: float = 900) -> Non
             raise RuntimeError(f"worker exited with {p.returncode}")
 
 
-def part2(root: Path, disk: Path) -> dict:
+def part2(root: Path, disk: Path, cp: ControlPlane) -> dict:
     persistent = disk / "persistent2"
-    agents = [Agent(root, f"bench-n{i}", f"file://{persistent}").start() for i in range(2)]
+    agents = [Agent(root, f"bench-n{i}", f"file://{persistent}", cp).start() for i in range(2)]
+    credential = cp.job_credential("bench-tiers", [a.name for a in agents])
     common = ["--job-id", "bench-tiers", "--width", str(WIDTH), "--layers", str(LAYERS)]
     out: dict = {}
     try:
         t0 = time.monotonic()
-        run_ranks(agents, ["--mode", "train", "--steps", "2", "--persist-every", "1", *common])
+        run_ranks(
+            agents, ["--mode", "train", "--steps", "2", "--persist-every", "1", *common], credential
+        )
         # persistent step 1 complete = its .metadata exists; commit marker time → .metadata
         marker = next(
             (agents[0].memory_dir / "jobs" / "bench-tiers" / "step-1").glob("commit-0.json")
@@ -342,7 +392,7 @@ def part2(root: Path, disk: Path) -> dict:
 
         def restore(label: str) -> None:
             path = root / f"restore-{label}.json"
-            run_ranks(agents, ["--mode", "restore", "--out", str(path), *common])
+            run_ranks(agents, ["--mode", "restore", "--out", str(path), *common], credential)
             out[f"restore_{label}"] = json.loads(path.read_text())
 
         restore("memory")
@@ -507,8 +557,12 @@ def main() -> int:
     shutil.rmtree(disk, ignore_errors=True)
     disk.mkdir(parents=True)
     try:
-        p1 = part1(root, disk)
-        p2 = part2(root, disk)
+        cp = ControlPlane(root)
+        try:
+            p1 = part1(root, disk, cp)
+            p2 = part2(root, disk, cp)
+        finally:
+            cp.stop()
     finally:
         shutil.rmtree(disk, ignore_errors=True)
     block = report(p1, p2)

@@ -7,7 +7,7 @@
 #
 #   TIERWATCH_TOKEN_FILE=/var/lib/tierwatch/tokens/node-1.token tierwatch-agent run ...
 set -eu
-for var in TIERWATCH_TOKEN TIERWATCH_PEER_TOKEN TIERWATCH_SECRET_KEY; do
+for var in TIERWATCH_TOKEN TIERWATCH_SECRET_KEY; do
     eval "file=\${${var}_FILE:-}"
     if [ -n "$file" ]; then
         if [ ! -r "$file" ] || [ ! -s "$file" ]; then

@@ -38,7 +38,6 @@ IMAGE_TARGETS = ("server", "agent", "trainer")
 ENTRY_POINTS = ("tierwatch-server", "tierwatch-agent")
 COMPOSE_ENV = {
     "TIERWATCH_SECRET_KEY": "k" * 48,
-    "TIERWATCH_PEER_TOKEN": "p" * 32,
 }
 
 
@@ -513,7 +512,7 @@ def test_compose_wiring(compose_bin):
         assert node in boot_nodes, f"{name}: bootstrap creates no token for {node}"
         assert svc["depends_on"]["bootstrap"]["condition"] == "service_completed_successfully"
         assert svc["environment"]["TIERWATCH_TOKEN_FILE"] == f"{token_dir}/{node}.token"
-        assert svc["environment"]["TIERWATCH_PEER_TOKEN"] == COMPOSE_ENV["TIERWATCH_PEER_TOKEN"]
+        assert "TIERWATCH_PEER_TOKEN" not in svc["environment"]  # no shared peer secret
         assert _opt(cmd, "--advertise-url") == f"http://{name}:9470"
         assert _opt(cmd, "--listen") == "0.0.0.0:9470"
         mounts = {v.split(":")[1]: v.split(":")[0] for v in svc["volumes"]}
@@ -528,6 +527,15 @@ def test_compose_wiring(compose_bin):
         memory_of[name] = (memory_volume, memory_dir)
     assert len({v for v, _ in memory_of.values()}) == 3, "agents share a memory tier"
 
+    register = services["register-job"]
+    assert register["command"][:3] == ["tierwatch-server", "job", "credential"]
+    job_dir = str(Path(_opt(register["command"], "--out")).parent)
+    job_volume = next(v.split(":")[0] for v in register["volumes"] if v.split(":")[1] == job_dir)
+    job_nodes = {
+        register["command"][i + 1] for i, w in enumerate(register["command"]) if w == "--node"
+    }
+    assert job_nodes == {_opt(s["command"], "--node") for s in agents.values()}
+
     trainers = {n: s for n, s in services.items() if n.startswith("trainer-")}
     ranks = set()
     for name, svc in trainers.items():
@@ -541,6 +549,11 @@ def test_compose_wiring(compose_bin):
         mounts = {v.split(":")[1]: v.split(":")[0] for v in svc["volumes"]}
         volume, path = memory_of[agent]
         assert mounts.get(path) == volume, f"{name} does not share {agent}'s memory tier"
+        # the job credential, from the job's registration; never the agents' tokens
+        assert token_volume not in mounts.values(), f"{name} mounts the agent tokens"
+        credential = Path(env["TIERWATCH_JOB_CREDENTIAL_FILE"])
+        assert mounts.get(str(credential.parent)) == job_volume, name
+        assert svc["depends_on"]["register-job"]["condition"] == "service_completed_successfully"
     assert ranks == set(range(world))
     assert world == len(trainers) == 3
     rank0 = next(s for s in trainers.values() if s["environment"]["RANK"] == "0")
@@ -677,9 +690,13 @@ def test_kubernetes_agent_daemonset():
     # every other writable path is a volume (read-only root file system)
     for opt in ("--spool-dir", "--state-dir"):
         assert any(_opt(args, opt).startswith(p + "/") for p in mounts), opt
-    secrets = {v["secret"]["secretName"] for v in volumes.values() if "secret" in v}
-    assert {"tierwatch-agent-tokens", "tierwatch-peer"} <= secrets
-    assert env["TIERWATCH_TOKEN_FILE"]["value"].endswith("$(TIERWATCH_NODE)")
+    # each node's own token, from the node itself: no Secret holds every node's token, and
+    # there is no peer secret (agents sign as their node)
+    assert not [v for v in volumes.values() if "secret" in v], "a Secret shared by all nodes"
+    token_file = env["TIERWATCH_TOKEN_FILE"]["value"]
+    token_volume = volumes[mounts[token_file]]
+    assert token_volume["hostPath"] == {"path": token_file, "type": "File"}
+    assert "TIERWATCH_PEER_TOKEN_FILE" not in env and "TIERWATCH_PEER_TOKEN" not in env
 
 
 def test_kubernetes_server_rbac_matches_the_isolation_driver():
