@@ -71,6 +71,34 @@ def derive_job_secret(job_secret_key: bytes, job_id: str) -> bytes:
     return hmac.new(job_secret_key, b"job:" + job_id.encode(), hashlib.sha256).digest()
 
 
+def _manifest_key(secret: bytes) -> bytes:
+    return hmac.new(secret, MANIFEST_KEY_INFO, hashlib.sha256).digest()
+
+
+def manifest_key_of(credential: str) -> bytes:
+    """The manifest key of a job credential, taken from its secret alone (32 bytes).
+
+    A rank cannot check the statement's signature (it has no server keys; its agent does),
+    so this reads only the secret part of ``<statement>~<secret>`` and derives the same key
+    as :attr:`JobCredential.manifest_key`.
+
+    Raises:
+        CredentialError: not ``<statement>~<secret>`` with a 32-byte base64url secret.
+    """
+    if len(credential) > MAX_CREDENTIAL_CHARS or credential.count(SEPARATOR) != 1:
+        raise CredentialError(
+            "not a job credential: expected '<statement>~<secret>' as issued by "
+            "'tierwatch-server job credential' or POST /api/v1/jobs/{job_id}/credential"
+        )
+    secret = b64url_decode(credential.split(SEPARATOR)[1])
+    if len(secret) != SECRET_BYTES:
+        raise CredentialError(
+            f"job credential's secret is {len(secret)} bytes, not {SECRET_BYTES}: "
+            "register the job again for a new credential"
+        )
+    return _manifest_key(secret)
+
+
 def secret_hash(secret: bytes) -> str:
     """``sh`` claim: base64url SHA-256 of the secret."""
     return b64url(hashlib.sha256(secret).digest())
@@ -146,7 +174,7 @@ class JobCredential:
         The same for every credential of the job (the secret is), so steps saved before a
         restart verify after it.
         """
-        return hmac.new(self.secret, MANIFEST_KEY_INFO, hashlib.sha256).digest()
+        return _manifest_key(self.secret)
 
     def __repr__(self) -> str:  # never print the secret
         return (

@@ -16,10 +16,21 @@ saves, and their files never make one step. A manifest or marker written before 
 existed has ``save_id`` ``""``: all of them count as one legacy save (:data:`LEGACY_SAVE_ID`),
 so a step written wholly by an older version stays complete, and one that mixes legacy and
 new manifests does not (docs/checkpointing.md "Save identity").
+
+Integrity (docs/security.md "Integrity of restored steps"): every file entry also carries the
+file's SHA-256 (``sha256``, computed in the same read as its xxh3-64; xxh3 finds torn copies,
+it does not resist a forger), and a manifest written with the job's manifest key
+(:func:`tierwatch.agent.credentials.manifest_key_of`) carries ``mac``: HMAC-SHA256 over its
+canonical JSON without ``mac`` (:func:`canonical_bytes`). A restore checks both before any
+byte of the step is unpickled (:mod:`tierwatch.agent.checkpoint.training.verify`). Both
+fields are ``""`` in a manifest written before them, or (``mac``) without a key.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import os
 import time
 from collections.abc import Iterable
@@ -36,6 +47,8 @@ CHUNK = 4 * 1024 * 1024
 CHECKSUM_ALGO = "xxh3_64"
 LEGACY_SAVE_ID = ""
 SAVE_ID_PATTERN = r"^([0-9a-f]{32})?$"
+SHA256_PATTERN = r"^([0-9a-f]{64})?$"
+MAC_ALGO = "hmac-sha256"
 
 
 def new_save_id(now_ms: int | None = None) -> str:
@@ -57,13 +70,15 @@ class ManifestError(ValueError):
 
 
 class FileEntry(BaseModel):
-    """One file of a step: name, size in bytes, xxh3-64 hex digest."""
+    """One file of a step: name, size in bytes, xxh3-64 hex digest, SHA-256 hex digest
+    (``""``: written before digests)."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: str
     size: Annotated[int, Field(ge=0)]
     xxh3: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+    sha256: Annotated[str, Field(pattern=SHA256_PATTERN)] = ""
 
 
 class Manifest(BaseModel):
@@ -81,6 +96,8 @@ class Manifest(BaseModel):
         save_id: the save this manifest belongs to (:func:`new_save_id`, the same on every
             rank of one ``save()``); ``""`` for a manifest written before save ids (one
             legacy save).
+        mac: HMAC-SHA256 (hex) with the job's manifest key over :func:`canonical_bytes`;
+            ``""``: unsigned (written without a key, or before signing existed).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -97,6 +114,7 @@ class Manifest(BaseModel):
     created_at: str = ""
     fences: list[tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=0)]]] = []
     save_id: Annotated[str, Field(pattern=SAVE_ID_PATTERN)] = LEGACY_SAVE_ID
+    mac: Annotated[str, Field(pattern=SHA256_PATTERN)] = ""
 
     @property
     def save_key(self) -> tuple[int, str]:
@@ -170,6 +188,71 @@ def xxh3_file(path: Path | str | BinaryIO) -> tuple[int, str]:
             h.update(view[:n])
             size += n
     return size, h.hexdigest()
+
+
+def digest_file(path: Path | str) -> tuple[int, str, str]:
+    """Size (bytes), xxh3-64 and SHA-256 hex digests of a file, in one read.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    x = xxhash.xxh3_64()
+    h = hashlib.sha256()
+    size = 0
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            x.update(view[:n])
+            h.update(view[:n])
+            size += n
+    return size, x.hexdigest(), h.hexdigest()
+
+
+def sha256_stream(stream: BinaryIO) -> tuple[int, str]:
+    """Size and SHA-256 hex digest of what remains in a binary stream (read in chunks)."""
+    h = hashlib.sha256()
+    size = 0
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    while n := stream.readinto(buf):  # type: ignore[attr-defined]
+        h.update(view[:n])
+        size += n
+    return size, h.hexdigest()
+
+
+def canonical_bytes(manifest: Manifest) -> bytes:
+    """What a manifest's ``mac`` covers: its JSON (every field, defaults included) without
+    ``mac``, keys sorted, no whitespace (``json.dumps(sort_keys=True, separators=(",",
+    ":"))``), UTF-8."""
+    body = manifest.model_dump(mode="json", exclude={"mac"})
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def manifest_mac(manifest: Manifest, key: bytes) -> str:
+    """HMAC-SHA256 (hex) of :func:`canonical_bytes` with the job's manifest ``key``."""
+    return hmac.new(key, canonical_bytes(manifest), hashlib.sha256).hexdigest()
+
+
+def sign_manifest(manifest: Manifest, key: bytes) -> Manifest:
+    """``manifest`` with its ``mac`` set for ``key``."""
+    return manifest.model_copy(update={"mac": manifest_mac(manifest, key)})
+
+
+def mac_problem(manifest: Manifest, key: bytes) -> str | None:
+    """Why ``manifest``'s ``mac`` does not prove it was written with ``key`` (None: it does).
+
+    The message names the manifest's file and step and says "signature".
+    """
+    where = f"step {manifest.step}: manifest-{manifest.rank}.json"
+    if not manifest.mac:
+        return f"{where} is unsigned (no signature with the job's manifest key)"
+    if not hmac.compare_digest(manifest.mac, manifest_mac(manifest, key)):
+        return (
+            f"{where}: signature does not match the job's manifest key (written by another "
+            "job, or changed after it was written)"
+        )
+    return None
 
 
 def xxh3_stream(stream: BinaryIO) -> tuple[int, str]:
@@ -283,20 +366,22 @@ def make_manifest(
     created_at: str,
     fences: Iterable[tuple[int, int]] = (),
     save_id: str = LEGACY_SAVE_ID,
+    key: bytes | None = None,
 ) -> Manifest:
-    """Build rank ``rank``'s manifest by reading back its files from ``directory``.
+    """Build rank ``rank``'s manifest by reading back its files from ``directory`` (each
+    file read once for its xxh3-64 and SHA-256).
 
     ``save_id`` is the save's id (rank 0's :func:`new_save_id`); ``""`` writes a legacy
-    manifest.
+    manifest. ``key``: the job's manifest key, which signs it (None: unsigned).
 
     Raises:
         OSError: a file cannot be read.
     """
     files = []
     for name in sorted(names):
-        size, digest = xxh3_file(directory / name)
-        files.append(FileEntry(name=name, size=size, xxh3=digest))
-    return Manifest(
+        size, digest, sha = digest_file(directory / name)
+        files.append(FileEntry(name=name, size=size, xxh3=digest, sha256=sha))
+    manifest = Manifest(
         job_id=job_id,
         step=step,
         rank=rank,
@@ -308,3 +393,4 @@ def make_manifest(
         fences=sorted(fences),
         save_id=save_id,
     )
+    return manifest if key is None else sign_manifest(manifest, key)

@@ -101,9 +101,11 @@ from tierwatch.agent.checkpoint.training.rank_files import RankFiles
 from tierwatch.agent.checkpoint.training.rollback import RequestPoller, RollbackServer
 from tierwatch.agent.checkpoint.training.snapshot import PendingCopies, SnapshotStager
 from tierwatch.agent.checkpoint.training.state_adapter import StateAdapter, data_ptr
+from tierwatch.agent.checkpoint.training.verify import StepVerifier
 from tierwatch.agent.credentials import (
     CredentialError,
     job_credential_from_env,
+    manifest_key_of,
     unverified_job_id,
 )
 from tierwatch.agent.fsutil import atomic_write_json
@@ -275,6 +277,13 @@ class TieredCheckpointer:
                 f"the job credential is for job {claimed!r}, not {self.job_id!r}: give each "
                 "job its own credential"
             )
+        try:
+            # signs this rank's manifests; restore checks every step against it
+            # (docs/security.md "Integrity of restored steps")
+            self.manifest_key = manifest_key_of(credential) if credential else None
+        except CredentialError as exc:
+            raise CheckpointError(str(exc)) from None
+        self.verifier = StepVerifier(self.manifest_key, self.rank)
         self.client = AgentClient(self.agent_url, token=credential)
         info: dict[str, Any] = {}
         try:
@@ -694,6 +703,7 @@ class TieredCheckpointer:
                 created_at=utcnow().isoformat(),
                 fences=job.fences,
                 save_id=job.save_id,
+                key=self.manifest_key,
             )
             atomic_write_json(step_dir / manifest_name(self.rank), manifest, fsync=False)
             nbytes = manifest.total_bytes()

@@ -5,9 +5,14 @@
    restorable step (:mod:`~tierwatch.agent.checkpoint.format.agreement`). Only when no step is
    restorable from memory and peers do they ask again including the persistent tier, so a
    restore with nothing lost reads no persistent data.
-2. Each rank has its agent stage ``.metadata``, computes from DCP's load plan which files its
-   own load reads, and has them staged (own node first, then other nodes, then persistent;
-   every file verified against its manifest; a bad copy is reported and the next one tried).
+2. Each rank checks the step's manifests' signatures (the job's manifest key), has its agent
+   stage ``.metadata`` and checks its SHA-256, then (only then: DCP unpickles it) computes
+   from DCP's load plan which files its own load reads, and has them staged (own node
+   first, then other nodes, then persistent; every file verified against its manifest; a bad
+   copy is reported and the next one tried), and checks each one's SHA-256 before
+   ``dcp.load`` opens it (:mod:`~tierwatch.agent.checkpoint.training.verify`). A step that
+   fails a check is skipped like one that cannot be staged, with a ``failed`` event naming
+   the step and the file.
 3. The ranks exchange the staging outcome. If any rank failed, the step is excluded and the
    ranks choose again — a collective decision, never a rank-local fallback, which would
    leave the others waiting in ``dcp.load``.
@@ -207,12 +212,22 @@ def _stage_metadata(
         raise prep_error
     assert adapter is not None
     assert template is not None
+    # nothing of a step is staged, let alone unpickled, before its manifests are proven
+    bad = ckpt.verifier.manifests_problem(view)
+    if bad is not None:
+        out["problem"] = _refuse(ckpt, step, bad, {})
+        return None
     answer = _stage(ckpt, step, agreement.stage_request(view, [METADATA], node=ckpt.node))
     out["answer"] = answer
     out["problem"] = None if answer.get("ok") else "; ".join(answer.get("errors", []))[:1000]
     if out["problem"] is not None:
         return None
-    staged_dir = out["staged_dir"] = Path(answer["dir"])
+    staged_dir = Path(answer["dir"])
+    bad = ckpt.verifier.files_problem(view, staged_dir, [METADATA])
+    if bad is not None:
+        out["problem"] = _refuse(ckpt, step, bad, answer)
+        return None
+    out["staged_dir"] = staged_dir
     signature = next(iter(view.manifests.values())).signature
     if signature == adapter.signature(template):
         return None
@@ -252,7 +267,21 @@ def _stage_files(
     out["answer"] = answer
     if not answer.get("ok"):
         return "; ".join(answer.get("errors", []))[:1000]
+    bad = ckpt.verifier.files_problem(view, staged_dir, files)
+    if bad is not None:
+        return _refuse(ckpt, step, bad, answer)
     return None
+
+
+def _refuse(ckpt: TieredCheckpointer, step: int, problem: str, answer: dict[str, Any]) -> str:
+    """Record that ``step`` failed verification (a ``failed`` event on the tier its files
+    came from, naming the step and the file) and return the staging problem."""
+    tiers = {f.get("tier") for f in answer.get("files", [])} & {"memory", "peer", "persistent"}
+    tier = "persistent" if "persistent" in tiers else "peer" if "peer" in tiers else "memory"
+    message = f"step {step} skipped, it failed verification: {problem}"[:2000]
+    log.warning("rank %d: %s", ckpt.rank, message)
+    ckpt._event(step, tier, "failed", message=message)
+    return message
 
 
 @dataclass

@@ -10,12 +10,15 @@ Both follow ``torch.distributed.checkpoint.stateful.Stateful`` (``state_dict`` /
 ``load_state_dict``), so
 :class:`~tierwatch.agent.checkpoint.training.checkpointer.TieredCheckpointer` and plain DCP
 handle them alike.
+
+Both store plain tensors only, never pickled objects (docs/security.md "Integrity of restored
+steps"): DCP saves a tensor's bytes as they are, whereas a Python object would go through
+``torch.save`` and come back through ``torch.load``.
 """
 
 from __future__ import annotations
 
 import math
-import pickle
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -34,12 +37,33 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+PYTHON_STATE_LEN = 625  # Mersenne Twister: 624 words and the position
+NUMPY_KEY_LEN = 624
+
+
+def _old_format(name: str) -> ValueError:
+    return ValueError(
+        f"RNG state {name!r} is in the old pickled format, which is no longer loaded (it "
+        "would run whatever code the bytes name): restore a step saved by this version, or "
+        "leave 'rng' out of the state to load that step"
+    )
+
+
 class RNGState:
     """This rank's random-number generators: Python ``random``, NumPy's global generator, the
     torch CPU generator and every CUDA device's generator.
 
-    ``state_dict()`` → ``{"rank_<r>": {"python": bytes, "numpy": bytes, "torch": uint8 tensor,
-    "cuda": [uint8 tensor per device]}}`` (NumPy omitted when it is not installed).
+    ``state_dict()`` → ``{"rank_<r>": {...}}`` of tensors only (no pickle):
+
+    - ``python``: int64 ``[version, *internal_state]`` (1 + 625) of ``random.getstate()``;
+      ``python_gauss``: float64 ``[has_gauss, gauss_next]``;
+    - ``numpy`` (omitted when NumPy is not installed): int64 ``[*keys, pos, has_gauss]``
+      (624 + 2) of ``np.random.get_state()`` (always ``'MT19937'``); ``numpy_gauss``: float64
+      ``[cached_gaussian]``;
+    - ``torch``: the uint8 CPU generator state; ``cuda``: a uint8 tensor per device.
+
+    A state saved by an older version (``python``/``numpy`` as pickled bytes) is refused
+    with a ``ValueError`` that says so.
 
     Args:
         rank: The rank to key by (default: torch.distributed's rank, else 0).
@@ -54,14 +78,26 @@ class RNGState:
 
     def state_dict(self) -> dict[str, Any]:
         """Capture the generators now (copies, so later draws do not change the snapshot)."""
+        version, internal, gauss = random.getstate()
         state: dict[str, Any] = {
-            "python": pickle.dumps(random.getstate()),
+            "python": torch.tensor([version, *internal], dtype=torch.int64),
+            "python_gauss": torch.tensor(
+                [0.0 if gauss is None else 1.0, 0.0 if gauss is None else gauss],
+                dtype=torch.float64,
+            ),
             "torch": torch.get_rng_state(),
         }
         try:
             import numpy as np
 
-            state["numpy"] = pickle.dumps(np.random.get_state())
+            name, keys, pos, has_gauss, cached = np.random.get_state()
+            if name != "MT19937":  # np.random's global generator is always MT19937
+                raise ValueError(f"NumPy's global generator is {name!r}, not 'MT19937'")
+            state["numpy"] = torch.tensor(
+                [*np.asarray(keys, dtype=np.int64).tolist(), int(pos), int(has_gauss)],
+                dtype=torch.int64,
+            )
+            state["numpy_gauss"] = torch.tensor([float(cached)], dtype=torch.float64)
         except ImportError:  # numpy is optional
             pass
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -74,6 +110,7 @@ class RNGState:
         Raises:
             KeyError: ``state_dict`` holds no entry for this rank (saved at another world
                 size); names the rank and the keys present.
+            ValueError: a state in the old pickled format, or of the wrong shape.
         """
         if self.key not in state_dict:
             raise KeyError(
@@ -81,12 +118,36 @@ class RNGState:
                 f"{sorted(state_dict)[:8]}); it was saved at another world size"
             )
         state = state_dict[self.key]
-        random.setstate(pickle.loads(state["python"]))  # noqa: S301 - our own checkpoint
+        py = state["python"]
+        if not isinstance(py, torch.Tensor) or "python_gauss" not in state:
+            raise _old_format("python")
+        words = py.to(torch.int64).cpu().tolist()
+        if len(words) != 1 + PYTHON_STATE_LEN:
+            raise ValueError(f"RNG state 'python' has {len(words)} values, not 626")
+        has_gauss, gauss = state["python_gauss"].to(torch.float64).cpu().tolist()
+        if "numpy" in state:
+            numpy_state = state["numpy"]
+            if not isinstance(numpy_state, torch.Tensor) or "numpy_gauss" not in state:
+                raise _old_format("numpy")
+            if numpy_state.numel() != NUMPY_KEY_LEN + 2:
+                raise ValueError(
+                    f"RNG state 'numpy' has {numpy_state.numel()} values, not {NUMPY_KEY_LEN + 2}"
+                )
+        random.setstate((words[0], tuple(words[1:]), gauss if has_gauss else None))
         torch.set_rng_state(state["torch"].to(torch.uint8).cpu())
         if "numpy" in state:
             import numpy as np
 
-            np.random.set_state(pickle.loads(state["numpy"]))  # noqa: S301
+            values = state["numpy"].to(torch.int64).cpu().tolist()
+            np.random.set_state(
+                (
+                    "MT19937",
+                    np.asarray(values[:NUMPY_KEY_LEN], dtype=np.uint32),
+                    int(values[NUMPY_KEY_LEN]),
+                    int(values[NUMPY_KEY_LEN + 1]),
+                    float(state["numpy_gauss"].to(torch.float64).cpu().item()),
+                )
+            )
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([t.cpu() for t in state["cuda"]])
 
@@ -100,8 +161,9 @@ class ResumableDistributedSampler(DistributedSampler):
     > 0), the sampler runs ahead of training by the prefetched batches; either use
     ``num_workers=0`` or call :meth:`set_position` with the samples actually consumed.
 
-    ``state_dict()`` → ``{"rank_<r>": {"epoch": int, "position": int, "seed": int,
-    "num_replicas": int, "shuffle": bool}}``.
+    ``state_dict()`` → ``{"rank_<r>": {"epoch", "position", "seed", "num_replicas",
+    "shuffle"}}``, each a 0-d int64 tensor (no pickle; ``shuffle`` 0 or 1). Loading also
+    accepts plain ints and bools.
 
     Args:
         dataset: Anything with ``__len__`` (a ``Dataset``), or an int dataset size.
@@ -161,15 +223,14 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def state_dict(self) -> dict[str, Any]:
         """The epoch and position of this rank (keyed by rank)."""
-        return {
-            self.key: {
-                "epoch": self.epoch,
-                "position": self.position,
-                "seed": self.seed,
-                "num_replicas": self.num_replicas,
-                "shuffle": self.shuffle,
-            }
+        values = {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_replicas": self.num_replicas,
+            "shuffle": int(self.shuffle),
         }
+        return {self.key: {k: torch.tensor(v, dtype=torch.int64) for k, v in values.items()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from a state saved by the same rank at the same world size.
@@ -184,12 +245,12 @@ class ResumableDistributedSampler(DistributedSampler):
                 f"sampler state has no entry for rank {self.rank} (keys: "
                 f"{sorted(state_dict)[:8]}); it was saved at another world size"
             )
-        state = state_dict[self.key]
+        state = {k: int(v) for k, v in state_dict[self.key].items()}
         for name in ("num_replicas", "seed", "shuffle"):
-            if state[name] != getattr(self, name):
+            if state[name] != int(getattr(self, name)):
                 raise ValueError(
                     f"sampler was saved with {name}={state[name]!r}, this one has "
-                    f"{getattr(self, name)!r}: the sample order would differ"
+                    f"{int(getattr(self, name))!r}: the sample order would differ"
                 )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
