@@ -302,7 +302,12 @@ def test_training_loop_snippet_runs_as_written(tmp_path: Path) -> None:
     cluster = start_cluster(tmp_path / "cluster", with_server=False)
     try:
         node = cluster.add_node("node-a")
-        env = base_env(TIERWATCH_AGENT_URL=node.url, OMP_NUM_THREADS="1")
+        env = base_env(
+            TIERWATCH_AGENT_URL=node.url,
+            OMP_NUM_THREADS="1",
+            # what the launcher hands every rank once the job is registered on its nodes
+            TIERWATCH_JOB_CREDENTIAL=cluster.job_credential("my-job", ["node-a"]),
+        )
 
         def run() -> dict[str, Any]:
             out = subprocess.run(

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import stat
-import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
-from procs import BIN, make_agent, make_server, wait_for
+from procs import make_agent, make_server, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -50,21 +49,7 @@ def calls(log: Path) -> list[dict]:
 
 
 def inject_xid(agent, xid: int = 79, gpu: int = 3) -> None:
-    out = subprocess.run(
-        [
-            str(BIN / "tierwatch-agent"),
-            "inject",
-            "--agent",
-            agent.url,
-            "xid",
-            str(xid),
-            "--gpu",
-            str(gpu),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    out = agent.inject("xid", str(xid), "--gpu", str(gpu), check=False)
     assert out.returncode == 0, out.stderr
 
 

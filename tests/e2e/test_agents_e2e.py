@@ -47,12 +47,7 @@ def test_inject_xid_79_turns_node_unhealthy_with_catalog_action(server, start_ag
     assert nodes(server, viewer)["node-a"]["simulated"] is True
 
     started = time.monotonic()
-    out = subprocess.run(
-        [str(BIN / "tierwatch-agent"), "inject", "--agent", a.url, "xid", "79", "--gpu", "3"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    out = a.inject("xid", "79", "--gpu", "3", check=False)
     assert out.returncode == 0, out.stderr
 
     def flagged():
@@ -72,7 +67,16 @@ def test_inject_xid_79_turns_node_unhealthy_with_catalog_action(server, start_ag
 
 def test_inject_is_refused_with_a_message_when_agent_is_unreachable(tmp_path):
     out = subprocess.run(
-        [str(BIN / "tierwatch-agent"), "inject", "--agent", "http://127.0.0.1:9", "xid", "79"],
+        [
+            str(BIN / "tierwatch-agent"),
+            "inject",
+            "--token",
+            "t",
+            "--agent",
+            "http://127.0.0.1:9",
+            "xid",
+            "79",
+        ],
         capture_output=True,
         text=True,
         timeout=30,

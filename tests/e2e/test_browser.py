@@ -8,25 +8,13 @@ CI), where a missing browser is a failure.
 from __future__ import annotations
 
 import re
-import subprocess
 
 import pytest
-from procs import BIN
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
 
 LIVE_TIMEOUT_MS = 30_000  # agents start, report, and the page polls them in
 NODES = ("node-a", "node-b")
-
-
-def inject(agent_url: str, *fault: str) -> None:
-    """``tierwatch-agent inject`` into a simulated agent, as an operator would."""
-    subprocess.run(
-        [str(BIN / "tierwatch-agent"), "inject", "--agent", agent_url, *fault],
-        check=True,
-        capture_output=True,
-        timeout=30,
-    )
 
 
 def test_dashboard_shows_live_nodes_and_charts(browser, server, start_agent, tmp_path):
@@ -106,8 +94,8 @@ def test_dashboard_shows_live_nodes_and_charts(browser, server, start_agent, tmp
     # (within 5 °C of the 90 °C slowdown) makes node-b degraded, without a reload.
     page.goto(f"{server.url}/")
     page.evaluate("window.__no_reload = true")
-    inject(agents["node-a"].url, "xid", "79", "--gpu", "3")
-    inject(agents["node-b"].url, "temp", "87", "--gpu", "5")
+    agents["node-a"].inject("xid", "79", "--gpu", "3")
+    agents["node-b"].inject("temp", "87", "--gpu", "5")
     expect(page.locator('.tile[data-node="node-a"]')).to_have_attribute(
         "data-state", "unhealthy", timeout=LIVE_TIMEOUT_MS
     )

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from datetime import timedelta
 from pathlib import Path
 
 import httpx
 import pytest
-from procs import BIN, wait_for
+from procs import wait_for
 from support import auth, make_batch, register_job
 
 from tierwatch.agent.protocol import CheckpointEvent, JobProgress, utcnow
@@ -36,15 +35,6 @@ JOB = "gpt-small"
 VIEWPORT = {"width": 1280, "height": 800}
 MAX_BYTES = 200_000
 LIVE_TIMEOUT_MS = 30_000
-
-
-def _inject(agent_url: str, *fault: str) -> None:
-    subprocess.run(
-        [str(BIN / "tierwatch-agent"), "inject", "--agent", agent_url, *fault],
-        check=True,
-        capture_output=True,
-        timeout=30,
-    )
 
 
 def _report_job(server_url: str, token: str, operator: str) -> None:
@@ -110,8 +100,8 @@ def test_cluster_overview_screenshot(browser, server, start_agent, tmp_path: Pat
         return len(r.json()["nodes"]) >= len(NODES)
 
     wait_for(reported, timeout=30, what="every agent's first report")
-    _inject(agents["gpu-node-03"].url, "xid", "79", "--gpu", "3")
-    _inject(agents["gpu-node-02"].url, "temp", "87", "--gpu", "5")
+    agents["gpu-node-03"].inject("xid", "79", "--gpu", "3")
+    agents["gpu-node-02"].inject("temp", "87", "--gpu", "5")
     _report_job(server.url, server.token("agent", SPARE), server.token("operator"))
 
     page = browser.new_page(viewport=VIEWPORT)

@@ -193,9 +193,22 @@ class Agent:
     node: str
     url: str
     proc: Proc
+    token: str = ""
 
     def stop(self, sig: int = signal.SIGTERM) -> int | None:
         return self.proc.stop(sig)
+
+    def inject(self, *fault: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """``tierwatch-agent inject FAULT...`` into this agent, as the node's operator does
+        (its agent token in ``TIERWATCH_TOKEN``, not argv)."""
+        return subprocess.run(
+            [str(BIN / "tierwatch-agent"), "inject", "--agent", self.url, *fault],
+            env=base_env(TIERWATCH_TOKEN=self.token),
+            check=check,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
 
 
 def make_agent(
@@ -238,4 +251,4 @@ def make_agent(
         *(extra_args or []),
     ]
     proc = Proc(node, args, base_env(), d / "agent.log")
-    return Agent(node, f"http://127.0.0.1:{port}", proc)
+    return Agent(node, f"http://127.0.0.1:{port}", proc, token)
