@@ -696,7 +696,8 @@ def test_kubernetes_agent_daemonset():
     token_file = env["TIERWATCH_TOKEN_FILE"]["value"]
     token_volume = volumes[mounts[token_file]]
     assert token_volume["hostPath"] == {"path": token_file, "type": "File"}
-    assert "TIERWATCH_PEER_TOKEN_FILE" not in env and "TIERWATCH_PEER_TOKEN" not in env
+    assert "TIERWATCH_PEER_TOKEN_FILE" not in env
+    assert "TIERWATCH_PEER_TOKEN" not in env
 
 
 def test_kubernetes_server_rbac_matches_the_isolation_driver():
