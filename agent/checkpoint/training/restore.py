@@ -368,6 +368,7 @@ def _restore(
     from tierwatch.agent.checkpoint.training.checkpointer import describe_error
 
     t0 = run.t0
+    verify_s0 = ckpt.verifier.seconds
     excluded: set[int] = set()
     # the persistent tier is read only when the faster ones cannot serve (or it is the one)
     may_persist = tier in (None, "persistent")
@@ -497,6 +498,7 @@ def _restore(
     assert template is not None
     assert adapter is not None
     phases["agree+stage"] = time.monotonic() - t0 - phases.get("template", 0.0)
+    phases["verify"] = ckpt.verifier.seconds - verify_s0  # SHA-256 of the files read
     t_load = time.monotonic()
     run.loading = True
     load_error: str | None = None
