@@ -89,7 +89,10 @@ def spread_heavy_tests(items: list[pytest.Item], workers: int) -> list[pytest.It
     rest = iter(light)
     for chunk, size in zip(chunks, sizes, strict=True):
         while len(chunk) < size:
-            chunk.append(next(rest))
+            item = next(rest, None)
+            if item is None:  # a selection of mostly heavy tests: the light ones ran out
+                break
+            chunk.append(item)
     ordered = [i for chunk in chunks for i in chunk]
     ordered += list(rest)  # (only when the heavy tests outnumber a chunk)
     return ordered
