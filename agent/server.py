@@ -11,8 +11,9 @@ Endpoints:
   :class:`~tierwatch.agent.protocol.LatencySample` from local training ranks, queued into the
   next report.
 
-- Checkpoint endpoints ``/v1/ckpt/*`` (control) and peer endpoints ``/v1/peer/*`` (peer
-  token): see :mod:`tierwatch.agent.checkpoint.tierstore.api` and docs/checkpointing.md.
+- Checkpoint endpoints ``/v1/ckpt/*`` (control) and peer endpoints ``/v1/peer/*`` (signed
+  by the calling node, :mod:`tierwatch.agent.peer_identity`): see
+  :mod:`tierwatch.agent.checkpoint.tierstore.api` and docs/checkpointing.md.
 
 Control endpoints need a bearer credential whatever the client's address
 (:mod:`tierwatch.agent.access`): ``/v1/inject`` the agent token; ``/v1/trainer/latency`` and

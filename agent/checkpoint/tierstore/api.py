@@ -3,7 +3,8 @@
 :class:`CheckpointService` wires the memory store, the persistent tier, the tier worker and
 the restore stager for one agent. :func:`ckpt_router` exposes them:
 
-Trainer-facing (control endpoints: loopback, or the agent token):
+Trainer-facing (control endpoints: the agent token, or the job's credential for its own
+job; loopback grants nothing, :mod:`tierwatch.agent.access`):
 
 - ``GET /v1/ckpt/info`` → ``{node, memory_dir, peer_url, memory_budget_bytes,
   memory_used_bytes, persistent_url, persistent_error, replication, peer_tier}``
@@ -24,8 +25,11 @@ Trainer-facing (control endpoints: loopback, or the agent token):
   the job's steps above it go from the replicas this agent holds and, with ``persistent``,
   from the persistent tier (``evicted`` events)
 
-Peer endpoints (always ``Authorization: Bearer <peer token>``; 401 without, 403 wrong or when
-this agent has no peer token):
+Peer endpoints (signed by the calling node: ``X-Tierwatch-Node-Certificate`` and
+``Authorization: TierwatchNode <proof>``, :mod:`tierwatch.agent.peer_identity`; 401 when the
+request does not authenticate as a node; 403 when that node is not one of the job's by the
+server's registry, pushes another node's replicas, or a rank the pinned layout places
+elsewhere):
 
 - ``PUT /v1/peer/replicas/{src_node}/{job_id}/{step}/{name}`` body = bytes, header
   ``X-Tierwatch-Xxh3`` → ``{ok, name, bytes, xxh3, evicted: [step]}``; 409 size/checksum

@@ -4,10 +4,12 @@ For each requested file the sources are tried in the order given:
 
 - ``holder`` is this node, tier ``memory``: hard link from ``jobs/<job>/step-<N>/`` (a copy
   when a link is impossible); tier ``peer``: the same from ``replicas/<src>/<job>/step-<N>/``;
-- another holder: ``GET <url>/v1/peer/files/<job>/<N>/<name>?tier=…&src=…`` with the peer token;
-- tier ``persistent``: a read of ``<url>/<name>`` (``url`` is the step's URL) through this
-  agent's persistent tier, so with its storage options (S3 endpoint, credentials, region) and
-  never from a cached listing.
+- another holder: ``GET <url>/v1/peer/files/<job>/<N>/<name>?tier=…&src=…`` signed as this
+  node, where ``url`` is the holder's in the server's registry (a ``url`` in the request is
+  not followed);
+- tier ``persistent``: a read of ``<step URL>/<name>`` through this agent's own persistent
+  tier at the job's step, so with its storage options (S3 endpoint, credentials, region) and
+  never from a cached listing (a request naming another URL is refused).
 
 No source is read past the file's size in the request (the manifest's): a peer's answer is
 read raw with ``Accept-Encoding: identity`` and stopped at that size
@@ -105,8 +107,8 @@ class RestoreStager:
     Args:
         layout: The node's memory folder.
         node: This node's name.
-        peer: Client for other agents' peer endpoints (None: no peer token, other holders
-            cannot be asked).
+        peer: Client for other agents' peer endpoints (None: no server registry, other
+            holders cannot be asked).
         emit: Receives a ``failed`` event per bad source.
         persistent: This agent's persistent tier, which reads ``persistent`` sources (None:
             such sources fail with a message saying so).
