@@ -316,7 +316,7 @@ def test_restart_at_another_world_size_is_refused_not_started_from_scratch(
         refused = [x for x in j.get("restores", []) if not x["ok"] and x["world_size"] == 1]
         return j if refused else None
 
-    j = wait_for(refusal_seen, timeout=30, what="the refused restore on the server")
+    j = wait_for(refusal_seen, timeout=60, what="the refused restore on the server")
     # the launcher registered the new run on node-a (a registration replaces the pinned
     # layout); the refused start's reports change nothing: the world size stays the 2-rank
     # job's, and no layout is pinned until a run's rank 0 saves

@@ -562,7 +562,7 @@ def _restore(
     return chosen
 
 
-REFUSAL_FLUSH_S = 5.0  # the longest a failed restore waits to hand its report to the agent
+REFUSAL_FLUSH_S = 15.0  # the longest a failed restore waits to hand its report to the agent
 
 
 def _last_trained(ckpt: TieredCheckpointer) -> int | None:
