@@ -569,27 +569,20 @@ def ckpt_router(
                 detail=f"rank {rank} of job {job_id} runs on {owner}, not on {caller.node}",
             )
 
-    def replica_access(
-        src_node: str, job_id: str, name: str, svc: Service, caller: Peer
-    ) -> PeerCaller:
-        """A node pushes only its own ranks' replicas, of a job both nodes belong to."""
-        try:  # bad names are 422 whoever asks
-            check_node_name(src_node)
-            check_job_id(job_id)
-            check_file_name(name)
-        except LayoutError as exc:
-            raise bad_name(exc) from None
-        if src_node != caller.node:
-            raise HTTPException(
-                status_code=403,
-                detail=f"{caller.node} may push and delete only its own replicas, not {src_node}'s",
-            )
-        member(svc, caller, job_id, rank_of_file(name))
-        return caller
+    def own_replicas(
+        svc: CheckpointService, caller: PeerCaller, src_node: str, job_id: str, name: str | None
+    ) -> None:
+        """A node pushes and deletes only its own ranks' replicas, of a job both nodes belong
+        to (bad names are 422 whoever asks).
 
-    def replica_delete_access(src_node: str, job_id: str, svc: Service, caller: Peer) -> None:
+        Raises:
+            HTTPException: 422 for a bad name, 403 (see :func:`member`) otherwise.
+        """
         try:
             check_node_name(src_node)
+            check_job_id(job_id)
+            if name is not None:
+                check_file_name(name)
         except LayoutError as exc:
             raise bad_name(exc) from None
         if src_node != caller.node:
@@ -597,7 +590,13 @@ def ckpt_router(
                 status_code=403,
                 detail=f"{caller.node} may push and delete only its own replicas, not {src_node}'s",
             )
-        member(svc, caller, job_id, None)
+        member(svc, caller, job_id, rank_of_file(name) if name is not None else None)
+
+    def replica_access(src_node: str, job_id: str, name: str, svc: Service, caller: Peer) -> None:
+        own_replicas(svc, caller, src_node, job_id, name)
+
+    def replica_delete_access(src_node: str, job_id: str, svc: Service, caller: Peer) -> None:
+        own_replicas(svc, caller, src_node, job_id, None)
 
     def file_access(job_id: str, svc: Service, caller: Peer) -> None:
         """Files are served only to nodes of the job."""
