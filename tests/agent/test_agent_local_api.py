@@ -23,6 +23,7 @@ def _settings(receiver, tmp_path, **kw) -> AgentSettings:
         spool_dir=tmp_path / "spool",
         listen="127.0.0.1:0",
         memory_dir=tmp_path / "memory",
+        state_dir=tmp_path / "state",
         **kw,
     )
 

@@ -59,6 +59,7 @@ def test_ckpt_info_agent_file_and_log_hide_persistent_credentials(
         token=TOKEN,
         spool_dir=tmp_path / "spool",
         memory_dir=tmp_path / "memory",
+        state_dir=tmp_path / "state",
         persistent_url=url,
         memory_budget=64 * 2**20,
     )

@@ -14,7 +14,8 @@ shared by the node's agent and its training ranks::
         .tier-<r>.json                                the agent's progress on rank r's files
     <memory-dir>/jobs/<job_id>/.tmp-step-<N>-<r>/     rank r's write in progress (torn if left)
     <memory-dir>/jobs/<job_id>/timeline.json          rollbacks served (written by the ranks)
-    <memory-dir>/jobs/<job_id>/restore-requests/      operator restore requests (by the agent)
+    <state-dir>/requests/jobs/<job_id>/restore-requests/   operator restore requests (the agent's
+                                                       own folder: same layout, another root)
     <memory-dir>/replicas/<src_node>/<job_id>/step-<N>/   peer replicas held for src_node
     <memory-dir>/restore/<job_id>/step-<N>/           files staged for a restore
 

@@ -6,7 +6,7 @@ job to go back to a committed step. Its way to the ranks, one module per process
 1. Agent: the command executor hands it to :meth:`CheckpointService.add_restore_request
    <tierwatch.agent.checkpoint.tierstore.api.CheckpointService.add_restore_request>`, which
    checks the arguments and keeps the request in
-   ``<memory-dir>/jobs/<job>/restore-requests/request-<id>.json``
+   ``<state-dir>/requests/jobs/<job>/restore-requests/request-<id>.json`` (the agent's own folder)
    (:mod:`tierwatch.agent.checkpoint.tierstore.requests`), so an agent restart does not
    lose it.
 2. Trainer: each rank's ``RequestPoller`` thread reads

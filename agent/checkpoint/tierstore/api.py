@@ -126,8 +126,10 @@ class CheckpointService:
         self.started = False  # set by start(): agent.json written, worker running
         root = settings.resolved_memory_dir()
         # restore requests pin their steps: retention of replicas and of the persistent tier
-        # (and the ranks' memory retention, through the requests they read) keeps them
-        self.requests = RequestStore(MemoryLayout(root))
+        # (and the ranks' memory retention, through the requests they read) keeps them. They
+        # live in the agent's own state folder, not in the memory folder the node's trainers
+        # can all write: a planted request would roll a job back (docs/security.md)
+        self.requests = RequestStore(MemoryLayout(settings.resolved_state_dir() / "requests"))
         self.store = MemoryStore(
             root,
             node=self.node,
@@ -274,8 +276,9 @@ class CheckpointService:
     def add_restore_request(self, command: Command) -> None:
         """Keep a ``restore`` command for the job's ranks on this node.
 
-        The request is written to ``jobs/<job>/restore-requests/request-<id>.json`` in the
-        memory folder (fsync'd, so an agent restart keeps it); the ranks read it through
+        The request is written to ``requests/jobs/<job>/restore-requests/request-<id>.json``
+        in the agent's state folder (fsync'd, so an agent restart keeps it; never in the memory
+        folder, which the node's trainers can write); the ranks read it through
         ``GET /v1/ckpt/jobs/{job}/restore-requests``, roll back (or restore it at their next
         start) and retire it. A request id the ranks already retired is ignored (a command
         delivered again). While it is pending (not retired, not expired), its step is

@@ -149,6 +149,7 @@ def service(
         token=TOKEN,
         spool_dir=tmp_path / "spool",
         memory_dir=tmp_path / "memory",
+        state_dir=tmp_path / "state",
         persistent_url=url or f"file://{tmp_path / 'persistent'}",
         replication=replication,
         memory_budget=1 << 30,

@@ -8,6 +8,8 @@ restore requests and inject checkpoint events for it.
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from agent_helpers import AUTHORITY, TestAuthority, wait_until
@@ -137,3 +139,32 @@ def test_the_jobs_own_rollback_needs_a_restore_request_it_received(victim_agent,
     # the node's own agent token (its administrator) is accepted for any job
     r = httpx.get(f"{url}/v1/ckpt/jobs/{VICTIM}/available", headers=victim_agent.auth)
     assert r.status_code == 200
+
+
+def test_a_request_planted_in_the_memory_folder_is_neither_served_nor_obeyed(
+    victim_agent, persistent_dir
+):
+    """The memory folder is writable by every trainer of the node; the agent keeps restore
+    requests in its own state folder, so a file planted where they used to live is nothing."""
+    planted = victim_agent.memory_dir / "jobs" / VICTIM / "restore-requests"
+    planted.mkdir(parents=True)
+    (planted / "request-9.json").write_text(
+        json.dumps(
+            {
+                "request_id": 9,
+                "job_id": VICTIM,
+                "step": 4,
+                "tier": None,
+                "reason": "planted",
+                "actor": "another user",
+            }
+        )
+    )
+    own = AUTHORITY.job_auth(VICTIM)
+    url = victim_agent.url
+    r = httpx.get(f"{url}/v1/ckpt/jobs/{VICTIM}/restore-requests", headers=own)
+    assert r.json() == {"requests": []}
+    body = {"request_id": 9, "step": 4, "persistent": True}
+    r = httpx.post(f"{url}/v1/ckpt/jobs/{VICTIM}/rollback", json=body, headers=own)
+    assert r.status_code == 409
+    assert persisted(persistent_dir) == ["step-4", "step-5", "step-6"]

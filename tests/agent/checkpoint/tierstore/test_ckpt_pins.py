@@ -43,6 +43,7 @@ def service(tmp_path: Path, node: str = "node-a") -> tuple[CheckpointService, li
         token=TOKEN,
         spool_dir=tmp_path / "spool",
         memory_dir=tmp_path / "memory",
+        state_dir=tmp_path / "state",
         persistent_url=f"file://{tmp_path / 'persistent'}",
         memory_budget=64 * 2**20,
     )

@@ -72,6 +72,7 @@ def make_runtime(receiver, tmp_path, persistent) -> AgentRuntime:
         spool_dir=tmp_path / "spool",
         listen="127.0.0.1:0",
         memory_dir=tmp_path / "memory",
+        state_dir=tmp_path / "state",
         persistent_url=f"file://{persistent}",
     )
     runtime = AgentRuntime(
