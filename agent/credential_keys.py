@@ -33,6 +33,8 @@ CACHE_FILE = "credential-keys.json"
 #: Fewest seconds between two fetches from the server (an unknown ``kid`` asks again).
 REFRESH_MIN_S = 10.0
 FETCH_TIMEOUT_S = 5.0
+#: Most checked credentials remembered (a node runs a few jobs; the cache is then emptied).
+CHECKED_KEPT = 1024
 
 
 class ServerKeys:
@@ -64,6 +66,7 @@ class ServerKeys:
         self.error: str | None = None
         self._lock = threading.Lock()
         self._fetched_at: float | None = None
+        self._checked: dict[str, JobCredential] = {}  # credential -> checked (until expiry)
 
     def load(self) -> None:
         """Load the keys: from ``keys_file``, else from the server, else from the cache.
@@ -140,16 +143,27 @@ class ServerKeys:
         """Check a job credential; an unknown signing key makes the agent ask the server
         again (at most every :data:`REFRESH_MIN_S` s).
 
+        A credential that checked out is remembered until it expires (ranks send the same one
+        with every call, several times a second): only the first call pays for the signature.
+
         Raises:
             CredentialError: the credential is refused (the message says why).
         """
+        hit = self._checked.get(credential)
+        if hit is not None and hit.expires_at > time.time():
+            return hit
         try:
-            return self.verifier.verify_job(credential)
+            checked = self.verifier.verify_job(credential)
         except CredentialError:
-            if self.keys_file is None and self._fetch():
-                return self.verifier.verify_job(credential)
-            if not self.verifier.keys and self.error:
-                raise CredentialError(
-                    f"this agent cannot check job credentials yet: {self.error}"
-                ) from None
-            raise
+            if not (self.keys_file is None and self._fetch()):
+                if not self.verifier.keys and self.error:
+                    raise CredentialError(
+                        f"this agent cannot check job credentials yet: {self.error}"
+                    ) from None
+                raise
+            checked = self.verifier.verify_job(credential)
+        with self._lock:
+            if len(self._checked) >= CHECKED_KEPT:
+                self._checked.clear()
+            self._checked[credential] = checked
+        return checked
