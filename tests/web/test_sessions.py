@@ -8,7 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from fastapi.testclient import TestClient
@@ -54,9 +54,10 @@ def _token_row(app, token: str) -> ApiToken:  # type: ignore[no-untyped-def]
         return row
 
 
-def _advance_clock(monkeypatch, seconds: float) -> None:
-    """Requests see a clock ``seconds`` ahead (the session and token checks read it)."""
-    later = utcnow() + timedelta(seconds=seconds)
+def _advance_clock(monkeypatch, seconds: float, since: datetime | None = None) -> None:
+    """Requests see a clock ``seconds`` ahead of ``since`` (default: now); the session and
+    token checks read it."""
+    later = (since or utcnow()) + timedelta(seconds=seconds)
     monkeypatch.setattr(security, "utcnow", lambda: later)
 
 
@@ -138,10 +139,10 @@ def test_session_lifetime_is_absolute_from_sign_in(settings, make_token, monkeyp
         [row] = _sessions(app)
         assert row.expires_at - row.created_at == timedelta(seconds=600)
         cookie = browser.cookies[SESSION_COOKIE]
-        _advance_clock(monkeypatch, 599)
+        _advance_clock(monkeypatch, 599, since=row.created_at)  # not now: sign-in may be slow
         assert browser.get("/").status_code == 200
         assert [r.expires_at for r in _sessions(app)] == [row.expires_at]  # not extended
-        _advance_clock(monkeypatch, 601)
+        _advance_clock(monkeypatch, 601, since=row.created_at)
         assert _is_login(browser.get("/"))
         assert _with_cookie(app, cookie, "/api/v1/nodes").status_code == 401
 

@@ -336,10 +336,11 @@ def test_memory_retention_keeps_a_pinned_step_until_served_or_expired(node) -> N
     assert retain(7)["memory"] == [6, 7]
 
     # a request the server gives up on pins its step only until then
-    node.deliver(restore_command_until(request_id=2, job_id=job, step=7, expires_in_s=1.5))
+    # (long enough that two saves on loaded cores end before it expires)
+    node.deliver(restore_command_until(request_id=2, job_id=job, step=7, expires_in_s=6.0))
     wait_for(lambda: ckpt.pinned_steps() == {7: [2]}, timeout=10, what="step 7 pinned")
     assert save(range(8, 10)) == [7, 8, 9]
-    wait_for(lambda: ckpt.pinned_steps() == {}, timeout=10, what="request 2 to expire")
+    wait_for(lambda: ckpt.pinned_steps() == {}, timeout=20, what="request 2 to expire")
     assert save(range(10, 11)) == [9, 10]
     assert ckpt.maybe_rollback(state, step=10) is None  # nothing pending: no rollback
     ckpt.close()
