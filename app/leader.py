@@ -15,6 +15,7 @@ always the leader.
 from __future__ import annotations
 
 import logging
+import threading
 
 from sqlalchemy import Connection, Engine, text
 
@@ -44,6 +45,11 @@ class LeaderLock:
         self._key = key
         self._conn: Connection | None = None
         self.is_postgres = engine.dialect.name == "postgresql"
+        # check() and release() run on threadpool threads: a check still connecting when
+        # the server stops must not take the lock after release() gave it up (the lock
+        # would then be held by a connection nobody closes, and no replica could lead).
+        self._mutex = threading.Lock()
+        self._released = False
 
     @property
     def held(self) -> bool:
@@ -55,10 +61,16 @@ class LeaderLock:
 
         A broken lock connection means the lock is gone: it is dropped and retaken on a new
         connection if no other replica holds it. Never raises (a database outage makes this
-        process a follower until it is back).
+        process a follower until it is back). After ``release`` it is always False.
         """
         if not self.is_postgres:
             return True
+        with self._mutex:
+            if self._released:
+                return False
+            return self._check()
+
+    def _check(self) -> bool:
         if self._conn is not None:
             try:
                 self._conn.execute(text("SELECT 1"))
@@ -97,7 +109,15 @@ class LeaderLock:
                 pass
 
     def release(self) -> None:
-        """Give the lock up (on shutdown)."""
+        """Give the lock up for good (on shutdown): later ``check`` calls return False.
+
+        Waits for a ``check`` in progress on another thread to finish first.
+        """
+        with self._mutex:
+            self._released = True
+            self._unlock()
+
+    def _unlock(self) -> None:
         if self._conn is not None:
             try:
                 self._conn.execute(text(UNLOCK_SQL), {"k": self._key})

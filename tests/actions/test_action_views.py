@@ -193,6 +193,8 @@ def test_turning_the_policy_off_lets_the_breaker_go(signed_in, client, make_toke
     from tierwatch.server.actions.models import PolicySettingsRow
 
     app = client.app
+    # The test runs the policy pass itself: the app's own loop would race it to the reset.
+    client.portal.call(app.state.background.stop)
     with app.state.sessionmaker() as s:
         s.add(
             PolicySettingsRow(

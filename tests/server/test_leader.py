@@ -68,3 +68,49 @@ def _one_leader_and_takeover(db_url: str) -> None:
         b.release()
         first.dispose()
         second.dispose()
+
+
+def test_a_check_in_flight_at_shutdown_leaves_the_lock_free(db_url):
+    """The server stops while its background loop is still connecting to take the lock (a
+    short-lived app): the lock must not be taken after ``release``, or no replica on that
+    schema could ever lead again (the connection that holds it is never closed)."""
+    import threading
+    import time
+
+    from sqlalchemy import event
+
+    if make_url(db_url).get_backend_name() != "postgresql":
+        lock = LeaderLock(make_engine(db_url))
+        lock.release()
+        assert lock.check()  # SQLite: one server per file, always the leader
+        return
+    own = f"tw_leader_{uuid.uuid4().hex[:8]}"
+    admin = make_engine(db_url)
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{own}"'))
+    url = _other_schema(db_url, own)
+    slow, other = make_engine(url), make_engine(url)
+    connecting = threading.Event()
+
+    def _slow_connect(*_: object) -> None:
+        connecting.set()
+        time.sleep(0.5)
+
+    event.listen(slow, "connect", _slow_connect)
+    lock, successor = LeaderLock(slow), LeaderLock(other)
+    try:
+        checking = threading.Thread(target=lock.check)
+        checking.start()
+        assert connecting.wait(10)
+        lock.release()  # shutdown, while the check is still connecting
+        checking.join(10)
+        assert not lock.check()  # released for good
+        assert successor.check()  # and nobody holds it
+    finally:
+        successor.release()
+        lock.release()
+        slow.dispose()
+        other.dispose()
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA "{own}" CASCADE'))
+        admin.dispose()
