@@ -67,6 +67,7 @@ class ServerKeys:
         self._lock = threading.Lock()
         self._fetched_at: float | None = None
         self._checked: dict[str, JobCredential] = {}  # credential -> checked (until expiry)
+        self._manifest_keys: dict[str, bytes] = {}  # job -> manifest key, from credentials
 
     def load(self) -> None:
         """Load the keys: from ``keys_file``, else from the server, else from the cache.
@@ -151,6 +152,9 @@ class ServerKeys:
         """
         hit = self._checked.get(credential)
         if hit is not None and hit.expires_at > time.time():
+            if hit.job_id not in self._manifest_keys:
+                with self._lock:
+                    self._manifest_keys[hit.job_id] = hit.manifest_key
             return hit
         try:
             checked = self.verifier.verify_job(credential)
@@ -166,4 +170,15 @@ class ServerKeys:
             if len(self._checked) >= CHECKED_KEPT:
                 self._checked.clear()
             self._checked[credential] = checked
+            if len(self._manifest_keys) >= CHECKED_KEPT:
+                self._manifest_keys.clear()
+            self._manifest_keys[checked.job_id] = checked.manifest_key
         return checked
+
+    def manifest_key(self, job_id: str) -> bytes | None:
+        """The manifest key of a job whose credential this agent has checked (None: none yet).
+
+        Lets the tier worker check a step's commit markers and manifests before it acts on
+        them (docs/security.md "The memory folder")."""
+        with self._lock:
+            return self._manifest_keys.get(job_id)

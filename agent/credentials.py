@@ -75,6 +75,12 @@ def _manifest_key(secret: bytes) -> bytes:
     return hmac.new(secret, MANIFEST_KEY_INFO, hashlib.sha256).digest()
 
 
+def job_manifest_key(job_secret_key: bytes, job_id: str) -> bytes:
+    """The manifest key of ``job_id`` as the server derives it from its job secret (32 bytes):
+    the same as :attr:`JobCredential.manifest_key` of every credential the job is issued."""
+    return _manifest_key(derive_job_secret(job_secret_key, job_id))
+
+
 def manifest_key_of(credential: str) -> bytes:
     """The manifest key of a job credential, taken from its secret alone (32 bytes).
 
@@ -508,6 +514,10 @@ class LocalAuthority:
             node_public_key=node_public_key,
             ttl_s=ttl_s,
         )[0]
+
+    def manifest_key(self, job_id: str) -> bytes:
+        """``job_id``'s manifest key (what ``GET /api/v1/agent/jobs/{job}`` hands its agents)."""
+        return job_manifest_key(self.job_secret, job_id)
 
     def job_credential(self, job_id: str, ttl_s: float = 7 * 86400.0) -> str:
         """A credential for ``job_id`` (default lifetime 7 days)."""

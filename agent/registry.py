@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from tierwatch.agent.credential_keys import ServerKeys
-from tierwatch.agent.credentials import CredentialError, NodeCertificate
+from tierwatch.agent.credentials import CredentialError, NodeCertificate, b64url, b64url_decode
 from tierwatch.agent.peer_identity import (
     CERT_HEADER,
     SCHEME,
@@ -53,17 +53,30 @@ TIMEOUT_S = 5.0
 PEERS_PER_CALL = 256  # ~5 KB of query per GET: under proxies' 8 KB default
 
 
+def _key(text: object) -> bytes | None:
+    """A manifest key from its base64url text (None: absent or not 32 bytes)."""
+    if not isinstance(text, str):
+        return None
+    try:
+        key = b64url_decode(text)
+    except CredentialError:
+        return None
+    return key if len(key) == 32 else None
+
+
 class RegistryError(Exception):
     """The server could not say (unreachable, refused); the message says why."""
 
 
 @dataclass(frozen=True)
 class JobNodes:
-    """A job's registered nodes and pinned layout (node per rank, or None)."""
+    """A job's registered nodes, pinned layout (node per rank, or None) and manifest key
+    (32 bytes; None: the server did not send one)."""
 
     job_id: str
     nodes: frozenset[str]
     layout: tuple[str, ...] | None
+    manifest_key: bytes | None = None
 
     def node_of(self, rank: int) -> str | None:
         """The node the layout names for ``rank`` (None: no layout, or out of range)."""
@@ -240,6 +253,7 @@ class PeerRegistry:
             job_id=job_id,
             nodes=frozenset(str(n) for n in data.get("nodes") or []),
             layout=tuple(str(n) for n in layout) if isinstance(layout, list) else None,
+            manifest_key=_key(data.get("manifest_key")),
         )
         with self._lock:
             self._jobs[job_id] = (nodes, now)
@@ -287,6 +301,7 @@ class PeerRegistry:
                     job_id=job_id,
                     nodes=frozenset(j.get("nodes") or []),
                     layout=tuple(layout) if isinstance(layout, list) else None,
+                    manifest_key=_key(j.get("manifest_key")),
                 ),
                 0.0,
             )
@@ -296,14 +311,21 @@ class PeerRegistry:
             data = {
                 "peers": [c.token for c, _ in self._peers.values()],
                 "jobs": {
-                    j: {"nodes": sorted(v.nodes), "layout": list(v.layout) if v.layout else None}
+                    j: {
+                        "nodes": sorted(v.nodes),
+                        "layout": list(v.layout) if v.layout else None,
+                        "manifest_key": b64url(v.manifest_key) if v.manifest_key else None,
+                    }
                     for j, (v, _) in self._jobs.items()
                 },
             }
         path = self.state_dir / CACHE_FILE
-        try:
+        try:  # it holds the jobs' manifest keys: readable by the agent's user only
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(data))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(json.dumps(data))
+            os.chmod(tmp, 0o600)
             os.replace(tmp, path)
         except OSError as exc:
             log.warning("cannot keep the registry cache in %s: %s", path, exc)

@@ -266,7 +266,7 @@ class AgentRuntime:
             self.add_event("checkpoint_error", f"no peer tier: node key unusable: {exc}")
         try:
             self.ckpt = CheckpointService(
-                self.settings, emit=self.add_checkpoint_event, registry=registry
+                self.settings, emit=self.add_checkpoint_event, registry=registry, keys=self.keys
             )
         except (OSError, PersistentError, ValueError) as exc:
             log.error("checkpoint store disabled: %s", exc)

@@ -150,9 +150,14 @@ class AgentJobOut(BaseModel):
         nodes: the nodes its registration names.
         world_size: the pinned world size (registered, else the pinned layout's), or None.
         layout: the pinned node per rank (index = rank), or None while not pinned.
+        manifest_key: the job's manifest key (32 bytes, base64url): the agent checks the
+            signatures of the job's commit markers and manifests with it before it
+            replicates, persists or applies retention (a local user without the job's
+            credential cannot plant a step that the agent acts on).
     """
 
     job_id: str
     nodes: list[str]
     world_size: int | None
     layout: list[str] | None
+    manifest_key: str

@@ -176,8 +176,8 @@ def registered_peers(
 
 
 def agent_job(session: Session, *, job_id: str, node: str) -> dict[str, Any]:
-    """A registered job's nodes, pinned world size and pinned layout, for one of its
-    nodes' agents (``checkpoints.scoping.pinned_world_size`` / ``pinned_layout``).
+    """A registered job's nodes, pinned world size, pinned layout and manifest key, for one
+    of its nodes' agents (``checkpoints.scoping.pinned_world_size`` / ``pinned_layout``).
 
     Raises:
         UnknownJobError: no such job, or it has not registered.
@@ -206,9 +206,12 @@ def agent_job(session: Session, *, job_id: str, node: str) -> dict[str, Any]:
             f"node {node!r} is not one of job {job_id!r}'s registered nodes: an agent may "
             "see only the jobs that run on its node"
         )
+    key = service.signing_key(session)
+    manifest_key = wire.job_manifest_key(wire.b64url_decode(key.job_secret), job_id)
     return {
         "job_id": job_id,
         "nodes": nodes,
         "world_size": scoping.pinned_world_size(row),
         "layout": scoping.pinned_layout(row),
+        "manifest_key": wire.b64url(manifest_key),
     }

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from sqlalchemy import func, inspect, select
 from support import auth, make_batch, migrated_database, post_batch, register_job
 
-from tierwatch.agent.credentials import CredentialVerifier, b64url
+from tierwatch.agent.credentials import CredentialVerifier, b64url, manifest_key_of
 from tierwatch.agent.peer_identity import public_key_text
 from tierwatch.agent.protocol import JobProgress, ReportBatch, utcnow
 from tierwatch.server.actions.models import AuditEntry
@@ -344,9 +344,11 @@ def test_peers_refuses_bad_node_names(client, agent_token, params, message):
 # --- jobs -------------------------------------------------------------------------------------
 
 
-def test_an_agent_of_the_job_reads_its_nodes_and_pinned_layout(client, agent_token):
+def test_an_agent_of_the_job_reads_its_nodes_pinned_layout_and_manifest_key(client, agent_token):
     layout = ["gpu-1", "gpu-1", "gpu-2", "gpu-2"]
-    register_job(client, JOB, ["gpu-1", "gpu-2", "gpu-3"], world_size=4, layout=layout)
+    issued = register_job(client, JOB, ["gpu-1", "gpu-2", "gpu-3"], world_size=4, layout=layout)
+    # the key the job's ranks sign with (derived from their credential's secret)
+    key = b64url(manifest_key_of(issued["credential"]))
     for node in ("gpu-1", "gpu-3"):
         r = client.get(f"/api/v1/agent/jobs/{JOB}", headers=auth(agent_token(node)))
         assert r.status_code == 200, r.text
@@ -355,7 +357,11 @@ def test_an_agent_of_the_job_reads_its_nodes_and_pinned_layout(client, agent_tok
             "nodes": ["gpu-1", "gpu-2", "gpu-3"],
             "world_size": 4,
             "layout": layout,
+            "manifest_key": key,
         }
+    other = register_job(client, "other-job", ["gpu-1"])
+    r = client.get("/api/v1/agent/jobs/other-job", headers=auth(agent_token("gpu-1")))
+    assert r.json()["manifest_key"] == b64url(manifest_key_of(other["credential"])) != key
 
 
 def test_the_layout_is_null_until_rank_0_pins_it(client, agent_token):
@@ -367,6 +373,7 @@ def test_the_layout_is_null_until_rank_0_pins_it(client, agent_token):
         "nodes": ["gpu-1", "gpu-2"],
         "world_size": None,
         "layout": None,
+        "manifest_key": r.json()["manifest_key"],
     }
     post_batch(client, token, make_batch("gpu-1", 1))
     batch = ReportBatch(
@@ -392,6 +399,7 @@ def test_an_agent_outside_the_job_is_refused(client, agent_token):
     detail = r.json()["detail"]
     assert "only the jobs that run on its node" in detail
     assert "gpu-2" not in detail  # the layout is not told to an outsider
+    assert "manifest_key" not in r.text  # nor the job's key
 
 
 def test_an_unknown_or_unregistered_job_is_404(client, agent_token, session):

@@ -24,7 +24,7 @@ import pytest
 from procs import wait_for
 from pydantic import ValidationError
 
-from tierwatch.agent.credentials import LocalAuthority
+from tierwatch.agent.credentials import LocalAuthority, b64url
 from tierwatch.agent.protocol import ReportAck, ReportBatch
 
 TOKEN = "test-agent-token"
@@ -342,7 +342,10 @@ class Receiver:
                         return self._answer(404, {"detail": f"job {job} is not registered"})
                     if node not in j["nodes"]:
                         return self._answer(403, {"detail": f"{node} is not a node of {job}"})
-                    return self._answer(200, {"job_id": job, "world_size": None, **j})
+                    key = b64url(receiver.authority.manifest_key(job))
+                    return self._answer(
+                        200, {"job_id": job, "world_size": None, "manifest_key": key, **j}
+                    )
                 return self._answer(404, {"detail": "not found"})
 
             def do_POST(self) -> None:  # noqa: N802 - http.server API

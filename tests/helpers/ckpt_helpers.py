@@ -35,7 +35,7 @@ from tierwatch.agent.checkpoint.format.layout import (
     manifest_name,
     shard_name,
 )
-from tierwatch.agent.checkpoint.format.manifest import CommitMarker, make_manifest
+from tierwatch.agent.checkpoint.format.manifest import CommitMarker, make_manifest, sign_commit
 from tierwatch.agent.fsutil import atomic_write_json
 from tierwatch.agent.peer_identity import CERT_HEADER, SCHEME, public_key_text, sign_request
 from tierwatch.agent.protocol import CheckpointEvent
@@ -66,6 +66,7 @@ def write_step(
     shard_bytes: int = 64 * 1024,
     commit: bool = True,
     seed: int | None = None,
+    key: bytes | None | str = "job",
 ) -> dict[int, Any]:
     """Write the files of ``node``'s ranks for one step, as the trainer does.
 
@@ -80,6 +81,9 @@ def write_step(
         shard_bytes: Size of each random shard (bytes); ``.metadata`` is 1 KiB.
         commit: Write the commit markers.
         seed: Seed for the random bytes (default: random).
+        key: The manifest key that signs the manifests and commit markers: ``"job"`` (the
+            job's own, as :data:`AUTHORITY` issues it: what a rank with the job's credential
+            writes), other bytes (a forger's), or None (unsigned).
 
     Returns:
         ``{rank: Manifest}`` of the ranks written.
@@ -87,6 +91,9 @@ def write_step(
     import random
 
     rng = random.Random(seed)
+    if key == "job":
+        key = AUTHORITY.manifest_key(job_id)
+    assert key is None or isinstance(key, bytes)
     ml = MemoryLayout(memory_dir)
     world = len(layout)
     ranks = [r for r, n in enumerate(layout) if n == node]
@@ -115,6 +122,7 @@ def write_step(
             names=names,
             signature=SIGNATURE,
             created_at="2026-01-01T00:00:00+00:00",
+            key=key,
         )
         atomic_write_json(step_dir / manifest_name(r), m)
         manifests[r] = m
@@ -131,6 +139,8 @@ def write_step(
                 peer_urls=peer_urls or {},
                 created_at="2026-01-01T00:00:00+00:00",
             )
+            if key is not None:
+                marker = sign_commit(marker, key)
             atomic_write_json(step_dir / commit_name(r), marker)
     return manifests
 
@@ -371,3 +381,19 @@ def mtime_ns(path: Path) -> int:
 
 def monotonic() -> float:
     return time.monotonic()
+
+
+def keys_with_credentials(folder: Path, *job_ids: str) -> Any:
+    """The agent's :class:`~tierwatch.agent.credential_keys.ServerKeys` (on :data:`AUTHORITY`'s
+    key set, from a file in ``folder``) after each job's ranks sent their credential, so it
+    knows those jobs' manifest keys: for an in-process ``CheckpointService``."""
+    from tierwatch.agent.credential_keys import ServerKeys
+
+    folder.mkdir(parents=True, exist_ok=True)
+    keys = ServerKeys(
+        server=None, token=None, keys_file=Path(AUTHORITY.write_keys(folder / "jwks"))
+    )
+    keys.load()
+    for job_id in job_ids:
+        keys.verify_job(AUTHORITY.job_credential(job_id))
+    return keys

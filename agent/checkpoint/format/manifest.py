@@ -49,6 +49,8 @@ LEGACY_SAVE_ID = ""
 SAVE_ID_PATTERN = r"^([0-9a-f]{32})?$"
 SHA256_PATTERN = r"^([0-9a-f]{64})?$"
 MAC_ALGO = "hmac-sha256"
+COMMIT_MAC_PREFIX = b"tierwatch commit marker\n"
+COMMIT_PREFIX = "commit-"
 
 
 def new_save_id(now_ms: int | None = None) -> str:
@@ -147,6 +149,9 @@ class CommitMarker(BaseModel):
         layout: node of every rank (index = rank).
         peer_urls: agent URL of every node in ``layout``.
         save_id: the save decided on (the same as the rank's manifest; ``""``: legacy).
+        mac: HMAC-SHA256 (hex) with the job's manifest key over :func:`canonical_bytes`
+            (``""``: unsigned). The agent replicates, persists and applies ``retain`` only
+            for a marker whose ``mac`` it can check (docs/security.md "The memory folder").
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -162,6 +167,7 @@ class CommitMarker(BaseModel):
     peer_urls: dict[str, str] = {}
     created_at: str = ""
     save_id: Annotated[str, Field(pattern=SAVE_ID_PATTERN)] = LEGACY_SAVE_ID
+    mac: Annotated[str, Field(pattern=SHA256_PATTERN)] = ""
 
 
 def xxh3_file(path: Path | str | BinaryIO) -> tuple[int, str]:
@@ -221,17 +227,19 @@ def sha256_stream(stream: BinaryIO) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def canonical_bytes(manifest: Manifest) -> bytes:
-    """What a manifest's ``mac`` covers: its JSON (every field, defaults included) without
-    ``mac``, keys sorted, no whitespace (``json.dumps(sort_keys=True, separators=(",",
-    ":"))``), UTF-8."""
-    body = manifest.model_dump(mode="json", exclude={"mac"})
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+def canonical_bytes(document: Manifest | CommitMarker) -> bytes:
+    """What a manifest's or commit marker's ``mac`` covers: its JSON (every field, defaults
+    included) without ``mac``, keys sorted, no whitespace (``json.dumps(sort_keys=True,
+    separators=(",", ":"))``), UTF-8; a commit marker's is prefixed with ``COMMIT_MAC_PREFIX``
+    so that neither can pass for the other."""
+    body = document.model_dump(mode="json", exclude={"mac"})
+    data = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return COMMIT_MAC_PREFIX + data if isinstance(document, CommitMarker) else data
 
 
-def manifest_mac(manifest: Manifest, key: bytes) -> str:
+def manifest_mac(document: Manifest | CommitMarker, key: bytes) -> str:
     """HMAC-SHA256 (hex) of :func:`canonical_bytes` with the job's manifest ``key``."""
-    return hmac.new(key, canonical_bytes(manifest), hashlib.sha256).hexdigest()
+    return hmac.new(key, canonical_bytes(document), hashlib.sha256).hexdigest()
 
 
 def sign_manifest(manifest: Manifest, key: bytes) -> Manifest:
@@ -239,18 +247,28 @@ def sign_manifest(manifest: Manifest, key: bytes) -> Manifest:
     return manifest.model_copy(update={"mac": manifest_mac(manifest, key)})
 
 
-def mac_problem(manifest: Manifest, key: bytes) -> str | None:
-    """Why ``manifest``'s ``mac`` does not prove it was written with ``key`` (None: it does).
+def sign_commit(marker: CommitMarker, key: bytes) -> CommitMarker:
+    """``marker`` with its ``mac`` set for ``key`` (the job's manifest key)."""
+    return marker.model_copy(update={"mac": manifest_mac(marker, key)})
 
-    The message names the manifest's file and step and says "signature".
+
+def mac_problem(document: Manifest | CommitMarker, key: bytes) -> str | None:
+    """Why a manifest's or commit marker's ``mac`` does not prove it was written with ``key``
+    (None: it does).
+
+    The message names the file and step and says "signature".
     """
-    where = f"step {manifest.step}: manifest-{manifest.rank}.json"
-    if not manifest.mac:
+    if isinstance(document, CommitMarker):
+        where = f"step {document.step}: {COMMIT_PREFIX}{document.rank}.json"
+    else:
+        where = f"step {document.step}: manifest-{document.rank}.json"
+    if not document.mac:
         return f"{where} is unsigned (no signature with the job's manifest key)"
-    if not hmac.compare_digest(manifest.mac, manifest_mac(manifest, key)):
+    if not hmac.compare_digest(document.mac, manifest_mac(document, key)):
         return (
             f"{where}: signature does not match the job's manifest key (written by another "
-            "job, or changed after it was written)"
+            "job or a local user without the job's credential, or changed after it was "
+            "written)"
         )
     return None
 

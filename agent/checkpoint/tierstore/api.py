@@ -68,6 +68,7 @@ from tierwatch.agent.checkpoint.tierstore.restore_staging import RestoreStager, 
 from tierwatch.agent.checkpoint.tierstore.store import MemoryStore, StoreError
 from tierwatch.agent.checkpoint.tierstore.worker import TierWorker
 from tierwatch.agent.config import AgentSettings
+from tierwatch.agent.credential_keys import ServerKeys
 from tierwatch.agent.fsutil import iter_file
 from tierwatch.agent.peer_identity import (
     CERT_HEADER,
@@ -104,6 +105,9 @@ class CheckpointService:
         settings: Agent settings (node, memory_dir, persistent_url, replication,
             memory_budget, ckpt_scan_interval).
         emit: Receives every checkpoint event (the runtime queues them into the next report).
+        registry: The server's node registry (None: no peer tier).
+        keys: The server's public keys; the job credentials they check give the tier
+            worker each job's manifest key (:meth:`job_key`).
 
     Raises:
         OSError: the memory folder cannot be created.
@@ -119,8 +123,10 @@ class CheckpointService:
         *,
         emit: EventSink,
         registry: PeerRegistry | None = None,
+        keys: ServerKeys | None = None,
     ) -> None:
         self.settings = settings
+        self.keys = keys
         self.emit = emit
         self.node = settings.node or ""
         self.started = False  # set by start(): agent.json written, worker running
@@ -160,6 +166,7 @@ class CheckpointService:
             replication=settings.replication,
             scan_interval_s=settings.ckpt_scan_interval,
             nice=settings.ckpt_nice,
+            job_key=self.job_key,
         )
         self.restore_stager = RestoreStager(
             self.store.layout,
@@ -169,6 +176,16 @@ class CheckpointService:
             persistent=self.persistent,
         )
         self.agent_info: dict[str, Any] = {}
+
+    def job_key(self, job_id: str) -> bytes | None:
+        """The job's manifest key: from a credential one of its ranks sent (checked by
+        ``keys``), else from the server's registry (cached, kept across restarts in the
+        registry cache); None while neither has it."""
+        key = self.keys.manifest_key(job_id) if self.keys is not None else None
+        if key is None and self.registry is not None:
+            job = self.registry.job(job_id)
+            key = job.manifest_key if job is not None else None
+        return key
 
     def start(self, listen_host: str, port: int) -> None:
         """Write ``agent.json`` and start the tier worker.

@@ -71,6 +71,7 @@ from tierwatch.agent.checkpoint.format.manifest import (
     ManifestError,
     load_commit,
     load_manifest,
+    mac_problem,
     xxh3_file,
 )
 from tierwatch.agent.checkpoint.format.priority import DEFAULT_NICE, lower_this_thread
@@ -147,6 +148,13 @@ class TierWorker:
             manifests on the persistent tier, seconds.
         nice: Nice value of the worker threads, so they yield the cores to training
             (:mod:`~tierwatch.agent.checkpoint.format.priority`; 0 keeps the agent's).
+        job_key: The job's manifest key (32 bytes), or None while this agent has none (from
+            a credential a rank sent, or the server's registry). Only steps whose commit
+            marker and manifest carry a valid signature under it are replicated, persisted
+            or let apply their ``retain`` lists: the memory folder is writable by every
+            local user, and one without the job's credential must not be able to plant a
+            step that pushes the job's good steps out of retention. None (the argument):
+            no check, for tools that read a folder the caller owns.
     """
 
     def __init__(
@@ -160,8 +168,10 @@ class TierWorker:
         scan_interval_s: float,
         metadata_wait_s: float = METADATA_WAIT_S,
         nice: int = DEFAULT_NICE,
+        job_key: Callable[[str], bytes | None] | None = None,
     ) -> None:
         self.store = store
+        self._job_key = job_key
         self.nice = nice
         self.persistent = persistent
         self.emit = emit
@@ -265,6 +275,7 @@ class TierWorker:
             if job_dir.is_symlink():
                 self._linked(job_dir, job_id, 0)
                 continue
+            key = self._job_key(job_id) if self._job_key is not None else None
             try:
                 step_dirs = [p for p in job_dir.iterdir() if parse_step_dirname(p.name) is not None]
             except OSError:
@@ -301,6 +312,10 @@ class TierWorker:
                         continue
                     if marker.job_id != job_id or marker.step != step or marker.rank != rank:
                         continue
+                    if self._job_key is not None and not self._signed(
+                        key, marker, step_dir / name, job_id, step, rank
+                    ):
+                        continue
                     out.setdefault((job_id, rank), []).append(
                         LocalCommit(job_id, step, rank, step_dir, marker)
                     )
@@ -308,6 +323,47 @@ class TierWorker:
         for commits in out.values():
             commits.sort(key=lambda c: c.step)
         return out
+
+    def _signed(
+        self,
+        key: bytes | None,
+        document: CommitMarker | Manifest,
+        path: Path,
+        job_id: str,
+        step: int,
+        rank: int,
+    ) -> bool:
+        """Whether ``document`` (read from ``path``) carries a valid signature under the job's
+        manifest ``key``; one ``failed`` event per file that does not, and one per job while
+        the agent has no key for it (its steps wait until a rank's credential or the server's
+        registry provides it)."""
+        if key is None:
+            self._once(
+                "no-manifest-key",
+                job_id,
+                job_id,
+                step,
+                "peer",
+                f"job {job_id}: no manifest key yet (no rank of the job has sent its credential "
+                "and the server's registry does not give it): its steps wait here, neither "
+                "replicated nor persisted, until one does",
+                None,
+            )
+            return False
+        problem = mac_problem(document, key)
+        if problem is None:
+            return True
+        self._once(
+            "bad-signature",
+            str(path),
+            job_id,
+            step,
+            "peer",
+            f"{problem}: step {step} skipped: not replicated, not persisted, and its "
+            "retention list is not applied",
+            rank,
+        )
+        return False
 
     def _linked(self, path: Path, job_id: str, step: int) -> None:
         """One ``failed`` event for a job or step folder that is a symbolic link."""
@@ -700,12 +756,18 @@ class TierWorker:
         due, evicted meanwhile, or unreadable: then a failed event with a retry)."""
         if not self._due(key):
             return None
+        path = c.step_dir / manifest_name(c.rank)
         try:
-            return load_manifest(c.step_dir / manifest_name(c.rank))
+            manifest = load_manifest(path)
         except ManifestError as exc:
             if not self._evicted(c):
                 self._fail(key, c, tier, f"{manifest_name(c.rank)}: {exc}")
             return None
+        if self._job_key is not None and not self._signed(
+            self._job_key(c.job_id), manifest, path, c.job_id, c.step, c.rank
+        ):
+            return None
+        return manifest
 
     def _upload(self, c: LocalCommit) -> None:
         if self._tier_done("persistent", c):

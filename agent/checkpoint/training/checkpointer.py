@@ -80,7 +80,12 @@ from tierwatch.agent.checkpoint.format.layout import (
     commit_name,
     manifest_name,
 )
-from tierwatch.agent.checkpoint.format.manifest import CommitMarker, make_manifest, new_save_id
+from tierwatch.agent.checkpoint.format.manifest import (
+    CommitMarker,
+    make_manifest,
+    new_save_id,
+    sign_commit,
+)
 from tierwatch.agent.checkpoint.format.priority import DEFAULT_NICE, lower_this_thread
 from tierwatch.agent.checkpoint.format.rollback import Timeline, describe_pins
 from tierwatch.agent.checkpoint.training.client import (
@@ -755,6 +760,8 @@ class TieredCheckpointer:
             created_at=utcnow().isoformat(),
             save_id=job.save_id,
         )
+        if self.manifest_key is not None:
+            marker = sign_commit(marker, self.manifest_key)
         atomic_write_json(step_dir / commit_name(self.rank), marker, fsync=False)
         job.committed = True
         self._event(job.step, "memory", "committed", bytes=nbytes, seconds=job.write_s)

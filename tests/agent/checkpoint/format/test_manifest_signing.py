@@ -130,3 +130,58 @@ def test_without_a_key_nothing_is_refused_for_lacking_a_signature(
     assert "no SHA-256" in (
         StepVerifier(KEY).files_problem(legacy_view, tmp_path, [".metadata"]) or ""
     )
+
+
+def test_commit_markers_are_signed_over_every_field_and_never_pass_for_a_manifest() -> None:
+    from tierwatch.agent.checkpoint.format.manifest import (
+        CommitMarker,
+        read_commit,
+        sign_commit,
+        sign_manifest,
+    )
+
+    assert AUTHORITY.manifest_key("sign-job") == KEY  # what the server gives the job's agents
+    marker = CommitMarker(
+        job_id="sign-job",
+        step=3,
+        rank=0,
+        world_size=1,
+        persist=True,
+        retain={"memory": [3], "peer": [3], "persistent": [1, 3]},
+        layout=["n1"],
+        save_id="0" * 32,
+    )
+    signed = read_commit(sign_commit(marker, KEY).model_dump_json())
+    assert mac_problem(signed, KEY) is None
+    unsigned = mac_problem(marker, KEY)
+    assert unsigned is not None
+    assert "step 3: commit-0.json is unsigned" in unsigned
+    for change in (
+        {"retain": {"memory": [3], "peer": [3], "persistent": [3]}},
+        {"persist": False},
+        {"layout": ["n2"]},
+        {"step": 4},
+    ):
+        problem = mac_problem(signed.model_copy(update=change), KEY)
+        assert problem is not None
+        assert "signature does not match" in problem
+    assert mac_problem(signed, manifest_key_of(AUTHORITY.job_credential("other"))) is not None
+    # the same key signs manifests: a manifest's signature is no marker's
+    assert (
+        sign_commit(marker, KEY).mac
+        != sign_manifest(
+            make_manifest(
+                job_id="sign-job",
+                step=3,
+                rank=0,
+                world_size=1,
+                node="n1",
+                directory=Path("."),
+                names=[],
+                signature="",
+                created_at="",
+            ),
+            KEY,
+        ).mac
+    )
+    assert canonical_bytes(marker).startswith(b"tierwatch commit marker\n")

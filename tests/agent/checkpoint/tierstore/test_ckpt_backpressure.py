@@ -18,7 +18,6 @@ the ranks are played by :class:`Ranks`, which writes steps as a trainer does
 from __future__ import annotations
 
 import io
-import json
 import os
 import shutil
 import threading
@@ -32,8 +31,8 @@ from typing import Any
 
 import fsspec
 import pytest
-from agent_helpers import TOKEN, wait_until
-from ckpt_helpers import write_step
+from agent_helpers import AUTHORITY, TOKEN, wait_until
+from ckpt_helpers import keys_with_credentials, write_step
 from fsspec.implementations.local import LocalFileSystem
 
 from tierwatch.agent.checkpoint.format import inflight
@@ -51,6 +50,7 @@ from tierwatch.agent.checkpoint.format.layout import (
     shard_name,
     step_dirname,
 )
+from tierwatch.agent.checkpoint.format.manifest import load_commit, sign_commit
 from tierwatch.agent.checkpoint.tierstore.api import CheckpointService
 from tierwatch.agent.checkpoint.tierstore.worker import next_transfer, persistent_evictions
 from tierwatch.agent.checkpoint.training.commit_decision import (
@@ -155,7 +155,8 @@ def service(
         memory_budget=1 << 30,
         ckpt_scan_interval=0.02,
     )
-    return CheckpointService(settings, emit=events.append), events
+    keys = keys_with_credentials(tmp_path / "keys", JOB)
+    return CheckpointService(settings, emit=events.append, keys=keys), events
 
 
 @dataclass
@@ -400,9 +401,10 @@ def test_a_skip_is_one_failed_event_with_the_lag(tmp_path) -> None:
             svc.store.root, job_id=JOB, step=step, node="node-a", layout=["node-a"], persist=True
         )
         path = svc.store.layout.step_dir(JOB, step) / commit_name(0)
-        marker = json.loads(path.read_text())
-        marker["created_at"] = (t0 + timedelta(seconds=step / 2)).isoformat()
-        path.write_text(json.dumps(marker))
+        marker = load_commit(path).model_copy(
+            update={"created_at": (t0 + timedelta(seconds=step / 2)).isoformat()}
+        )  # (signed again, as the rank with the job's credential writes it)
+        path.write_text(sign_commit(marker, AUTHORITY.manifest_key(JOB)).model_dump_json())
         if step != 2:  # step 2 comes and goes while step 0 uploads
             svc.worker.persistent_pass()
     skips = [e for e in events if e.kind == "failed"]

@@ -40,7 +40,12 @@ from tierwatch.agent.checkpoint.format.layout import (
     manifest_name,
     shard_name,
 )
-from tierwatch.agent.checkpoint.format.manifest import CommitMarker, FileEntry, make_manifest
+from tierwatch.agent.checkpoint.format.manifest import (
+    CommitMarker,
+    FileEntry,
+    make_manifest,
+    sign_commit,
+)
 from tierwatch.agent.checkpoint.tierstore.persister import PersistentError, PersistentTier
 from tierwatch.agent.checkpoint.tierstore.replicator import PeerClient, PeerError
 from tierwatch.agent.checkpoint.tierstore.restore_staging import RestoreStager, StageRequest
@@ -452,20 +457,24 @@ def commit(memory_dir: Path, step: int, layout: list[str], peer_urls: dict[str, 
         names=[shard_name(0), METADATA],
         signature=SIGNATURE,
         created_at="2026-01-01T00:00:00+00:00",
+        key=AUTHORITY.manifest_key(JOB),
     )
     atomic_write_json(d / manifest_name(0), m)
     atomic_write_json(
         d / commit_name(0),
-        CommitMarker(
-            job_id=JOB,
-            step=step,
-            rank=0,
-            world_size=len(layout),
-            persist=True,
-            retain={"memory": [step], "peer": [step], "persistent": [step]},
-            layout=layout,
-            peer_urls=peer_urls,
-            created_at="2026-01-01T00:00:00+00:00",
+        sign_commit(
+            CommitMarker(
+                job_id=JOB,
+                step=step,
+                rank=0,
+                world_size=len(layout),
+                persist=True,
+                retain={"memory": [step], "peer": [step], "persistent": [step]},
+                layout=layout,
+                peer_urls=peer_urls,
+                created_at="2026-01-01T00:00:00+00:00",
+            ),
+            AUTHORITY.manifest_key(JOB),
         ),
     )
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import xxhash
 from agent_helpers import TOKEN, wait_until
-from ckpt_helpers import write_step
+from ckpt_helpers import keys_with_credentials, write_step
 
 from tierwatch.agent.checkpoint.format.layout import (
     METADATA,
@@ -47,7 +47,8 @@ def service(tmp_path: Path, node: str = "node-a") -> tuple[CheckpointService, li
         persistent_url=f"file://{tmp_path / 'persistent'}",
         memory_budget=64 * 2**20,
     )
-    return CheckpointService(settings, emit=events.append), events
+    keys = keys_with_credentials(tmp_path / "keys", JOB)
+    return CheckpointService(settings, emit=events.append, keys=keys), events
 
 
 def ask(
