@@ -45,8 +45,9 @@ BACKENDS = [
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test marked ``one_backend`` runs on PostgreSQL when it is configured (what a cluster
-    runs), else on SQLite: its other backend's copy is deselected, not skipped. For
-    multi-process tests outside tests/e2e whose subject is not the SQL."""
+    runs), else on SQLite: its other backend's copy is deselected, not skipped. For tests
+    whose subject is not the SQL: multi-process tests outside tests/e2e, and request checks
+    (roles, CSRF, validation) whose SQL other tests cover on both backends."""
     keep = "postgres" if PG_URL else "sqlite"
     chosen, dropped = [], []
     for item in items:

@@ -14,6 +14,9 @@ from test_role_matrix import MATRIX, PATH_PARAMS, PRESENT
 
 from tierwatch.server.main import create_app
 
+# Request checks, not SQL: PostgreSQL when configured, else SQLite.
+pytestmark = pytest.mark.one_backend
+
 WEB_ROUTES = [key for key in PRESENT if MATRIX[key].kind in ("web", "login")]
 CSRF_REFUSAL = "CSRF check failed"
 

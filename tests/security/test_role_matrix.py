@@ -1,6 +1,8 @@
 """Who may change what, and who may read what: every role against every state-changing route
-and every read (API and dashboard), on both database backends, with valid bodies so the role
-check is what decides.
+and every read (API and dashboard), with valid bodies so the role check is what decides. The
+matrix runs on one backend (``one_backend``: PostgreSQL when configured): the role check is
+Python, and the token and session SQL it reads is tested on both backends
+(tests/web/test_sessions.py, tests/security/test_token_expiry.py, tests/web/test_signin.py).
 
 The routes come from ``app.routes`` at collection time; :data:`MATRIX` holds the expected
 answer per state-changing route and role, :data:`READS` per read route, and
@@ -328,6 +330,7 @@ def _call(app, client: TestClient, tokens, key: tuple[str, str], row: Row, role:
     return browser.request(method, path, data={**row.form, "csrf_token": csrf}, headers=headers)
 
 
+@pytest.mark.one_backend
 @pytest.mark.parametrize("key", PRESENT, ids=[f"{m} {p}" for m, p in PRESENT])
 def test_role_matrix(app, client, tokens, key):
     seed_cluster(client, tokens)
@@ -351,6 +354,7 @@ def _read(app, client: TestClient, tokens, path: str, role: str):  # type: ignor
     return browser.get(path)
 
 
+@pytest.mark.one_backend
 @pytest.mark.parametrize("template", READS_PRESENT)
 def test_read_matrix(app, client, tokens, template):
     """People read everything; agent tokens read nothing (403 saying what they are for) but

@@ -7,6 +7,9 @@ import json
 import pytest
 from support import auth, make_batch, post_batch
 
+# Request checks, not SQL: PostgreSQL when configured, else SQLite.
+pytestmark = pytest.mark.one_backend
+
 
 def test_ingest_without_token_is_401(client):
     r = client.post("/api/v1/ingest/report", content=make_batch("n1", 1).model_dump_json())
