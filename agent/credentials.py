@@ -358,6 +358,8 @@ class CredentialVerifier:
             or not isinstance(cnf.get("x"), str)
         ):
             raise CredentialError("not a node certificate (typ, node, url or cnf missing)")
+        if claims.get("sub") != f"node:{node}":
+            raise CredentialError(f"node certificate's subject is not node:{node}")
         raw = b64url_decode(cnf["x"])
         if len(raw) != 32:
             raise CredentialError("node certificate's key is not 32 bytes")
