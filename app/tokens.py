@@ -15,7 +15,7 @@ import secrets
 from datetime import datetime, timedelta
 from typing import Literal
 
-from sqlalchemy import ForeignKey, Index, Integer, String, select
+from sqlalchemy import ForeignKey, Index, Integer, String, delete, select
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from tierwatch.agent.protocol import NODE_NAME_PATTERN, utcnow
@@ -163,7 +163,8 @@ def list_tokens(session: Session) -> list[ApiToken]:
 
 
 def revoke_token(session: Session, token_id: int) -> ApiToken:
-    """Revoke a token by id and end its dashboard sessions. Once the session commits, the
+    """Revoke a token by id, end its dashboard sessions and, for an agent token, remove the
+    peer registry entry it certified. Once the session commits, the
     token stops working at once in this process (cached lookups are dropped) and its
     dashboard sessions end at once everywhere; other server processes refuse the token for
     state-changing requests at once and for reads within ``token_cache_s``.
@@ -177,5 +178,17 @@ def revoke_token(session: Session, token_id: int) -> ApiToken:
     if row.revoked_at is None:
         row.revoked_at = utcnow()
     end_token_sessions(session, row.id)
+    if row.role == "agent" and row.node_name:
+        # the node's peer registry entry, when this token certified it: peers are no longer
+        # handed its URL and certificate (the certificate itself stays valid until it
+        # expires: docs/security.md "Known gaps")
+        from tierwatch.server.credentials.models import PeerRegistration
+
+        session.execute(
+            delete(PeerRegistration).where(
+                PeerRegistration.node_name == row.node_name,
+                PeerRegistration.updated_by == f"token:{row.id}@{row.node_name}",
+            )
+        )
     session.info.setdefault(REVOKED_HASHES_KEY, set()).add(row.token_hash)
     return row

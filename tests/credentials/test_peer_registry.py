@@ -432,3 +432,29 @@ def test_0007_downgrades_and_upgrades(request, database_url, tmp_path_factory):
         engine = make_engine(url)
         assert "peer_registry" in inspect(engine).get_table_names()
         engine.dispose()
+
+
+# --- revocation -------------------------------------------------------------------------------
+
+
+def test_revoking_the_agent_token_removes_the_entry_it_certified(client, agent_token, session):
+    from tierwatch.server.tokens import lookup_token, revoke_token
+
+    old, other = agent_token("gpu-1"), agent_token("gpu-2")
+    assert certify(client, old).status_code == 200
+    assert [p["node"] for p in list_peers(client, other, ["gpu-1"]).json()["peers"]] == ["gpu-1"]
+
+    # the node's token is rotated: the new token certifies, then the old one is revoked
+    new = agent_token("gpu-1")
+    assert certify(client, new, url="https://gpu-1.cluster:9471").status_code == 200
+    revoke_token(session, lookup_token(session, old).id)
+    session.commit()
+    peers = list_peers(client, other, ["gpu-1"]).json()["peers"]
+    assert [(p["node"], p["url"]) for p in peers] == [("gpu-1", "https://gpu-1.cluster:9471")]
+
+    # revoking the token that certified the entry removes it: no peer is handed it any more
+    revoke_token(session, lookup_token(session, new).id)
+    session.commit()
+    assert list_peers(client, other, ["gpu-1"]).json()["peers"] == []
+    assert stored(session)[0] == 0
+    assert certify(client, new).status_code == 401  # and it cannot certify again
