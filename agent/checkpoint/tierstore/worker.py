@@ -275,7 +275,7 @@ class TierWorker:
             if job_dir.is_symlink():
                 self._linked(job_dir, job_id, 0)
                 continue
-            key = self._job_key(job_id) if self._job_key is not None else None
+            keys: list[bytes | None] = []  # the job's key, asked for at its first marker
             try:
                 step_dirs = [p for p in job_dir.iterdir() if parse_step_dirname(p.name) is not None]
             except OSError:
@@ -312,10 +312,11 @@ class TierWorker:
                         continue
                     if marker.job_id != job_id or marker.step != step or marker.rank != rank:
                         continue
-                    if self._job_key is not None and not self._signed(
-                        key, marker, step_dir / name, job_id, step, rank
-                    ):
-                        continue
+                    if self._job_key is not None:
+                        if not keys:
+                            keys.append(self._job_key(job_id))
+                        if not self._signed(keys[0], marker, step_dir / name, job_id, step, rank):
+                            continue
                     out.setdefault((job_id, rank), []).append(
                         LocalCommit(job_id, step, rank, step_dir, marker)
                     )
