@@ -75,7 +75,6 @@ def test_a_check_in_flight_at_shutdown_leaves_the_lock_free(db_url):
     short-lived app): the lock must not be taken after ``release``, or no replica on that
     schema could ever lead again (the connection that holds it is never closed)."""
     import threading
-    import time
 
     from sqlalchemy import event
 
@@ -90,11 +89,11 @@ def test_a_check_in_flight_at_shutdown_leaves_the_lock_free(db_url):
         conn.execute(text(f'CREATE SCHEMA "{own}"'))
     url = _other_schema(db_url, own)
     slow, other = make_engine(url), make_engine(url)
-    connecting = threading.Event()
+    connecting, releasing = threading.Event(), threading.Event()
 
     def _slow_connect(*_: object) -> None:
         connecting.set()
-        time.sleep(0.5)
+        releasing.wait(10)  # the connect finishes only once shutdown has begun
 
     event.listen(slow, "connect", _slow_connect)
     lock, successor = LeaderLock(slow), LeaderLock(other)
@@ -102,6 +101,7 @@ def test_a_check_in_flight_at_shutdown_leaves_the_lock_free(db_url):
         checking = threading.Thread(target=lock.check)
         checking.start()
         assert connecting.wait(10)
+        releasing.set()
         lock.release()  # shutdown, while the check is still connecting
         checking.join(10)
         assert not lock.check()  # released for good
