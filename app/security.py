@@ -27,7 +27,13 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from tierwatch.agent.protocol import utcnow
-from tierwatch.server.tokens import REVOKED_HASHES_KEY, ApiToken, hash_token, is_expired
+from tierwatch.server.tokens import (
+    REVOKED_HASHES_KEY,
+    ApiToken,
+    hash_token,
+    is_expired,
+    token_actor,
+)
 from tierwatch.server.web.csrf import CsrfError, verify_csrf
 from tierwatch.server.web.sessions import WebSession, hash_session_id
 
@@ -60,7 +66,7 @@ class Principal:
     @property
     def actor(self) -> str:
         """How this caller appears in logs and the audit trail."""
-        return f"token:{self.token_id}" + (f"@{self.node}" if self.node else "")
+        return token_actor(self.token_id, self.node)
 
     def has_role(self, minimum: str) -> bool:
         """True when the caller's role is at least ``minimum`` (agents rank below viewers)."""

@@ -162,6 +162,12 @@ def list_tokens(session: Session) -> list[ApiToken]:
     return list(session.scalars(select(ApiToken).order_by(ApiToken.id.desc())))
 
 
+def token_actor(token_id: int, node: str | None) -> str:
+    """How a token's caller appears in logs, the audit trail and ``updated_by`` columns:
+    ``token:<id>`` or, for a node-bound token, ``token:<id>@<node>``."""
+    return f"token:{token_id}" + (f"@{node}" if node else "")
+
+
 def revoke_token(session: Session, token_id: int) -> ApiToken:
     """Revoke a token by id, end its dashboard sessions and, for an agent token, remove the
     peer registry entry it certified. Once the session commits, the
@@ -187,7 +193,7 @@ def revoke_token(session: Session, token_id: int) -> ApiToken:
         session.execute(
             delete(PeerRegistration).where(
                 PeerRegistration.node_name == row.node_name,
-                PeerRegistration.updated_by == f"token:{row.id}@{row.node_name}",
+                PeerRegistration.updated_by == token_actor(row.id, row.node_name),
             )
         )
     session.info.setdefault(REVOKED_HASHES_KEY, set()).add(row.token_hash)
