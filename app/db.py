@@ -14,10 +14,17 @@ from typing import Any, cast
 
 from sqlalchemy import DateTime, Engine, MetaData, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import CursorResult, make_url
+from sqlalchemy.engine import URL, CursorResult, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+from sqlalchemy.pool import QueuePool
 from sqlalchemy.types import TypeDecorator
+
+# The request pool of one replica (``TIERWATCH_DB_POOL_SIZE`` / ``TIERWATCH_DB_MAX_OVERFLOW``):
+# sized so that three replicas fit PostgreSQL's default max_connections (100) with room to
+# spare (docs/operations.md, "Running several replicas": the connection budget).
+DEFAULT_POOL_SIZE = 10
+DEFAULT_MAX_OVERFLOW = 15
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -62,17 +69,21 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 
 def make_engine(
-    url: str,
+    url: str | URL,
     *,
     echo: bool = False,
-    pool_size: int = 10,
-    max_overflow: int = 40,
+    pool_size: int = DEFAULT_POOL_SIZE,
+    max_overflow: int = DEFAULT_MAX_OVERFLOW,
     pre_ping: bool = True,
+    connect_args: dict[str, Any] | None = None,
 ) -> Engine:
     """Create an engine for a plain SQLAlchemy URL.
 
     SQLite gets WAL mode, foreign keys and a busy timeout, and its parent folder is created;
-    PostgreSQL gets a pre-ping pool.
+    PostgreSQL gets a pre-ping pool of ``pool_size`` connections kept open plus up to
+    ``max_overflow`` more opened under load (at most ``pool_size + max_overflow`` at once;
+    SQLAlchemy's ``QueuePool``), and ``connect_args`` go to ``psycopg.connect`` as libpq
+    connection parameters (e.g. ``keepalives_idle``).
 
     Raises:
         sqlalchemy.exc.ArgumentError: for a malformed URL.
@@ -100,11 +111,35 @@ def make_engine(
             cur.close()
 
         return engine
-    # Room for every worker thread (anyio's default limiter: 40) plus the ingest writer, so
-    # threads never queue for a connection behind each other.
+    # The request pool is smaller than anyio's 40 worker threads: several replicas must fit
+    # max_connections, so under a burst a thread may wait for a connection (pool_timeout, 30 s).
     return create_engine(
-        parsed, echo=echo, pool_pre_ping=pre_ping, pool_size=pool_size, max_overflow=max_overflow
+        parsed,
+        echo=echo,
+        pool_pre_ping=pre_ping,
+        pool_size=pool_size,
+        max_overflow=max_overflow,
+        connect_args=connect_args or {},
     )
+
+
+def pool_capacity(engine: Engine | None) -> int:
+    """The most PostgreSQL connections ``engine`` can hold open at once.
+
+    ``pool_size + max_overflow`` of its ``QueuePool`` (every PostgreSQL engine that
+    :func:`make_engine` creates); 0 for None and for SQLite (a file has no connection limit).
+
+    Raises:
+        TypeError: for a PostgreSQL engine whose pool has no bound (not a ``QueuePool``, or
+            one with unlimited overflow).
+    """
+    if engine is None or engine.dialect.name != "postgresql":
+        return 0
+    pool = engine.pool
+    overflow = getattr(pool, "_max_overflow", -1)  # QueuePool's; -1: unlimited
+    if not isinstance(pool, QueuePool) or overflow < 0:
+        raise TypeError(f"{type(pool).__name__} (max_overflow {overflow}) has no connection bound")
+    return int(pool.size() + overflow)
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

@@ -57,9 +57,11 @@ def _one_leader_and_takeover(db_url: str) -> None:
         with first.begin() as conn:
             conn.execute(text(f'CREATE SCHEMA "{schema}"'))
         other = make_engine(_other_schema(db_url, schema))
+        third = LeaderLock(other)
         try:
-            assert LeaderLock(other).check()
+            assert third.check()
         finally:
+            third.release()
             other.dispose()
             with first.begin() as conn:
                 conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
@@ -95,8 +97,9 @@ def test_a_check_in_flight_at_shutdown_leaves_the_lock_free(db_url):
         connecting.set()
         releasing.wait(10)  # the connect finishes only once shutdown has begun
 
-    event.listen(slow, "connect", _slow_connect)
     lock, successor = LeaderLock(slow), LeaderLock(other)
+    assert lock.engine is not None  # the lock connects through an engine of its own
+    event.listen(lock.engine, "connect", _slow_connect)
     try:
         checking = threading.Thread(target=lock.check)
         checking.start()
