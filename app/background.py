@@ -27,6 +27,7 @@ from tierwatch.server.actions import policy, queue, restores
 from tierwatch.server.actions.drivers import (
     ClusterDriver,
     DriverConfigError,
+    DriverResult,
     make_cluster_driver,
 )
 from tierwatch.server.actions.ingest import record_command_outcome
@@ -179,7 +180,7 @@ class BackgroundWork:
         claimed = await run_in_threadpool(self._claim)
         for command_id, kind, node, reason in claimed:
             result = await run_in_threadpool(self._run_driver, kind, node, reason)
-            await run_in_threadpool(self._finish, command_id, *result)
+            await run_in_threadpool(self._finish, command_id, result)
         return bool(claimed)
 
     def _claim(self) -> list[tuple[str, str, str, str]]:
@@ -190,9 +191,9 @@ class BackgroundWork:
             session.commit()
         return out
 
-    def _run_driver(self, kind: str, node: str, reason: str) -> tuple[bool, int | None, str]:
+    def _run_driver(self, kind: str, node: str, reason: str) -> DriverResult:
         if self._driver is None:
-            return (
+            return DriverResult(
                 False,
                 None,
                 (
@@ -204,22 +205,29 @@ class BackgroundWork:
             self._driver.isolate if kind == "isolate" else self._driver.release
         )
         try:
-            res = run(node, reason)
+            res: DriverResult = run(node, reason)
         except Exception as exc:  # noqa: BLE001 - a driver bug fails this run, not the loop
             log.exception("isolation driver %s failed on %s", self._driver.name, node)
-            return False, None, f"driver error: {exc!r}"
-        return res.ok, res.exit_code, res.output
+            return DriverResult(False, None, f"driver error: {exc!r}")
+        return res
 
-    def _finish(self, command_id: str, ok: bool, exit_code: int | None, output: str) -> None:
+    def _finish(self, command_id: str, result: DriverResult) -> None:
         now = utcnow()
         with self._factory() as session:
             row = session.get(CommandRow, command_id)
             if row is None:
                 return
-            if queue.finish(row, ok=ok, exit_code=exit_code, output=output, now=now):
+            if queue.finish(
+                row, ok=result.ok, exit_code=result.exit_code, output=result.output, now=now
+            ):
                 names = _names(session, [row.node_id])
                 record_command_outcome(
-                    session, self._settings, row, names.get(row.node_id, "?"), now=now
+                    session,
+                    self._settings,
+                    row,
+                    names.get(row.node_id, "?"),
+                    now=now,
+                    detail=result.detail,
                 )
             session.commit()
 

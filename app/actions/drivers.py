@@ -5,11 +5,17 @@ applies it to the cluster scheduler:
 
 - ``none`` (default): record only, nothing is applied.
 - ``command``: node-local, run by the node's agent (``tierwatch.agent.commands``), not here.
-- ``slurm``: ``scontrol update nodename=<node> state=drain reason=<reason>`` /
+- ``slurm``: ``scontrol update nodename=<node> state=drain reason="tierwatch: <reason>"`` /
   ``state=resume``, run on the server (:class:`SlurmDriver`), in the server's environment
   less its secrets (:func:`tierwatch.agent.envsafe.scrubbed_env`).
-- ``kubernetes``: cordon + a ``NoSchedule`` taint through the API server, run on the server
-  (:class:`KubernetesDriver`).
+- ``kubernetes``: cordon + a ``NoSchedule`` taint + a mark annotation through the API server,
+  run on the server (:class:`KubernetesDriver`).
+
+Both cluster drivers mark what they do and release only their own overlay: a drain or cordon
+that someone else made (an admin, NHC, a pending reboot, the GPU Operator) is left in place,
+and the result says so (:mod:`~tierwatch.server.actions.slurm_state`,
+:mod:`~tierwatch.server.actions.kube_state`). ``observe`` reads the scheduler's view of a node
+for corroborating a finding.
 
 The cluster drivers run on the server so that a node whose agent is dead can still be drained.
 They never raise for a runtime failure (scheduler down, node unknown, permission denied): the
@@ -25,11 +31,12 @@ import shlex
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from tenacity import (
     Retrying,
     retry_if_exception,
@@ -38,6 +45,8 @@ from tenacity import (
 )
 
 from tierwatch.agent.envsafe import scrubbed_env
+from tierwatch.server.actions import kube_state, slurm_state
+from tierwatch.server.actions.slurm_state import SlurmNode
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
@@ -45,13 +54,12 @@ if TYPE_CHECKING:
 OUTPUT_LIMIT = 4000
 """Most characters of ``DriverResult.output`` (the tail of a command's output is kept)."""
 
-DEFAULT_SLURM_REASON = "tierwatch"
 CONFLICT_ATTEMPTS = 5
 """Read-modify-PATCH rounds before a Kubernetes update that keeps hitting 409 gives up."""
 
 MERGE_PATCH = "application/merge-patch+json"
-TAINT_EFFECT = "NoSchedule"
-TAINT_VALUE = "true"
+TAINT_EFFECT = kube_state.TAINT_EFFECT
+TAINT_VALUE = kube_state.TAINT_VALUE
 
 # A Kubernetes qualified name: an optional DNS-subdomain prefix and "/", then a name of at most
 # 63 alphanumerics, "-", "_", "." (starting and ending alphanumeric).
@@ -79,6 +87,8 @@ class IsolationSettings(BaseModel):
         kube_context: context in ``kubeconfig`` (unset: its current context).
         taint_key: key of the taint the ``kubernetes`` driver adds
             (``<key>=true:NoSchedule``); a qualified name such as ``tierwatch.io/isolated``.
+        annotation_key: key of the annotation that marks tierwatch's isolation on a Node
+            (whether tierwatch made the cordon; :mod:`~tierwatch.server.actions.kube_state`).
     """
 
     driver: Literal["none", "command", "slurm", "kubernetes"] = "none"
@@ -87,19 +97,24 @@ class IsolationSettings(BaseModel):
     kubeconfig: str | None = None
     kube_context: str | None = None
     taint_key: str = "tierwatch.io/isolated"
+    annotation_key: str = "tierwatch.io/isolation"
 
     @field_validator("kubeconfig", "kube_context")
     @classmethod
     def _empty_is_unset(cls, value: str | None) -> str | None:
         return value or None
 
-    @field_validator("taint_key")
+    @field_validator("taint_key", "annotation_key")
     @classmethod
-    def _qualified_name(cls, value: str) -> str:
+    def _qualified_name(cls, value: str, info: ValidationInfo) -> str:
         if not _QUALIFIED_NAME.match(value):
+            what, example = {
+                "taint_key": ("taint key", "tierwatch.io/isolated"),
+                "annotation_key": ("annotation key", "tierwatch.io/isolation"),
+            }[str(info.field_name)]
             raise ValueError(
-                f"{value!r} is not a Kubernetes taint key: use [prefix/]name, e.g. "
-                "tierwatch.io/isolated (name: at most 63 of A-Z a-z 0-9 - _ .)"
+                f"{value!r} is not a Kubernetes {what}: use [prefix/]name, e.g. "
+                f"{example} (name: at most 63 of A-Z a-z 0-9 - _ .)"
             )
         return value
 
@@ -119,6 +134,27 @@ class DriverResult:
     ok: bool
     exit_code: int | None
     output: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SchedulerView:
+    """What the cluster scheduler says of a node, to corroborate a finding.
+
+    Attributes:
+        ok: the scheduler answered; when False, ``text`` says why not.
+        text: one line for the reason and the audit entry, e.g. ``slurm: IDLE+NOT_RESPONDING``.
+        responding: the scheduler hears from the node (Slurm: not DOWN or NOT_RESPONDING;
+            Kubernetes: the ``Ready`` condition is ``True``); None when unknown.
+        marked: the node carries tierwatch's own drain or cordon mark.
+        detail: the state as plain JSON for the audit log.
+    """
+
+    ok: bool
+    text: str
+    responding: bool | None = None
+    marked: bool = False
+    detail: dict[str, Any] = field(default_factory=dict)
 
 
 class ClusterDriver(Protocol):
@@ -126,12 +162,16 @@ class ClusterDriver(Protocol):
 
     name: str
 
+    def observe(self, node: str) -> SchedulerView:
+        """The scheduler's view of ``node`` (reads only)."""
+        ...
+
     def isolate(self, node: str, reason: str) -> DriverResult:
         """Take ``node`` out of service (running work may finish; nothing new starts)."""
         ...
 
     def release(self, node: str, reason: str) -> DriverResult:
-        """Put ``node`` back into service."""
+        """Put ``node`` back into service, undoing only what this driver did."""
         ...
 
 
@@ -168,17 +208,28 @@ def _clip(head: str, body: str = "") -> str:
 
 
 class SlurmDriver:
-    """Drains and resumes Slurm nodes with ``scontrol update``.
+    """Drains and resumes Slurm nodes with ``scontrol``, undoing only its own drains.
 
-    ``isolate`` runs ``scontrol update nodename=<node> state=drain reason=<reason>`` and
-    ``release`` runs ``scontrol update nodename=<node> state=resume``. Per the scontrol(1) man
-    page, DRAIN stops new jobs from starting on the node while running jobs finish, RESUME
-    returns a DRAINED/DRAINING node to service, and a reason is required when a node is set to
-    DRAIN (an empty reason becomes ``"tierwatch"``).
+    Each call first reads the node (``scontrol -o show node <node>``, parsed by
+    :func:`~tierwatch.server.actions.slurm_state.parse_show_node`), then decides with
+    :func:`~tierwatch.server.actions.slurm_state.plan_isolate` /
+    :func:`~tierwatch.server.actions.slurm_state.plan_release`:
 
-    The command is an argv list run without a shell; the reason is one argument
-    (``reason=<reason>``), so quotes, ``;`` or ``$(...)`` in it are passed literally. stdout and
-    stderr are captured together. On timeout the whole process group is killed.
+    - ``isolate`` runs ``scontrol update nodename=<node> state=drain reason="tierwatch: <reason>"``
+      unless the node is already drained; someone else's drain (an admin, NHC, a reboot ASAP)
+      keeps its reason, so release will leave it alone.
+    - ``release`` runs ``scontrol update nodename=<node> state=resume`` only when the drain
+      still carries tierwatch's mark and no reboot is pending; otherwise it changes nothing and
+      says what it left in place.
+
+    Per scontrol(1), DRAIN stops new jobs from starting while running jobs finish, and RESUME
+    returns a drained node to service. Between the read and the update an admin could change
+    the node; scontrol offers no compare-and-set, so that window (milliseconds) remains.
+
+    The commands are argv lists run without a shell; the reason is one argument, so quotes,
+    ``;`` or ``$(...)`` in it are passed literally. stdout and stderr are captured together.
+    On timeout the whole process group is killed. Every result carries the node's Slurm state
+    before the change in ``detail["scheduler"]`` for the audit log.
     """
 
     name = "slurm"
@@ -187,17 +238,78 @@ class SlurmDriver:
         self._scontrol = settings.scontrol
         self._timeout_s = settings.timeout_s
 
+    def observe(self, node: str) -> SchedulerView:
+        """The node's state in Slurm (for corroborating a finding; changes nothing)."""
+        lines: list[str] = []
+        state, failed = self._show(node, lines)
+        if state is None:
+            return SchedulerView(ok=False, text=failed.output if failed else "")
+        return SchedulerView(
+            ok=True,
+            text=f"slurm: {state.describe()}",
+            responding=state.responding,
+            marked=state.marked,
+            detail=state.as_detail(),
+        )
+
     def isolate(self, node: str, reason: str) -> DriverResult:
-        """Drain ``node`` (``state=drain``) with ``reason`` (``"tierwatch"`` when empty)."""
-        reason = reason.strip() or DEFAULT_SLURM_REASON
-        return self._run(["update", f"nodename={node}", "state=drain", f"reason={reason}"])
+        """Drain ``node`` with ``tierwatch: <reason>`` unless it is already drained."""
+        return self._apply(node, reason, isolate=True)
 
     def release(self, node: str, reason: str) -> DriverResult:
-        """Resume ``node`` (``state=resume``); ``reason`` is only recorded by the caller."""
-        del reason  # scontrol keeps no reason for RESUME
-        return self._run(["update", f"nodename={node}", "state=resume"])
+        """Resume ``node`` if tierwatch's drain is still in place and no reboot is pending."""
+        del reason  # scontrol keeps no reason for RESUME; the caller records it
+        return self._apply(node, "", isolate=False)
 
-    def _run(self, args: list[str]) -> DriverResult:
+    def _apply(self, node: str, reason: str, *, isolate: bool) -> DriverResult:
+        lines: list[str] = []
+        state, failed = self._show(node, lines)
+        if state is None:
+            assert failed is not None
+            return failed
+        plan = slurm_state.plan_isolate(state) if isolate else slurm_state.plan_release(state)
+        detail: dict[str, Any] = {
+            "scheduler": {"driver": "slurm", "before": state.as_detail(), "action": plan.action}
+        }
+        lines.append(f"slurm: {plan.note}")
+        if plan.action == "none":
+            detail["scheduler"]["left_in_place"] = plan.note
+            return DriverResult(True, None, _clip("\n".join(lines)), detail)
+        if plan.action == "drain":
+            args = [
+                "update",
+                f"nodename={node}",
+                "state=drain",
+                f"reason={slurm_state.drain_reason(reason)}",
+            ]
+        else:
+            args = ["update", f"nodename={node}", "state=resume"]
+        code, out, head = self._run(args)
+        lines.append(head)
+        ok = code == 0
+        text = "\n".join(lines) + ("" if code is None else f"\nexit {code}")
+        if not ok:
+            text += _slurm_hint(out, node)
+        return DriverResult(ok, code, _clip(text, out), detail)
+
+    def _show(self, node: str, lines: list[str]) -> tuple[SlurmNode | None, DriverResult | None]:
+        """Read the node; on failure the DriverResult saying why (and None)."""
+        code, out, head = self._run(["-o", "show", "node", node])
+        lines.append(head)
+        if code != 0:
+            text = "\n".join(lines) + ("" if code is None else f"\nexit {code}")
+            return None, DriverResult(False, code, _clip(text + _slurm_hint(out, node), out))
+        try:
+            return slurm_state.parse_show_node(out), None
+        except slurm_state.SlurmParseError as exc:
+            text = "\n".join(lines) + f"\ncannot read the node's state: {exc}"
+            return None, DriverResult(False, code, _clip(text))
+
+    def _run(self, args: list[str]) -> tuple[int | None, str, str]:
+        """Run scontrol; returns (exit code or None, output, the command line shown).
+
+        A failure to start or a timeout gives None and the explanation as the output.
+        """
         argv = [self._scontrol, *args]
         shown = "$ " + shlex.join(argv)
         try:
@@ -212,34 +324,46 @@ class SlurmDriver:
                 start_new_session=True,
             )
         except FileNotFoundError:
-            return DriverResult(
-                False,
+            return (
                 None,
-                _clip(
-                    f"{shown}\nexecutable not found: {self._scontrol!r}; set "
-                    "TIERWATCH_ISOLATION__SCONTROL to the scontrol path"
-                ),
+                "",
+                f"{shown}\nexecutable not found: {self._scontrol!r}; set "
+                "TIERWATCH_ISOLATION__SCONTROL to the scontrol path",
             )
         except OSError as exc:
-            return DriverResult(
-                False,
+            return (
                 None,
-                _clip(
-                    f"{shown}\ncannot run {self._scontrol!r}: {exc.strerror or exc}; check "
-                    "TIERWATCH_ISOLATION__SCONTROL"
-                ),
+                "",
+                f"{shown}\ncannot run {self._scontrol!r}: {exc.strerror or exc}; check "
+                "TIERWATCH_ISOLATION__SCONTROL",
             )
         try:
             out, _ = proc.communicate(timeout=self._timeout_s)
         except subprocess.TimeoutExpired:
             out = _kill_group(proc)
-            return DriverResult(
-                False,
-                None,
-                _clip(f"{shown}\ntimed out after {self._timeout_s:g} s (killed)", out),
-            )
-        code = proc.returncode
-        return DriverResult(code == 0, code, _clip(f"{shown}\nexit {code}", out))
+            return None, out, f"{shown}\ntimed out after {self._timeout_s:g} s (killed)"
+        return proc.returncode, out, shown
+
+
+def _slurm_hint(out: str, node: str) -> str:
+    """A line saying what to fix for scontrol errors an operator meets first ("" if none)."""
+    low = out.lower()
+    if "munge" in low or "authentication" in low or "zero bytes were transmitted" in low:
+        return (
+            "\nscontrol could not authenticate to slurmctld through munge: run munged on the "
+            "server with the cluster's munge.key (and AuthInfo's socket, if slurm.conf sets one)"
+        )
+    if "unable to contact slurm controller" in low or "connection refused" in low:
+        return (
+            "\nslurmctld is not reachable from the server: check SlurmctldHost/SlurmctldPort in "
+            "the slurm.conf scontrol reads (SLURM_CONF)"
+        )
+    if "not found" in low or "invalid node name" in low:
+        return (
+            f"\nSlurm has no node named {node!r}: tierwatch's node name must be the Slurm "
+            "NodeName (the agent's --node)"
+        )
+    return ""
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> str:
@@ -302,6 +426,7 @@ class KubernetesDriver:
         from kubernetes.client import CoreV1Api
 
         self._taint_key = settings.taint_key
+        self._annotation_key = settings.annotation_key
         self._timeout_s = settings.timeout_s
         self._api_client = api_client if api_client is not None else _load_api_client(settings)
         self._core = CoreV1Api(self._api_client)
@@ -315,12 +440,40 @@ class KubernetesDriver:
         """Release the HTTP connections."""
         self._api_client.close()
 
+    def observe(self, node: str) -> SchedulerView:
+        """The node's ``Ready`` condition, cordon and tierwatch mark (one GET)."""
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        calls: list[str] = []
+        try:
+            current = self._read(node, deadline=time.monotonic() + self._timeout_s, calls=calls)
+        except ApiException as exc:
+            return SchedulerView(ok=False, text=f"kubernetes: {_api_error(exc, node)}")
+        except (_DeadlineExceeded, HTTPError, OSError, ValueError) as exc:
+            return SchedulerView(
+                ok=False, text=f"kubernetes: cannot read node {node!r} at {self.host}: {exc!r}"
+            )
+        facts = _node_detail(current, self)
+        ready = facts["ready"]
+        state = {True: "Ready", False: "NotReady", None: "Ready unknown"}[ready]
+        if facts["unschedulable"]:
+            state += ", cordoned"
+        return SchedulerView(
+            ok=True,
+            text=f"kubernetes: {state}",
+            responding=ready,
+            marked=facts["marked"],
+            detail=facts,
+        )
+
     def isolate(self, node: str, reason: str) -> DriverResult:
-        """Cordon ``node`` and add the ``<taint_key>=true:NoSchedule`` taint."""
+        """Cordon ``node`` (unless already cordoned), add the ``<taint_key>=true:NoSchedule``
+        taint and the ``<annotation_key>`` mark."""
         return self._update(node, reason, isolate=True)
 
     def release(self, node: str, reason: str) -> DriverResult:
-        """Uncordon ``node`` and remove the ``<taint_key>:NoSchedule`` taint."""
+        """Remove tierwatch's taint and mark; uncordon only if tierwatch made the cordon."""
         return self._update(node, reason, isolate=False)
 
     def _update(self, node: str, reason: str, *, isolate: bool) -> DriverResult:
@@ -331,6 +484,7 @@ class KubernetesDriver:
         verb = "isolate" if isolate else "release"
         head = f"kubernetes {verb} {node}" + (f" (reason: {reason})" if reason else "")
         calls: list[str] = []
+        detail: dict[str, Any] = {}
         deadline = time.monotonic() + self._timeout_s
         try:
             for attempt in Retrying(
@@ -340,8 +494,17 @@ class KubernetesDriver:
                 reraise=True,
             ):
                 with attempt:
-                    message = self._attempt(node, isolate=isolate, deadline=deadline, calls=calls)
-                    return DriverResult(True, None, _clip(head, "\n".join([*calls, message])))
+                    message = self._attempt(
+                        node,
+                        reason,
+                        isolate=isolate,
+                        deadline=deadline,
+                        calls=calls,
+                        detail=detail,
+                    )
+                    return DriverResult(
+                        True, None, _clip(head, "\n".join([*calls, message])), detail
+                    )
         except ApiException as exc:
             status = exc.status if isinstance(exc.status, int) else None
             calls.append(_api_error(exc, node))
@@ -365,8 +528,8 @@ class KubernetesDriver:
             raise _DeadlineExceeded
         return left
 
-    def _attempt(self, node: str, *, isolate: bool, deadline: float, calls: list[str]) -> str:
-        """One read-modify-PATCH round; returns the closing line; raises ApiException."""
+    def _read(self, node: str, *, deadline: float, calls: list[str]) -> dict[str, Any]:
+        """GET the node as plain JSON; raises ApiException (recorded in ``calls``)."""
         from kubernetes.client.exceptions import ApiException
 
         path = f"/api/v1/nodes/{node}"
@@ -382,28 +545,42 @@ class KubernetesDriver:
         if not isinstance(current, dict):
             raise ValueError(f"GET {path} answered {type(current).__name__}, not a Node object")
         version = (current.get("metadata") or {}).get("resourceVersion")
-        spec = current.get("spec") or {}
-        taints: list[dict[str, Any]] = list(spec.get("taints") or [])
         calls.append(f"GET {path} -> {got.status} (resourceVersion {version})")
+        return current
 
-        def ours(taint: dict[str, Any]) -> bool:
-            return taint.get("key") == self._taint_key and taint.get("effect") == TAINT_EFFECT
+    def _attempt(
+        self,
+        node: str,
+        reason: str,
+        *,
+        isolate: bool,
+        deadline: float,
+        calls: list[str],
+        detail: dict[str, Any],
+    ) -> str:
+        """One read-modify-PATCH round; returns the closing line; raises ApiException."""
+        from kubernetes.client.exceptions import ApiException
 
-        if isolate:
-            mine = {"key": self._taint_key, "value": TAINT_VALUE, "effect": TAINT_EFFECT}
-            new_taints = taints if any(ours(t) for t in taints) else [*taints, mine]
-        else:
-            new_taints = [t for t in taints if not ours(t)]
-        unschedulable = isolate
-        taint = f"{self._taint_key}={TAINT_VALUE}:{TAINT_EFFECT}"
-        if bool(spec.get("unschedulable")) == unschedulable and new_taints == taints:
-            state = "cordoned with taint" if isolate else "schedulable without taint"
-            return f"already {state} {taint}: nothing to change"
-
-        patch: dict[str, Any] = {"spec": {"unschedulable": unschedulable, "taints": new_taints}}
+        path = f"/api/v1/nodes/{node}"
+        current = self._read(node, deadline=deadline, calls=calls)
+        version = (current.get("metadata") or {}).get("resourceVersion")
+        detail["scheduler"] = {"driver": "kubernetes", "before": _node_detail(current, self)}
+        change = kube_state.plan(
+            current,
+            isolate=isolate,
+            taint_key=self._taint_key,
+            annotation_key=self._annotation_key,
+            reason=reason,
+            now_rfc3339=datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+        )
+        detail["scheduler"]["action"] = "none" if change.patch is None else "patch"
+        if change.patch is None:
+            detail["scheduler"]["left_in_place"] = change.note
+            return f"{change.note}: nothing to change"
+        patch = dict(change.patch)
         if version is not None:
-            patch = {"metadata": {"resourceVersion": version}, **patch}
-        shown = json.dumps(patch["spec"], separators=(",", ":"))
+            patch["metadata"] = {**patch.get("metadata", {}), "resourceVersion": version}
+        shown = json.dumps(change.patch, separators=(",", ":"))
         try:
             sent = self._core.patch_node(
                 node,
@@ -417,8 +594,26 @@ class KubernetesDriver:
             calls.append(f"PATCH {path} {shown} -> {exc.status} {exc.reason}{note}")
             raise
         calls.append(f"PATCH {path} {shown} -> {sent.status}")
-        done = f"cordoned, taint {taint} set" if isolate else f"uncordoned, taint {taint} removed"
-        return done
+        if "left" in change.note or "someone else" in change.note:
+            detail["scheduler"]["left_in_place"] = change.note
+        return change.note
+
+
+def _node_detail(node: dict[str, Any], driver: KubernetesDriver) -> dict[str, Any]:
+    """A Node's scheduling state as plain JSON for the audit log."""
+    spec = node.get("spec") or {}
+    mark = kube_state.our_mark(node, driver._annotation_key)
+    return {
+        "unschedulable": bool(spec.get("unschedulable")),
+        "taints": [
+            f"{t.get('key')}={t.get('value', '')}:{t.get('effect')}"
+            for t in spec.get("taints") or []
+            if isinstance(t, dict)
+        ],
+        "ready": kube_state.ready(node),
+        "marked": mark is not None,
+        "cordoned_by_tierwatch": bool(mark and mark.get("cordoned")),
+    }
 
 
 def _api_error(exc: Any, node: str) -> str:

@@ -4,7 +4,7 @@ restore progress, applied in the report's own transaction."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session
 
@@ -17,10 +17,21 @@ if TYPE_CHECKING:
 
 
 def record_command_outcome(
-    session: Session, settings: Settings, row: CommandRow, node_name: str, *, now: datetime
+    session: Session,
+    settings: Settings,
+    row: CommandRow,
+    node_name: str,
+    *,
+    now: datetime,
+    detail: dict[str, Any] | None = None,
 ) -> None:
     """Audit a finished command, and alert when a driver run did not succeed (the caller
-    commits)."""
+    commits).
+
+    Args:
+        detail: what the driver adds for the audit entry, e.g. ``{"scheduler": {...}}``: the
+            node's scheduler state before the change and what was left in place.
+    """
     audit.record(
         session,
         actor=row.actor,
@@ -37,6 +48,7 @@ def record_command_outcome(
             "driver": row.driver,
             "exit_code": row.exit_code,
             "output": row.output[-500:],
+            **(detail or {}),
         },
     )
     if row.state in ("failed", "expired") and row.kind != "restore":

@@ -22,6 +22,7 @@ from tierwatch.server.actions.drivers import (
 )
 
 KEY = "tierwatch.io/isolated"
+ANNOTATION = "tierwatch.io/isolation"
 OURS = {"key": KEY, "value": "true", "effect": "NoSchedule"}
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 
@@ -183,65 +184,146 @@ def driver(served: Served) -> Iterator[KubernetesDriver]:
         d.close()
 
 
-def test_isolate_cordons_and_adds_taint(served: Served, driver: KubernetesDriver) -> None:
+def mark_of(api: FakeNodeApi, name: str) -> dict[str, Any] | None:
+    """tierwatch's annotation on the stand-in's node, parsed (None when absent)."""
+    raw = (api.nodes[name]["metadata"].get("annotations") or {}).get(ANNOTATION)
+    return None if raw is None else json.loads(raw)
+
+
+def test_isolate_cordons_adds_taint_and_marks(served: Served, driver: KubernetesDriver) -> None:
     served.api.add("gpu-07")
     result = driver.isolate("gpu-07", "XID 79")
     assert result.ok, result.output
     assert result.exit_code is None
-    assert served.api.patches == [
-        (
-            "gpu-07",
-            MERGE_PATCH,
-            {
-                "metadata": {"resourceVersion": "100"},
-                "spec": {"unschedulable": True, "taints": [OURS]},
-            },
-        )
-    ]
+    [(name, content_type, patch)] = served.api.patches
+    assert (name, content_type) == ("gpu-07", MERGE_PATCH)
+    assert patch["spec"] == {"unschedulable": True, "taints": [OURS]}
+    assert patch["metadata"]["resourceVersion"] == "100"
     node = served.api.nodes["gpu-07"]
     assert node["spec"] == {"podCIDR": "10.0.0.0/24", "unschedulable": True, "taints": [OURS]}
     assert node["metadata"]["labels"] == {"a": "b"}
-    assert result.output.splitlines() == [
+    mark = mark_of(served.api, "gpu-07")
+    assert mark is not None
+    assert (mark["cordoned"], mark["reason"]) == (True, "XID 79")
+    assert mark["at"].endswith("Z")
+    lines = result.output.splitlines()
+    assert lines[:2] == [
         "kubernetes isolate gpu-07 (reason: XID 79)",
         "GET /api/v1/nodes/gpu-07 -> 200 (resourceVersion 100)",
-        'PATCH /api/v1/nodes/gpu-07 {"unschedulable":true,"taints":[{"key":'
-        '"tierwatch.io/isolated","value":"true","effect":"NoSchedule"}]} -> 200',
-        "cordoned, taint tierwatch.io/isolated=true:NoSchedule set",
     ]
+    assert lines[2].startswith("PATCH /api/v1/nodes/gpu-07 {")
+    assert lines[2].endswith("-> 200")
+    assert lines[3] == "cordoned, taint tierwatch.io/isolated=true:NoSchedule set"
+    assert result.detail["scheduler"]["before"]["unschedulable"] is False
+    assert result.detail["scheduler"]["action"] == "patch"
 
 
-def test_release_uncordons_and_removes_only_our_taint(
+def test_release_uncordons_and_removes_only_our_taint_and_mark(
     served: Served, driver: KubernetesDriver
 ) -> None:
     other_effect = {"key": KEY, "value": "manual", "effect": "NoExecute"}
-    served.api.add("gpu-07", taints=[GPU_TAINT, OURS, other_effect])
-    served.api.bump("gpu-07", lambda n: n["spec"].update(unschedulable=True))
+    served.api.add("gpu-07", taints=[GPU_TAINT, other_effect])
+    assert driver.isolate("gpu-07", "XID 79").ok
     result = driver.release("gpu-07", "repaired")
     assert result.ok, result.output
-    assert served.api.patches == [
-        (
-            "gpu-07",
-            MERGE_PATCH,
-            {
-                "metadata": {"resourceVersion": "101"},
-                "spec": {"unschedulable": False, "taints": [GPU_TAINT, other_effect]},
-            },
-        )
-    ]
-    assert served.api.nodes["gpu-07"]["spec"]["taints"] == [GPU_TAINT, other_effect]
+    patch = served.api.patches[-1][2]
+    assert patch == {
+        "metadata": {"resourceVersion": "101", "annotations": {ANNOTATION: None}},
+        "spec": {"unschedulable": False, "taints": [GPU_TAINT, other_effect]},
+    }
+    node = served.api.nodes["gpu-07"]
+    assert node["spec"]["taints"] == [GPU_TAINT, other_effect]
+    assert node["spec"]["unschedulable"] is False
+    assert mark_of(served.api, "gpu-07") is None
     assert "uncordoned, taint tierwatch.io/isolated=true:NoSchedule removed" in result.output
+
+
+def test_a_cordon_someone_else_made_before_the_isolate_survives_the_release(
+    served: Served, driver: KubernetesDriver
+) -> None:
+    served.api.add("gpu-07")
+    served.api.bump("gpu-07", lambda n: n["spec"].update(unschedulable=True))  # kubectl cordon
+    isolated = driver.isolate("gpu-07", "XID 79")
+    assert isolated.ok, isolated.output
+    assert "already cordoned by someone else" in isolated.output
+    mark = mark_of(served.api, "gpu-07")
+    assert mark is not None
+    assert mark["cordoned"] is False
+    assert driver.isolate("gpu-07", "again").ok  # a second isolate keeps what it learnt
+    mark = mark_of(served.api, "gpu-07")
+    assert mark is not None
+    assert mark["cordoned"] is False
+
+    released = driver.release("gpu-07", "repaired")
+    assert released.ok, released.output
+    node = served.api.nodes["gpu-07"]
+    assert node["spec"]["unschedulable"] is True  # the admin's cordon stays
+    assert node["spec"]["taints"] == []  # tierwatch's taint is gone
+    assert mark_of(served.api, "gpu-07") is None
+    assert "left cordoned: the cordon was not tierwatch's" in released.output
+    assert "left cordoned" in released.detail["scheduler"]["left_in_place"]
+
+
+def test_release_of_a_node_tierwatch_never_isolated_changes_nothing(
+    served: Served, driver: KubernetesDriver
+) -> None:
+    served.api.add("gpu-07", taints=[GPU_TAINT])
+    served.api.bump("gpu-07", lambda n: n["spec"].update(unschedulable=True))  # upgrade cordon
+    result = driver.release("gpu-07", "")
+    assert result.ok, result.output
+    assert served.api.patches == []
+    assert served.api.nodes["gpu-07"]["spec"]["unschedulable"] is True
+    assert "cordoned by someone else: left in place" in result.output
+
+
+def test_an_edited_mark_is_not_trusted_to_uncordon(
+    served: Served, driver: KubernetesDriver
+) -> None:
+    served.api.add("gpu-07")
+    assert driver.isolate("gpu-07", "XID 79").ok
+    served.api.bump(
+        "gpu-07", lambda n: n["metadata"]["annotations"].update({ANNOTATION: "by hand"})
+    )
+    assert driver.release("gpu-07", "").ok
+    node = served.api.nodes["gpu-07"]
+    assert node["spec"]["unschedulable"] is True
+    assert node["spec"]["taints"] == []
+    assert ANNOTATION not in node["metadata"]["annotations"]
 
 
 def test_release_of_last_taint_sends_empty_list(served: Served, driver: KubernetesDriver) -> None:
     served.api.add("gpu-07")
     assert driver.isolate("gpu-07", "").ok
     assert driver.release("gpu-07", "").ok
-    assert served.api.patches[-1][2] == {
-        "metadata": {"resourceVersion": "101"},
-        "spec": {"unschedulable": False, "taints": []},
-    }
+    assert served.api.patches[-1][2]["spec"] == {"unschedulable": False, "taints": []}
     assert served.api.nodes["gpu-07"]["spec"]["unschedulable"] is False
     assert served.api.nodes["gpu-07"]["spec"]["taints"] == []
+
+
+@pytest.mark.parametrize(
+    ("conditions", "responding", "text"),
+    [
+        ([{"type": "Ready", "status": "True"}], True, "kubernetes: Ready"),
+        ([{"type": "Ready", "status": "Unknown"}], False, "kubernetes: NotReady"),
+        ([], None, "kubernetes: Ready unknown"),
+    ],
+)
+def test_observe_reads_the_ready_condition(
+    served: Served, driver: KubernetesDriver, conditions: list, responding: bool | None, text: str
+) -> None:
+    served.api.add("gpu-07")
+    served.api.nodes["gpu-07"]["status"] = {"conditions": conditions}
+    view = driver.observe("gpu-07")
+    assert view.ok
+    assert view.responding is responding
+    assert view.text == text
+    assert served.api.patches == []
+
+
+def test_observe_of_an_unknown_node_says_so(driver: KubernetesDriver) -> None:
+    view = driver.observe("gpu-99")
+    assert not view.ok
+    assert "no node named 'gpu-99'" in view.text
 
 
 def test_isolate_keeps_other_taints_and_does_not_duplicate(
@@ -281,15 +363,9 @@ def test_conflict_rereads_and_retries(served: Served, driver: KubernetesDriver) 
     result = driver.isolate("gpu-07", "sick")
     assert result.ok, result.output
     assert served.api.gets == 2
-    assert [p[2] for p in served.api.patches] == [
-        {
-            "metadata": {"resourceVersion": "100"},
-            "spec": {"unschedulable": True, "taints": [GPU_TAINT, OURS]},
-        },
-        {
-            "metadata": {"resourceVersion": "101"},
-            "spec": {"unschedulable": True, "taints": [GPU_TAINT, late, OURS]},
-        },
+    assert [(p[2]["metadata"]["resourceVersion"], p[2]["spec"]) for p in served.api.patches] == [
+        ("100", {"unschedulable": True, "taints": [GPU_TAINT, OURS]}),
+        ("101", {"unschedulable": True, "taints": [GPU_TAINT, late, OURS]}),
     ]
     assert served.api.nodes["gpu-07"]["spec"]["taints"] == [GPU_TAINT, late, OURS]
     assert "-> 409 Conflict (node changed since read)" in result.output

@@ -1,4 +1,8 @@
-"""SlurmDriver against a recording stand-in ``scontrol`` (a real executable on PATH)."""
+"""SlurmDriver's process handling against a recording stand-in ``scontrol`` (a real
+executable on PATH): argv, hostile reasons, exit codes, timeouts, a missing executable.
+
+What Slurm itself does with the drains (marks, an admin's drain, a pending reboot) is tested
+against a real slurmctld in ``test_slurm_real.py``."""
 
 from __future__ import annotations
 
@@ -18,6 +22,12 @@ from tierwatch.server.actions.drivers import (
 )
 
 Recorder = Callable[..., Path]
+IDLE = "NodeName=gpu-07 Arch=x86_64 CPUTot=64 State=IDLE ThreadsPerCore=2 Partitions=main\n"
+DRAINED = (
+    "NodeName=gpu-07 CPUTot=64 State=IDLE+DRAIN Partitions=main "
+    "Reason=tierwatch: XID 79 [root@2026-12-02T10:00:00]\n"
+)
+SHOW = ["-o", "show", "node", "gpu-07"]
 
 
 @pytest.fixture
@@ -29,7 +39,7 @@ def fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Recorder:
     calls = tmp_path / "calls.jsonl"
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
 
-    def make(*, exit_code: int = 0, output: str = "") -> Path:
+    def make(*, exit_code: int = 0, output: str = "", show: str = IDLE) -> Path:
         script = bindir / "scontrol"
         script.write_text(
             f"#!{sys.executable}\n"
@@ -38,6 +48,9 @@ def fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Recorder:
                 import json, sys
                 with open({str(calls)!r}, "a") as f:
                     f.write(json.dumps(sys.argv[1:]) + "\\n")
+                if sys.argv[1:3] == ["-o", "show"]:
+                    sys.stdout.write({show!r})
+                    sys.exit(0)
                 sys.stdout.write({output!r})
                 sys.exit({exit_code})
                 """
@@ -61,30 +74,45 @@ def test_isolate_runs_drain_with_reason(fake_scontrol: Recorder) -> None:
     calls = fake_scontrol(output="updated\n")
     result = driver().isolate("gpu-07", "XID 79 on GPU 3")
     assert recorded(calls) == [
-        ["update", "nodename=gpu-07", "state=drain", "reason=XID 79 on GPU 3"]
+        SHOW,
+        ["update", "nodename=gpu-07", "state=drain", "reason=tierwatch: XID 79 on GPU 3"],
     ]
     assert result.ok
     assert result.exit_code == 0
     assert result.output.splitlines() == [
-        "$ scontrol update nodename=gpu-07 state=drain 'reason=XID 79 on GPU 3'",
+        "$ scontrol -o show node gpu-07",
+        "slurm: was IDLE",
+        "$ scontrol update nodename=gpu-07 state=drain 'reason=tierwatch: XID 79 on GPU 3'",
         "exit 0",
         "updated",
     ]
+    assert result.detail["scheduler"]["before"]["state"] == "IDLE"
+    assert result.detail["scheduler"]["action"] == "drain"
 
 
 def test_release_runs_resume(fake_scontrol: Recorder) -> None:
-    calls = fake_scontrol()
+    calls = fake_scontrol(show=DRAINED)
     result = driver().release("gpu-07", "fixed")
-    assert recorded(calls) == [["update", "nodename=gpu-07", "state=resume"]]
+    assert recorded(calls) == [SHOW, ["update", "nodename=gpu-07", "state=resume"]]
     assert result.ok
-    assert result.output == "$ scontrol update nodename=gpu-07 state=resume\nexit 0"
+    assert result.output.splitlines() == [
+        "$ scontrol -o show node gpu-07",
+        "slurm: was IDLE+DRAIN, reason 'tierwatch: XID 79' (root, 2026-12-02T10:00:00)",
+        "$ scontrol update nodename=gpu-07 state=resume",
+        "exit 0",
+    ]
 
 
 @pytest.mark.parametrize("reason", ["", "   "])
-def test_empty_reason_becomes_tierwatch(fake_scontrol: Recorder, reason: str) -> None:
+def test_empty_reason_still_carries_the_mark(fake_scontrol: Recorder, reason: str) -> None:
     calls = fake_scontrol()
     assert driver().isolate("gpu-07", reason).ok
-    assert recorded(calls) == [["update", "nodename=gpu-07", "state=drain", "reason=tierwatch"]]
+    assert recorded(calls)[-1] == [
+        "update",
+        "nodename=gpu-07",
+        "state=drain",
+        "reason=tierwatch: isolated",
+    ]
 
 
 def test_hostile_reason_is_one_literal_argument(fake_scontrol: Recorder, tmp_path: Path) -> None:
@@ -93,18 +121,28 @@ def test_hostile_reason_is_one_literal_argument(fake_scontrol: Recorder, tmp_pat
     reason = f'it\'s "bad"; touch {canary} $(touch {canary}) `touch {canary}`\nline two'
     result = driver().isolate("gpu-07", reason)
     assert result.ok
-    assert recorded(calls) == [["update", "nodename=gpu-07", "state=drain", f"reason={reason}"]]
+    one_line = " ".join(reason.split())  # Slurm shows a reason on one line
+    assert recorded(calls)[-1] == [
+        "update",
+        "nodename=gpu-07",
+        "state=drain",
+        f"reason=tierwatch: {one_line}",
+    ]
     assert not canary.exists()
 
 
 def test_nonzero_exit_is_a_failure_with_output(fake_scontrol: Recorder) -> None:
     fake_scontrol(exit_code=1, output="slurm_update error: Invalid node name specified\n")
-    result = driver().isolate("nope", "sick")
+    result = driver().isolate("gpu-07", "sick")
     assert not result.ok
     assert result.exit_code == 1
     assert result.output.splitlines() == [
-        "$ scontrol update nodename=nope state=drain reason=sick",
+        "$ scontrol -o show node gpu-07",
+        "slurm: was IDLE",
+        "$ scontrol update nodename=gpu-07 state=drain 'reason=tierwatch: sick'",
         "exit 1",
+        "Slurm has no node named 'gpu-07': tierwatch's node name must be the Slurm NodeName "
+        "(the agent's --node)",
         "slurm_update error: Invalid node name specified",
     ]
 
@@ -114,7 +152,7 @@ def test_long_output_keeps_command_and_tail(fake_scontrol: Recorder) -> None:
     result = driver().isolate("gpu-07", "sick")
     assert not result.ok
     assert len(result.output) <= OUTPUT_LIMIT
-    assert result.output.startswith("$ scontrol update nodename=gpu-07 state=drain reason=sick\n")
+    assert result.output.startswith("$ scontrol -o show node gpu-07\nslurm: was IDLE\n$ scontrol")
     assert result.output.endswith("THE END")
 
 
@@ -127,7 +165,7 @@ def test_timeout_kills_the_process_group(tmp_path: Path) -> None:
     assert not result.ok
     assert result.exit_code is None
     assert result.output.splitlines() == [
-        f"$ {script} update nodename=gpu-07 state=drain reason=sick",
+        f"$ {script} -o show node gpu-07",
         "timed out after 0.5 s (killed)",
         "waiting for slurmctld",
     ]
