@@ -1,4 +1,4 @@
-"""Sending the outbox: payloads, backoff, and one delivery round (``deliver_due``).
+"""Sending the outbox: payloads, backoff, re-sends, and one delivery round (``deliver_due``).
 
 A round (``deliver_due``) runs in three steps, so no database transaction is open while a
 request waits on the network:
@@ -17,6 +17,18 @@ Which answers are permanent (failed at once, without retries): 3xx (httpx does n
 redirects: the URL must be the final one) and 4xx other than 408 Request Timeout and 429
 Too Many Requests. 408, 429, 5xx, timeouts and connection errors are retried; for 429 and
 503 a ``Retry-After`` in seconds is honoured (up to ``backoff_max_s``).
+
+Two kinds of target share this outbox. A webhook (``settings.webhooks``) is told each
+notice once, in ``settings.format``. An Alertmanager (``settings.alertmanager_urls``, rows
+whose URL is ``…/api/v2/alerts``) is pushed a list of one postable alert
+(``alertmanager_api_alert``) and, because Alertmanager resolves an alert whose ``endsAt``
+passes, the newest notice of a key that fires is pushed again every
+``alertmanager_resend_s`` while it holds: its delivered row is due again then
+(``next_attempt_at``), and the round that sends it starts a fresh attempt count
+(``settle`` is the decision). A newer notice of the key stops that (``service._supersede``),
+and a resolution carries the firing notice's labels with ``endsAt`` at the resolution, which
+ends the alert in Alertmanager. Source: Alertmanager docs, "Sending alerts"
+(https://prometheus.io/docs/alerting/latest/clients/) and "Alerts API".
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import json
 import logging
 import math
 import random
+import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -33,12 +46,19 @@ from urllib.parse import quote
 
 import anyio
 import httpx
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tierwatch import __version__
-from tierwatch.server.alerts.models import Alert, AlertDelivery
-from tierwatch.server.alerts.service import AlertSettings, redact_url
+from tierwatch.server.alerts.models import DELIVERY_STATES, Alert, AlertDelivery
+from tierwatch.server.alerts.service import (
+    ALERTMANAGER_API_PATH,
+    AlertSettings,
+    firing_notice,
+    is_alertmanager_api,
+    is_newest,
+    redact_url,
+)
 from tierwatch.server.db import session_scope
 
 log = logging.getLogger("tierwatch.server.alerts")
@@ -48,6 +68,15 @@ ERROR_BODY_CHARS = 200
 # Alertmanager's "zero time" for endsAt of an alert that is still firing.
 ALERTMANAGER_ZERO_TIME = "0001-01-01T00:00:00Z"
 RETRYABLE_4XX = frozenset({408, 429})
+# A firing alert pushed to Alertmanager ends this many re-send intervals after it was sent
+# unless sent again: Prometheus's factor (rules/alerting.go, "allow for two Eval or
+# Alertmanager send failures").
+ALERTMANAGER_ENDS_AT_RESENDS = 4
+# Alertmanager label and annotation names (Prometheus data model: [a-zA-Z_][a-zA-Z0-9_]*).
+LABEL_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+# The alert labels that become Alertmanager labels (beside alertname, severity, cluster and
+# alertkey); the others become annotations, so the label set of a key never changes.
+ALERTMANAGER_LABELS = ("node", "job")
 
 
 def rfc3339(value: datetime | None) -> str | None:
@@ -97,6 +126,92 @@ def json_payload(alert: Alert) -> dict[str, Any]:
     }
 
 
+def _alertname(alert: Alert) -> str:
+    """Alertmanager's ``alertname``: the alert's own ``alertname`` label, else its kind."""
+    return alert.labels.get("alertname") or alert.kind
+
+
+def _generator_url(alert: Alert, external_url: str) -> str:
+    """The node's dashboard page when the alert has a ``node`` label, else the alerts page
+    ("" without ``external_url``)."""
+    if not external_url:
+        return ""
+    node = alert.labels.get("node")
+    return f"{external_url}/nodes/{quote(node, safe='')}" if node else f"{external_url}/alerts"
+
+
+def alertmanager_labels(alert: Alert, *, cluster: str = "") -> dict[str, str]:
+    """The label set that identifies ``alert``'s key in Alertmanager (pass the firing notice).
+
+    ``alertname`` (see ``_alertname``), ``severity``, ``node`` and ``job`` when the alert has
+    them (non-empty), ``cluster`` when set, and ``alertkey`` (the dedup key: one Alertmanager
+    alert per tierwatch key). Nothing that changes while a key fires (summary, counts,
+    times, actor) is a label, so re-sends and the resolution address the same alert.
+    """
+    labels = {"alertname": _alertname(alert), "severity": alert.severity}
+    for name in ALERTMANAGER_LABELS:
+        value = alert.labels.get(name)
+        if value:
+            labels[name] = value
+    if cluster:
+        labels["cluster"] = cluster
+    labels["alertkey"] = alert.key
+    return labels
+
+
+def alertmanager_api_alert(
+    alert: Alert, *, firing: Alert, settings: AlertSettings, now: datetime
+) -> dict[str, Any]:
+    """One postable alert for Alertmanager's API (``POST /api/v2/alerts`` takes a list).
+
+    Source: Alertmanager docs, "Alerts API" (https://prometheus.io/docs/alerting/latest/
+    alerts_api/) and "Sending alerts": ``labels`` identify the alert and deduplicate it,
+    ``annotations`` are always the most recent received, ``startsAt`` is when it fired,
+    ``endsAt`` when it ends, ``generatorURL`` a back-link; times in RFC 3339.
+
+    Shape::
+
+        {"labels": alertmanager_labels(firing), "annotations": {"summary", "description",
+         ...the alert's other labels}, "startsAt", "endsAt", "generatorURL"}
+
+    Args:
+        alert: the notice sent.
+        firing: the firing notice it belongs to (``service.firing_notice``): its labels
+            are the identity, so a resolution ends the very alert that fired.
+        now: the send time (timezone-aware UTC).
+
+    ``endsAt``: for a firing notice ``now + 4 × alertmanager_resend_s`` (it is re-sent
+    every ``alertmanager_resend_s``, so three sends may fail before Alertmanager resolves it
+    by itself; Prometheus's rule), never before ``startsAt``; for a resolved notice its
+    ``ends_at``, in the past, which resolves it. Annotation names that are not valid label
+    names are left out (Alertmanager refuses them).
+    """
+    labels = alertmanager_labels(firing, cluster=settings.cluster)
+    description = alert.details.get("description")
+    annotations = {
+        "summary": alert.summary,
+        "description": description if isinstance(description, str) else alert.summary,
+    }
+    for name, value in alert.labels.items():
+        valid = LABEL_NAME_RE.match(name) and not name.startswith("__")
+        if valid and name not in labels and name not in annotations:
+            annotations[name] = value
+    if alert.status == "firing":
+        ends = now + timedelta(
+            seconds=ALERTMANAGER_ENDS_AT_RESENDS * settings.alertmanager_resend_s
+        )
+        ends_at = max(ends, alert.starts_at)
+    else:
+        ends_at = alert.ends_at or now
+    return {
+        "labels": labels,
+        "annotations": annotations,
+        "startsAt": rfc3339(alert.starts_at),
+        "endsAt": rfc3339(ends_at),
+        "generatorURL": _generator_url(alert, settings.external_url),
+    }
+
+
 def alertmanager_payload(alert: Alert, *, external_url: str = "") -> dict[str, Any]:
     """The Alertmanager webhook receiver payload (``format = "alertmanager"``), one alert
     per notification.
@@ -120,7 +235,7 @@ def alertmanager_payload(alert: Alert, *, external_url: str = "") -> dict[str, A
     ``external_url``).
     """
     labels = {
-        "alertname": alert.kind,
+        "alertname": _alertname(alert),
         **alert.labels,
         "alertkey": alert.key,
         "severity": alert.severity,
@@ -132,12 +247,7 @@ def alertmanager_payload(alert: Alert, *, external_url: str = "") -> dict[str, A
     }
     group = {"alertkey": alert.key}
     group_key = "{}:{alertkey=" + json.dumps(alert.key) + "}"
-    generator = ""
-    if external_url:
-        node = alert.labels.get("node")
-        generator = (
-            f"{external_url}/nodes/{quote(node, safe='')}" if node else f"{external_url}/alerts"
-        )
+    generator = _generator_url(alert, external_url)
     return {
         "version": "4",
         "groupKey": group_key,
@@ -191,10 +301,63 @@ def backoff_s(
 
 
 @dataclass(frozen=True)
+class Settlement:
+    """What a delivery becomes after an attempt: ``state``, when it is due next (None:
+    never), and ``last_error``."""
+
+    state: str
+    next_attempt_at: datetime | None
+    error: str
+
+
+def settle(
+    *,
+    ok: bool,
+    error: str,
+    permanent: bool,
+    attempts: int,
+    resend: bool,
+    settings: AlertSettings,
+    now: datetime,
+    retry_after_s: float | None = None,
+    rng: random.Random | None = None,
+) -> Settlement:
+    """The outcome of an attempt as a delivery's next state (pure).
+
+    Args:
+        ok: a 2xx answer.
+        error: what went wrong ("" when ok).
+        permanent: an answer that retrying cannot fix (3xx, most 4xx).
+        attempts: attempts made in this send, this one included (1-based).
+        resend: the delivery is to an Alertmanager and its notice is the newest of its key
+            and fires, so it is pushed again every ``alertmanager_resend_s`` while it holds.
+
+    Returns:
+        ok → ``delivered``, due again after ``alertmanager_resend_s`` when ``resend``, else
+        never. Permanent → ``failed``, never again. ``max_attempts`` used up → ``failed``, and
+        when ``resend`` tried afresh after ``alertmanager_resend_s`` (an Alertmanager that
+        was down for long gets the alert back once it is up). Otherwise ``pending`` after
+        ``backoff_s``.
+    """
+    resend_at = now + timedelta(seconds=settings.alertmanager_resend_s) if resend else None
+    if ok:
+        return Settlement("delivered", resend_at, "")
+    if permanent:
+        return Settlement("failed", None, f"{error} (permanent: not retried)")
+    if attempts >= settings.max_attempts:
+        tail = (
+            f"; sent again in {settings.alertmanager_resend_s:g} s while it fires" if resend else ""
+        )
+        return Settlement("failed", resend_at, f"{error} (gave up after {attempts} attempts{tail})")
+    wait = backoff_s(attempts, settings, retry_after_s=retry_after_s, rng=rng)
+    return Settlement("pending", now + timedelta(seconds=wait), error)
+
+
+@dataclass(frozen=True)
 class _Claim:
     delivery_id: int
     url: str
-    payload: dict[str, Any]
+    payload: Any  # a dict for a webhook, a list of one alert for an Alertmanager
 
 
 @dataclass(frozen=True)
@@ -217,16 +380,34 @@ def _claim_due(
         stmt = (
             select(AlertDelivery, Alert)
             .join(Alert, AlertDelivery.alert_id == Alert.id)
-            .where(AlertDelivery.state == "pending", AlertDelivery.next_attempt_at <= now)
+            # pending rows, and Alertmanager rows (delivered or failed) with a re-send due
+            .where(
+                AlertDelivery.state.in_(DELIVERY_STATES),
+                AlertDelivery.next_attempt_at <= now,
+                or_(
+                    AlertDelivery.state == "pending",
+                    AlertDelivery.url.like(f"%{ALERTMANAGER_API_PATH}"),
+                ),
+            )
             .order_by(AlertDelivery.next_attempt_at, AlertDelivery.id)
             .limit(limit)
             .with_for_update(skip_locked=True, of=AlertDelivery)
         )
         for delivery, alert in session.execute(stmt).all():
+            if delivery.state != "pending":  # a re-send: a fresh send with its own attempts
+                delivery.state = "pending"
+                delivery.attempts = 0
             delivery.attempts += 1
             delivery.last_attempt_at = now
             delivery.next_attempt_at = lease_until
-            claims.append(_Claim(delivery.id, delivery.url, build_payload(alert, settings)))
+            if is_alertmanager_api(delivery.url):
+                firing = firing_notice(session, alert)
+                payload: Any = [
+                    alertmanager_api_alert(alert, firing=firing, settings=settings, now=now)
+                ]
+            else:
+                payload = build_payload(alert, settings)
+            claims.append(_Claim(delivery.id, delivery.url, payload))
     return claims
 
 
@@ -240,8 +421,10 @@ def _retry_after(response: httpx.Response) -> float | None:
 
 async def _send(client: httpx.AsyncClient, settings: AlertSettings, claim: _Claim) -> _Outcome:
     headers = {"User-Agent": f"tierwatch/{__version__}"}
-    if settings.bearer_token is not None:
-        headers["Authorization"] = f"Bearer {settings.bearer_token.get_secret_value()}"
+    alertmanager = is_alertmanager_api(claim.url)
+    token = settings.alertmanager_bearer_token if alertmanager else settings.bearer_token
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token.get_secret_value()}"
     try:
         response = await client.post(
             claim.url,
@@ -265,7 +448,8 @@ async def _send(client: httpx.AsyncClient, settings: AlertSettings, claim: _Clai
     error = f"HTTP {code} {response.reason_phrase}".strip() + (f": {body}" if body else "")
     if 300 <= code < 400:
         location = response.headers.get("location", "")
-        error = f"HTTP {code} redirect to {location!r}: set the webhook URL to the final address"
+        setting = "alertmanager URL" if alertmanager else "webhook URL"
+        error = f"HTTP {code} redirect to {location!r}: set the {setting} to the final address"
     permanent = 300 <= code < 500 and code not in RETRYABLE_4XX
     retry_after = _retry_after(response) if code in (429, 503) else None
     return _Outcome(
@@ -285,30 +469,35 @@ def _record(
     now: datetime,
 ) -> None:
     with session_scope(factory) as session:
-        for outcome in outcomes:
-            delivery = session.get(AlertDelivery, outcome.delivery_id)
-            if delivery is None or delivery.state != "pending":
-                continue  # pruned, or settled by an overlapping round
+        # In id order, as service._supersede locks: the two never wait on each other in turn.
+        for outcome in sorted(outcomes, key=lambda o: o.delivery_id):
+            # Locked and read afresh: a newer notice that superseded this delivery while it
+            # was in flight (service._supersede) is waited for and seen, not overwritten.
+            delivery = session.get(AlertDelivery, outcome.delivery_id, with_for_update=True)
+            if delivery is None or delivery.state != "pending" or delivery.next_attempt_at is None:
+                continue  # pruned, superseded, or settled by an overlapping round
+            alert = delivery.alert
+            resend = (
+                is_alertmanager_api(delivery.url)
+                and alert.status == "firing"
+                and is_newest(session, alert)
+            )
+            result = settle(
+                ok=outcome.ok,
+                error=outcome.error,
+                permanent=outcome.permanent,
+                attempts=delivery.attempts,
+                resend=resend,
+                settings=settings,
+                now=now,
+                retry_after_s=outcome.retry_after_s,
+            )
             delivery.last_status_code = outcome.status_code
+            delivery.state = result.state
+            delivery.next_attempt_at = result.next_attempt_at
+            delivery.last_error = result.error
             if outcome.ok:
-                delivery.state = "delivered"
                 delivery.delivered_at = now
-                delivery.next_attempt_at = None
-                delivery.last_error = ""
-            elif outcome.permanent:
-                delivery.state = "failed"
-                delivery.next_attempt_at = None
-                delivery.last_error = f"{outcome.error} (permanent: not retried)"
-            elif delivery.attempts >= settings.max_attempts:
-                delivery.state = "failed"
-                delivery.next_attempt_at = None
-                delivery.last_error = (
-                    f"{outcome.error} (gave up after {delivery.attempts} attempts)"
-                )
-            else:
-                wait = backoff_s(delivery.attempts, settings, retry_after_s=outcome.retry_after_s)
-                delivery.next_attempt_at = now + timedelta(seconds=wait)
-                delivery.last_error = outcome.error
             if not outcome.ok:
                 log.warning(
                     "alert delivery %s to %s: %s",

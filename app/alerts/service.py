@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import NoDecode
-from sqlalchemy import delete, exists, select
+from sqlalchemy import delete, exists, or_, select
 from sqlalchemy.orm import Session, selectinload
 
 from tierwatch.server.alerts.models import (
@@ -34,19 +34,44 @@ from tierwatch.server.alerts.models import (
 from tierwatch.server.db import execute_dml
 
 MAX_KEY_LENGTH = 255
+# Alertmanager API v2's alerts endpoint (Alertmanager docs, "Alerts API").
+ALERTMANAGER_API_PATH = "/api/v2/alerts"
 MAX_KIND_LENGTH = 32
 LIST_LIMIT_MAX = 1000
 
 
 class AlertSettings(BaseModel):
-    """Webhook delivery settings, nested in the server settings as ``alerts``.
+    """Delivery settings (webhooks and Alertmanagers), nested in the server settings as
+    ``alerts``.
 
     Environment: ``TIERWATCH_ALERTS__WEBHOOKS='["https://am.example:9093/hook"]'`` (a JSON
-    list, or comma-separated URLs), ``TIERWATCH_ALERTS__FORMAT=alertmanager`` and so on.
+    list, or comma-separated URLs), ``TIERWATCH_ALERTS__FORMAT=alertmanager``,
+    ``TIERWATCH_ALERTS__ALERTMANAGER_URLS=http://am-0:9093,http://am-1:9093`` and so on.
 
     Attributes:
-        webhooks: URLs each alert is POSTed to (http or https). Empty: alerts are only
-            stored and shown on the dashboard.
+        webhooks: URLs each alert is POSTed to (http or https). Empty (and no
+            ``alertmanager_urls``): alerts are only stored and shown on the dashboard.
+            A URL whose path ends in ``/api/v2/alerts`` is refused: that is Alertmanager's
+            alerts API, which belongs in ``alertmanager_urls``.
+        alertmanager_urls: Alertmanagers each alert is pushed to through their API v2
+            (``POST <url>/api/v2/alerts``, a list of postable alerts; see
+            ``delivery.alertmanager_api_alert``). Give each Alertmanager's base URL
+            (``http://am-0:9093``, or with the path prefix it is served under); each is
+            stored as its ``…/api/v2/alerts`` endpoint. Every Alertmanager of an HA cluster
+            is listed on its own, as Prometheus does (they deduplicate among themselves).
+        alertmanager_resend_s: a firing alert is pushed again this often while it holds
+            (seconds), with ``endsAt`` ``ALERTMANAGER_ENDS_AT_RESENDS`` (4) resend intervals
+            ahead. Source: Alertmanager docs, "Sending alerts" (clients re-send active
+            alerts, "usually on the order of 30 seconds to 3 minutes"); the default 60 s and
+            the factor 4 are Prometheus's ``--rules.alert.resend-delay`` default and its
+            ``rules/alerting.go`` ``ValidUntil = ts + 4 * max(interval, resendDelay)``
+            ("allow for two Eval or Alertmanager send failures").
+        alertmanager_bearer_token: sent as ``Authorization: Bearer <token>`` to the
+            Alertmanagers (``bearer_token`` goes to webhooks only, so a webhook's secret
+            never reaches another service).
+        cluster: this tierwatch's cluster name, added as the ``cluster`` label of the
+            alerts pushed to Alertmanager ("" for none), like a Prometheus external label,
+            so one Alertmanager can route and silence several tierwatch installations.
         format: ``json`` (tierwatch's own payload) or ``alertmanager`` (the Alertmanager
             webhook receiver payload, version 4); see ``delivery.build_payload``.
         dedup_s: the same notice (key and status) raised again within this window is
@@ -74,29 +99,48 @@ class AlertSettings(BaseModel):
     bearer_token: SecretStr | None = None
     external_url: str = ""
     concurrency: Annotated[int, Field(ge=1, le=100)] = 10
+    alertmanager_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    alertmanager_resend_s: Annotated[float, Field(ge=1, le=3600)] = 60.0
+    alertmanager_bearer_token: SecretStr | None = None
+    cluster: Annotated[str, Field(max_length=128)] = ""
 
     @field_validator("webhooks", mode="before")
     @classmethod
     def _split_webhooks(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                try:
-                    return json.loads(text)
-                except ValueError as exc:
-                    raise ValueError(
-                        f"TIERWATCH_ALERTS__WEBHOOKS: {text!r} is not a JSON list of URLs ({exc}); "
-                        "write '[\"https://a.example/hook\"]' or comma-separated URLs"
-                    ) from exc
-            return [part.strip() for part in text.split(",") if part.strip()]
-        return value
+        return _split_urls(value, "TIERWATCH_ALERTS__WEBHOOKS")
+
+    @field_validator("alertmanager_urls", mode="before")
+    @classmethod
+    def _split_alertmanager_urls(cls, value: Any) -> Any:
+        return _split_urls(value, "TIERWATCH_ALERTS__ALERTMANAGER_URLS")
 
     @field_validator("webhooks")
     @classmethod
     def _check_webhooks(cls, value: list[str]) -> list[str]:
         for url in value:
             _check_http_url(url, "TIERWATCH_ALERTS__WEBHOOKS")
+            if is_alertmanager_api(url):
+                raise ValueError(
+                    f"TIERWATCH_ALERTS__WEBHOOKS: {url!r} is Alertmanager's alerts API, which "
+                    "takes a list of alerts, not a webhook payload: put the Alertmanager's base "
+                    "URL in TIERWATCH_ALERTS__ALERTMANAGER_URLS instead"
+                )
         return value
+
+    @field_validator("alertmanager_urls")
+    @classmethod
+    def _check_alertmanager_urls(cls, value: list[str]) -> list[str]:
+        return [alertmanager_endpoint(url) for url in value]
+
+    @field_validator("cluster")
+    @classmethod
+    def _strip_cluster(cls, value: str) -> str:
+        return value.strip()
+
+    @property
+    def targets(self) -> list[str]:
+        """Every distinct delivery URL, webhooks first: one delivery per alert each."""
+        return list(dict.fromkeys([*self.webhooks, *self.alertmanager_urls]))
 
     @field_validator("external_url")
     @classmethod
@@ -107,7 +151,67 @@ class AlertSettings(BaseModel):
         return value
 
 
-def _check_http_url(url: str, setting: str) -> None:
+def _split_urls(value: Any, setting: str) -> Any:
+    """A JSON list or comma-separated URLs (an environment value) as a list."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                return json.loads(text)
+            except ValueError as exc:
+                raise ValueError(
+                    f"{setting}: {text!r} is not a JSON list of URLs ({exc}); "
+                    "write '[\"https://a.example/hook\"]' or comma-separated URLs"
+                ) from exc
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return value
+
+
+def is_alertmanager_api(url: str) -> bool:
+    """Whether a delivery URL is an Alertmanager's alerts API (``…/api/v2/alerts``).
+
+    The delivery rows store only their URL, so this is how a round tells the two kinds of
+    target apart, whatever the settings were when the alert was raised: webhook URLs with
+    this path are refused by the settings.
+    """
+    return urlsplit(url).path.rstrip("/").endswith(ALERTMANAGER_API_PATH)
+
+
+def alertmanager_endpoint(url: str) -> str:
+    """The ``…/api/v2/alerts`` endpoint of an Alertmanager given by its base URL.
+
+    ``http://am:9093`` → ``http://am:9093/api/v2/alerts``; a path prefix stays
+    (``https://proxy/am/`` → ``https://proxy/am/api/v2/alerts``), and a URL that already
+    names the endpoint is kept.
+
+    Raises:
+        ValueError: not an http(s) URL, a query or fragment (Alertmanager's API takes
+            none), or API v1 (removed in Alertmanager 0.27); the message names
+            ``TIERWATCH_ALERTS__ALERTMANAGER_URLS``.
+    """
+    setting = "TIERWATCH_ALERTS__ALERTMANAGER_URLS"
+    url = url.strip()
+    _check_http_url(url, setting, example="'http://alertmanager.example:9093'")
+    parts = urlsplit(url)
+    if parts.query or parts.fragment:
+        raise ValueError(
+            f"{setting}: {url!r} has a query or fragment; give the Alertmanager's base URL, "
+            "such as 'http://alertmanager.example:9093'"
+        )
+    path = parts.path.rstrip("/")
+    if path.endswith("/api/v1/alerts") or path.endswith("/api/v1"):
+        raise ValueError(
+            f"{setting}: {url!r} is Alertmanager's API v1, removed in Alertmanager 0.27; "
+            "give the base URL (tierwatch uses /api/v2/alerts)"
+        )
+    if not path.endswith(ALERTMANAGER_API_PATH):
+        path += ALERTMANAGER_API_PATH
+    return parts._replace(path=path).geturl()
+
+
+def _check_http_url(
+    url: str, setting: str, *, example: str = "'https://alertmanager.example:9093/api/hook'"
+) -> None:
     """Raise ValueError with a message that says what to fix, unless ``url`` is http(s)."""
     try:
         parts = urlsplit(url)
@@ -116,8 +220,7 @@ def _check_http_url(url: str, setting: str) -> None:
         raise ValueError(f"{setting}: {url!r} is not a valid URL ({exc})") from exc
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(
-            f"{setting}: {url!r} is not an http(s) URL; give full URLs such as "
-            "'https://alertmanager.example:9093/api/hook'"
+            f"{setting}: {url!r} is not an http(s) URL; give full URLs such as {example}"
         )
 
 
@@ -136,9 +239,11 @@ def raise_alert(
 ) -> Alert | None:
     """Raise an alert inside the caller's transaction (the caller commits).
 
-    Writes the alert and one pending delivery per configured webhook, due at ``now``; or,
-    when the newest notice for ``key`` has the same ``status`` and is younger than
-    ``settings.dedup_s``, bumps its ``count`` and ``last_fired_at`` and sends nothing.
+    Writes the alert and one pending delivery per configured webhook and Alertmanager
+    (``settings.targets``), due at ``now``; or, when the newest notice for ``key`` has the
+    same ``status`` and is younger than ``settings.dedup_s``, bumps its ``count`` and
+    ``last_fired_at`` and sends nothing. A new notice supersedes the older notices' pending
+    and re-scheduled Alertmanager deliveries (see ``_supersede``).
 
     Args:
         kind: ``node_state``, ``policy_isolate``, ``breaker``, ``command_failed``, … (≤ 32
@@ -209,7 +314,8 @@ def raise_alert(
     )
     session.add(alert)
     session.flush()
-    for url in dict.fromkeys(settings.webhooks):  # one delivery per distinct URL
+    _supersede(session, alert)
+    for url in settings.targets:  # one delivery per distinct URL
         session.add(
             AlertDelivery(
                 alert_id=alert.id,
@@ -222,6 +328,69 @@ def raise_alert(
         )
     session.flush()
     return alert
+
+
+def _supersede(session: Session, newer: Alert) -> None:
+    """Stop the Alertmanager deliveries of ``newer``'s key that are still outstanding.
+
+    Alertmanager keeps the newest word it received for a label set, so an older notice
+    that arrives after a newer one would undo it (a firing notice re-sent after the
+    resolution re-opens the alert until its ``endsAt``). Only the newest notice of a key is
+    therefore sent to Alertmanager: an older notice's re-sends stop (it stays
+    ``delivered``), and one never delivered becomes ``failed`` with the reason. The rows
+    are locked (``FOR UPDATE`` on PostgreSQL), so a delivery round that claimed one first
+    is waited for and its outcome is not recorded over this. Webhook deliveries are left
+    alone: a webhook receiver is told every notice.
+    """
+    stmt = (
+        select(AlertDelivery)
+        .join(Alert, AlertDelivery.alert_id == Alert.id)
+        .where(
+            Alert.key == newer.key,
+            Alert.id != newer.id,
+            AlertDelivery.next_attempt_at.is_not(None),
+        )
+        .order_by(AlertDelivery.id)  # the order a round records in: no deadlock between them
+        .with_for_update(of=AlertDelivery)
+    )
+    for delivery in session.scalars(stmt):
+        if not is_alertmanager_api(delivery.url):
+            continue
+        delivery.next_attempt_at = None
+        if delivery.state != "pending":
+            continue  # a re-send that was due: it stops
+        if delivery.delivered_at is not None:
+            delivery.state = "delivered"  # a re-send in progress: the notice was delivered
+        else:
+            delivery.state = "failed"
+            delivery.last_error = (
+                f"superseded by notice {newer.id} ({newer.status}) before it was delivered: "
+                "Alertmanager is sent only the newest notice of a key"
+            )
+
+
+def is_newest(session: Session, alert: Alert) -> bool:
+    """Whether ``alert`` is the newest notice of its key (its word is the current one)."""
+    newest = _newest(session, alert.key)
+    return newest is not None and newest.id == alert.id
+
+
+def firing_notice(session: Session, alert: Alert) -> Alert:
+    """The firing notice a notice belongs to: itself when firing, else the newest firing
+    notice of its key raised before it (itself when there is none).
+
+    Alertmanager identifies an alert by its label set, so a resolution must carry the
+    labels of the firing notice it ends (its severity, say, may differ).
+    """
+    if alert.status == "firing":
+        return alert
+    stmt = (
+        select(Alert)
+        .where(Alert.key == alert.key, Alert.status == "firing", Alert.id < alert.id)
+        .order_by(Alert.created_at.desc(), Alert.id.desc())
+        .limit(1)
+    )
+    return session.scalars(stmt).first() or alert
 
 
 def _newest(session: Session, key: str, *, status: str | None = None) -> Alert | None:
@@ -278,13 +447,18 @@ def list_alerts(
 
 
 def prune_alerts(session: Session, *, now: datetime, retention_s: float) -> int:
-    """Delete alerts last raised more than ``retention_s`` ago with no pending delivery.
+    """Delete alerts last raised more than ``retention_s`` ago with no outstanding delivery
+    (none pending, none with a re-send to Alertmanager scheduled: a condition that has
+    been firing longer than the retention keeps its notice).
 
     Meant for the server's pruner (e.g. with ``event_retention_s``); deliveries go with
     their alert (ON DELETE CASCADE). Returns the number of alerts deleted.
     """
     cutoff = now - timedelta(seconds=retention_s)
-    pending = exists().where(AlertDelivery.alert_id == Alert.id, AlertDelivery.state == "pending")
+    pending = exists().where(
+        AlertDelivery.alert_id == Alert.id,
+        or_(AlertDelivery.state == "pending", AlertDelivery.next_attempt_at.is_not(None)),
+    )
     return execute_dml(
         session,
         delete(Alert)

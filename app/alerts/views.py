@@ -65,7 +65,12 @@ def alerts_page(
             "delivery_states": DELIVERY_STATES,
             "link": link,
             "poll_url": link(),
-            "webhooks": [service.redact_url(u) for u in alert_settings.webhooks],
+            # Alertmanagers are listed with the webhooks, each marked so (its rows are theirs)
+            "webhooks": [service.redact_url(u) for u in alert_settings.webhooks]
+            + [
+                f"{service.redact_url(u)} (Alertmanager API)"
+                for u in alert_settings.alertmanager_urls
+            ],
             "format": alert_settings.format,
             "max_attempts": alert_settings.max_attempts,
             "redact": service.redact_url,
