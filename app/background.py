@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tierwatch.agent.protocol import utcnow
 from tierwatch.server.actions import policy, queue, restores
+from tierwatch.server.actions.control_plane import ControlPlaneFacts, ControlPlaneWatch
 from tierwatch.server.actions.drivers import (
     ClusterDriver,
     DriverConfigError,
@@ -52,6 +53,8 @@ class BackgroundWork:
         settings: server settings.
         tick_s: seconds between passes.
 
+        ingest_lag: the ingest writer's ``lag`` (for the control-plane guard).
+
     Raises:
         ConfigError: the configured cluster driver cannot be set up (e.g. no kubeconfig).
     """
@@ -63,6 +66,7 @@ class BackgroundWork:
         settings: Settings,
         *,
         tick_s: float = 1.0,
+        ingest_lag: Callable[[], tuple[float, int]] | None = None,
     ) -> None:
         self._factory = factory
         self._settings = settings
@@ -86,6 +90,7 @@ class BackgroundWork:
         self._last_prune = time.monotonic()
         self._wake_drivers = asyncio.Event()
         self.ticks = 0
+        self.watch = ControlPlaneWatch(tick_s=tick_s or 1.0, ingest_lag=ingest_lag)
 
     def start(self) -> None:
         """Start the loops on the running event loop (none with ``background_tick_s=0``)."""
@@ -113,6 +118,8 @@ class BackgroundWork:
                 try:
                     if await run_in_threadpool(self.lock.check):
                         await self.tick(client)
+                    else:
+                        self.watch.lost()
                 except Exception:  # noqa: BLE001 - log and go on at the next tick
                     log.exception("background pass failed")
                 await asyncio.sleep(self._tick_s)
@@ -128,7 +135,14 @@ class BackgroundWork:
         self.ticks += 1
 
     def _expire_and_police(self) -> None:
-        now = utcnow()
+        facts = self.watch.facts()
+        try:
+            self._police(facts)
+        finally:
+            self.watch.pass_done()
+
+    def _police(self, facts: ControlPlaneFacts) -> None:
+        now = facts.now
         with self._factory() as session:
             expired = queue.expire(session, now=now, run_limit_s=self._run_limit_s)
             names = _names(session, [r.node_id for r in expired])
@@ -139,11 +153,23 @@ class BackgroundWork:
             restores.expire_requests(session, now=now, settings=self._settings)
             session.commit()
         with self._factory() as session:
-            run = policy.run(session, self._settings, now=now)
+            run = policy.run(
+                session,
+                self._settings,
+                now=now,
+                facts=facts,
+                observe=self._driver.observe if self._driver is not None else None,
+            )
             session.commit()
         if run.isolated:
             log.warning("policy isolated %s", ", ".join(run.isolated))
             self.wake_drivers()
+        if run.suspect is not None:
+            log.warning(
+                "control plane suspect, not isolating %s: %s",
+                ", ".join(run.held_unreachable),
+                run.suspect.summary(),
+            )
         if run.tripped:
             log.error("auto-isolation circuit breaker tripped; holding %s", ", ".join(run.held))
 

@@ -8,9 +8,12 @@ the action it reports was committed. Dedup keys: one per node (isolation, state)
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from tierwatch.server.alerts.models import Alert
 from tierwatch.server.alerts.service import raise_alert
 from tierwatch.server.config import Settings
 
@@ -136,5 +139,78 @@ def restore_failed(
         summary=f"restore {request_id} of job {job} failed: {message[:300]}",
         labels={"job": job},
         details={"request_id": request_id, "message": message},
+        now=now,
+    )
+
+
+CONTROL_PLANE_KEY = "control_plane_suspect"
+
+
+def control_plane_suspect(
+    session: Session,
+    settings: Settings,
+    *,
+    message: str,
+    held: list[str],
+    evidence: dict[str, Any],
+    now: datetime,
+) -> bool:
+    """The policy holds unreachable nodes because the control plane is the likely cause (a
+    cluster-level alert). Returns True when a new notice was raised (not deduplicated)."""
+    alert = raise_alert(
+        session,
+        settings.alerts,
+        kind="control_plane",
+        key=CONTROL_PLANE_KEY,
+        severity="critical",
+        summary=message,
+        labels={"scope": "cluster"},
+        details={"nodes_not_isolated": held, **evidence},
+        now=now,
+    )
+    return alert is not None
+
+
+def control_plane_clear(session: Session, settings: Settings, *, now: datetime) -> None:
+    """Resolve the "control plane suspect" alert, if its newest notice is firing."""
+    newest = session.scalar(
+        select(Alert.status)
+        .where(Alert.key == CONTROL_PLANE_KEY)
+        .order_by(Alert.id.desc())
+        .limit(1)
+    )
+    if newest != "firing":
+        return
+    raise_alert(
+        session,
+        settings.alerts,
+        kind="control_plane",
+        key=CONTROL_PLANE_KEY,
+        severity="info",
+        status="resolved",
+        summary="control plane no longer suspect: unreachability is acted on again",
+        labels={"scope": "cluster"},
+        details={},
+        now=now,
+    )
+
+
+def agent_silent(
+    session: Session, settings: Settings, *, node: str, reason: str, view: str, now: datetime
+) -> None:
+    """A node is silent to tierwatch, but the scheduler still hears from it: not isolated;
+    its agent (or the path to the server) needs a look."""
+    raise_alert(
+        session,
+        settings.alerts,
+        kind="agent_silent",
+        key=f"agent_silent:{node}",
+        severity="warning",
+        summary=(
+            f"node {node}: {reason.removeprefix('policy: ')}, but {view}: not isolated; "
+            "check the node's tierwatch agent"
+        ),
+        labels={"node": node},
+        details={"scheduler": view},
         now=now,
     )

@@ -19,7 +19,7 @@ window no longer holds ``allowed`` auto-isolations. Source: docs/design.md "Acti
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -27,7 +27,9 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from tierwatch.server.actions import audit, isolation, notify, restores
+from tierwatch.server.actions import audit, control_plane, isolation, notify, restores
+from tierwatch.server.actions.control_plane import ControlPlaneFacts, Silent, Suspicion
+from tierwatch.server.actions.drivers import SchedulerView
 from tierwatch.server.actions.models import AuditEntry, PolicySettingsRow
 from tierwatch.server.actions.settings import WORKFLOW_PREFIX, PolicySettings, PolicyUpdate
 from tierwatch.server.checkpoints.models import Job
@@ -184,6 +186,12 @@ class PolicyRun:
     tripped: bool = False
     reset: bool = False
     restores: list[int] = field(default_factory=list)
+    suspect: Suspicion | None = None
+    """Set when unreachable candidates were held because the control plane is suspect."""
+    held_unreachable: list[str] = field(default_factory=list)
+    """Unreachable nodes not isolated: the control plane is suspect."""
+    agent_silent: list[str] = field(default_factory=list)
+    """Unreachable nodes not isolated: the scheduler still hears from them."""
 
 
 def _jobs_on(session: Session, node: str, now: datetime) -> list[Job]:
@@ -216,8 +224,23 @@ def _reset_breaker(
     notify.breaker_reset(session, settings, now=now)
 
 
-def run(session: Session, settings: Settings, *, now: datetime) -> PolicyRun:
-    """One pass of the policy (call in the leader replica only; the caller commits)."""
+def run(
+    session: Session,
+    settings: Settings,
+    *,
+    now: datetime,
+    facts: ControlPlaneFacts | None = None,
+    observe: Callable[[str], SchedulerView] | None = None,
+) -> PolicyRun:
+    """One pass of the policy (call in the leader replica only; the caller commits).
+
+    Args:
+        facts: the leader's own health (:class:`~tierwatch.server.actions.control_plane.
+            ControlPlaneWatch`); None: only the "many nodes at once" rule guards
+            unreachability.
+        observe: the cluster driver's ``observe`` (corroborates each isolation with the
+            scheduler); None: no scheduler is configured on the server.
+    """
     policy, _ = effective(session, settings)
     result = PolicyRun()
     if not policy.enabled:
@@ -236,13 +259,17 @@ def run(session: Session, settings: Settings, *, now: datetime) -> PolicyRun:
         _reset_breaker(session, settings, row, now=now, detail={"allowed": allowed, "count": count})
         result.reset = True
         tripped = False
-    todo = candidates(views, policy, now)
+    todo = _guard_unreachable(
+        session, settings, candidates(views, policy, now), views, policy, facts, result, now
+    )
     for cand in todo:
         if count >= allowed:
             result.held.append(cand.name)
             continue
         node = session.get(Node, cand.node_id)
         if node is None:
+            continue
+        if observe is not None and not _corroborated(session, settings, cand, observe, result, now):
             continue
         outcome = isolation.set_isolated(
             session,
@@ -304,6 +331,96 @@ def run(session: Session, settings: Settings, *, now: datetime) -> PolicyRun:
             result.tripped = True
         row.breaker_message = message  # while it holds: the nodes held now
     return result
+
+
+def _guard_unreachable(
+    session: Session,
+    settings: Settings,
+    todo: list[Candidate],
+    views: Sequence[fleet_service.NodeView],
+    policy: PolicySettings,
+    facts: ControlPlaneFacts | None,
+    result: PolicyRun,
+    now: datetime,
+) -> list[Candidate]:
+    """Drop the unreachable candidates when the control plane is suspect, and raise (or
+    resolve) the "control plane suspect" alert."""
+    unreachable = [c.name for c in todo if c.rule == "unreachable"]
+    suspicion = None
+    if unreachable:
+        silent = [
+            Silent(v.node.name, v.node.last_seen)
+            for v in views
+            if v.unreachable and v.node.last_seen is not None
+        ]
+        suspicion = control_plane.assess(
+            facts,
+            silent,
+            nodes=len(views),
+            window_s=policy.control_plane_window_s,
+            ingest_lag_limit_s=policy.suspect_ingest_lag_s,
+            mass_pct=policy.suspect_unreachable_pct,
+        )
+    if suspicion is None or not suspicion.suspect:
+        notify.control_plane_clear(session, settings, now=now)
+        return todo
+    result.suspect = suspicion
+    result.held_unreachable = unreachable
+    message = (
+        f"control plane suspect: not isolating {len(unreachable)} unreachable node(s) "
+        f"({', '.join(unreachable[:10])}{' …' if len(unreachable) > 10 else ''}): "
+        + suspicion.summary()
+    )
+    raised = notify.control_plane_suspect(
+        session,
+        settings,
+        message=message,
+        held=unreachable,
+        evidence=suspicion.evidence,
+        now=now,
+    )
+    if raised:
+        audit.record(
+            session,
+            actor=POLICY_ACTOR,
+            role="policy",
+            action="control_plane_suspect",
+            target_kind="cluster",
+            target="auto-isolation",
+            reason=message,
+            outcome="ok",
+            now=now,
+            detail={"held": unreachable, "reasons": suspicion.reasons, **suspicion.evidence},
+        )
+    return [c for c in todo if c.rule != "unreachable"]
+
+
+def _corroborated(
+    session: Session,
+    settings: Settings,
+    cand: Candidate,
+    observe: Callable[[str], SchedulerView],
+    result: PolicyRun,
+    now: datetime,
+) -> bool:
+    """Ask the scheduler about the candidate; record its answer in the reason and detail.
+
+    An unreachable node that the scheduler still hears from is not isolated: its node is up
+    and only tierwatch's agent (or the path to the server) is down. A warning alert says so.
+    Hardware findings are isolated whatever the scheduler says (the node itself reported
+    them). A scheduler that cannot be asked does not stop the isolation; the reason says so.
+    """
+    view = observe(cand.name)
+    cand.detail["scheduler"] = view.detail if view.ok else {"error": view.text}
+    if cand.rule == "unreachable" and view.ok and view.responding is True:
+        result.agent_silent.append(cand.name)
+        notify.agent_silent(
+            session, settings, node=cand.name, reason=cand.reason, view=view.text, now=now
+        )
+        return False
+    said = view.text if view.ok else f"scheduler not asked: {view.text}"
+    cand.reason = f"{cand.reason}; {' '.join(said.split())[:300]}"
+    return True
 
 
 def status(session: Session, settings: Settings, *, now: datetime) -> dict[str, Any]:

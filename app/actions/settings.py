@@ -41,6 +41,13 @@ class PolicySettings(BaseModel):
             an auto-isolated node.
         actions: recommended-action codes that make an unhealthy node a candidate (any
             ``WORKFLOW_*`` code always does).
+        control_plane_window_s: after this replica started, became leader or resumed from a
+            stall, unreachability is not acted on for this long; also the window of the
+            "many nodes at once" rule (seconds; :mod:`~tierwatch.server.actions.control_plane`).
+        suspect_ingest_lag_s: reports waiting longer than this to be stored make the control
+            plane suspect (seconds).
+        suspect_unreachable_pct: more than this percentage of nodes (and at least 2) going
+            unreachable within one window makes the control plane suspect.
     """
 
     enabled: bool = False
@@ -49,6 +56,9 @@ class PolicySettings(BaseModel):
     breaker_window_s: Annotated[float, Field(gt=0, le=30 * 86400)] = 600.0
     restore_jobs: bool = False
     actions: list[str] = ["RESET_GPU", "RESTART_BM", "REPLACE_GPU"]
+    control_plane_window_s: Annotated[float, Field(gt=0, le=86400)] = 300.0
+    suspect_ingest_lag_s: Annotated[float, Field(gt=0)] = 10.0
+    suspect_unreachable_pct: Annotated[float, Field(gt=0, le=100)] = 5.0
 
 
 class PolicyUpdate(BaseModel):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ class IngestUnavailable(RuntimeError):
 class _Pending:
     batch: ReportBatch
     future: asyncio.Future[ReportAck] = field(repr=False)
+    queued_at: float = field(default_factory=time.monotonic)
 
 
 class IngestWriter:
@@ -70,6 +72,7 @@ class IngestWriter:
         self._task: asyncio.Task[None] | None = None
         self.groups_written = 0
         self.reports_written = 0
+        self._waiting: dict[int, float] = {}  # id(pending) -> queued_at, until answered
 
     async def start(self) -> None:
         """Start the writer loop on the running event loop."""
@@ -93,8 +96,24 @@ class IngestWriter:
         if self._task is None or self._task.done():
             raise IngestUnavailable("the server is shutting down; retry shortly")
         future: asyncio.Future[ReportAck] = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Pending(batch, future))
-        return await future
+        pending = _Pending(batch, future)
+        self._waiting[id(pending)] = pending.queued_at
+        try:
+            await self._queue.put(pending)
+            return await future
+        finally:
+            self._waiting.pop(id(pending), None)
+
+    def lag(self) -> tuple[float, int]:
+        """(age in s of the oldest report submitted and not yet answered, reports waiting).
+
+        Safe to call from any thread (the policy's guard reads it: a stalled database shows
+        here first, as reports that wait).
+        """
+        waiting = list(self._waiting.values())
+        if not waiting:
+            return 0.0, 0
+        return max(0.0, time.monotonic() - min(waiting)), len(waiting)
 
     async def _run(self) -> None:
         carry: list[_Pending] = []
