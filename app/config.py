@@ -20,6 +20,7 @@ from tierwatch.server.credentials.peer_schemas import (
     MIN_NODE_CERTIFICATE_TTL_S,
 )
 from tierwatch.server.credentials.schemas import MAX_TTL_S, MIN_TTL_S
+from tierwatch.server.db import DEFAULT_MAX_OVERFLOW, DEFAULT_POOL_SIZE
 from tierwatch.server.fleet.rules import HealthThresholds
 
 DEFAULT_DATABASE_URL = "sqlite:///var/tierwatch.db"
@@ -37,6 +38,12 @@ class Settings(BaseSettings):
     Attributes:
         database_url: SQLAlchemy URL, ``sqlite:///path/to/file.db`` (default, relative to the
             working directory) or ``postgresql+psycopg://user@host:5432/db``.
+        db_pool_size: PostgreSQL connections the request pool keeps open (requests,
+            background work, the token cache). With ``db_max_overflow`` it bounds what one
+            replica opens: ``db_pool_size + db_max_overflow + 4`` (the ingest writer's 2, the
+            leader lock's 2); docs/operations.md, "Running several replicas".
+        db_max_overflow: more connections the request pool opens under load, closed again
+            when returned.
         secret_key: signs dashboard session cookies; required unless ``dev`` is set.
         dev: development mode (allows running without a secret key; the session cookie
             is not marked ``Secure`` unless ``session_cookie_secure`` says so).
@@ -84,6 +91,8 @@ class Settings(BaseSettings):
     )
 
     database_url: str = DEFAULT_DATABASE_URL
+    db_pool_size: Annotated[int, Field(ge=1)] = DEFAULT_POOL_SIZE
+    db_max_overflow: Annotated[int, Field(ge=0)] = DEFAULT_MAX_OVERFLOW
     secret_key: str | None = None
     dev: bool = False
     sample_retention_s: Annotated[float, Field(gt=0)] = 24 * 3600.0

@@ -28,7 +28,7 @@ from tierwatch.server.checkpoints import api as checkpoints_api
 from tierwatch.server.checkpoints import views as checkpoints_views
 from tierwatch.server.config import Settings, get_settings
 from tierwatch.server.credentials import api as credentials_api
-from tierwatch.server.db import make_engine, make_sessionmaker
+from tierwatch.server.db import make_engine, make_sessionmaker, pool_capacity
 from tierwatch.server.demo import api as demo_api
 from tierwatch.server.demo import views as demo_views
 from tierwatch.server.fleet import api as fleet_api
@@ -148,6 +148,23 @@ def _register_wire_schemas(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+def connection_budget(app: FastAPI) -> dict[str, int]:
+    """The most PostgreSQL connections each engine of ``app`` can hold open at once.
+
+    Keys: ``requests`` (the request pool: requests, background work, the token cache;
+    ``TIERWATCH_DB_POOL_SIZE + TIERWATCH_DB_MAX_OVERFLOW``), ``ingest writer`` (2) and
+    ``leader lock`` (2: its lock, and a second connection while it takes the lock). Their
+    sum is one replica's most. ``tierwatch-server serve`` migrates on one more connection,
+    closed before these open. All 0 on SQLite. (docs/operations.md, "Running several
+    replicas".)
+    """
+    return {
+        "requests": pool_capacity(app.state.engine),
+        "ingest writer": pool_capacity(app.state.writer_engine),
+        "leader lock": pool_capacity(app.state.background.lock.engine),
+    }
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the control-plane app.
 
@@ -156,7 +173,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """
     settings = settings or get_settings()
     settings.check_serving()
-    engine = make_engine(settings.database_url)
+    # Every PostgreSQL connection this replica can open comes from three engines (see
+    # connection_budget): this request pool, the ingest writer's and the leader lock's.
+    engine = make_engine(
+        settings.database_url,
+        pool_size=settings.db_pool_size,
+        max_overflow=settings.db_max_overflow,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -182,14 +205,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # trip per group (a connection that broke fails that group, is discarded, and the
     # group's reports are retried one by one on a fresh one).
     writer_engine = make_engine(settings.database_url, pool_size=1, max_overflow=1, pre_ping=False)
+    app.state.writer_engine = writer_engine
     app.state.ingest_writer = IngestWriter(make_sessionmaker(writer_engine), settings)
     # tierwatch_ingest_refused_total: report items refused for their job (checkpoints.scoping)
     app.state.metrics_registry.register(app.state.ingest_writer.refusals)
     app.state.token_resolver = TokenResolver(engine, settings.token_cache_s)
     app.state.background = BackgroundWork(
-        app.state.sessionmaker, engine, settings, tick_s=settings.background_tick_s
+        app.state.sessionmaker,
+        engine,
+        settings,
+        tick_s=settings.background_tick_s,
+        ingest_lag=app.state.ingest_writer.lag,
     )
-    app.state.login_limiter = LoginLimiter(settings.login_attempts, settings.login_window_s)
+    # Counted in the database: every replica shares one budget per client address.
+    app.state.login_limiter = LoginLimiter(
+        app.state.sessionmaker, settings.login_attempts, settings.login_window_s
+    )
 
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     # The cookie holds the CSRF token, flash messages and, once signed in, an opaque session
