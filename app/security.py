@@ -15,18 +15,20 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
-from sqlalchemy import Engine, Row, event, select
-from sqlalchemy.orm import Session
+from sqlalchemy import Engine, Index, Integer, Row, String, delete, event, func, select
+from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from tierwatch.agent.protocol import utcnow
+from tierwatch.server.db import Base, UTCDateTime
 from tierwatch.server.tokens import (
     REVOKED_HASHES_KEY,
     ApiToken,
@@ -434,28 +436,95 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
-class LoginLimiter:
-    """Rate limit of failed dashboard sign-ins per client address (moving window, in this
-    process's memory; the ``limits`` library keeps the counters).
+class LoginFailure(Base):
+    """One failed dashboard sign-in, counted by :class:`LoginLimiter`.
 
-    Args:
-        attempts: failed attempts allowed per ``window_s``.
-        window_s: the window (seconds; rounded up to whole seconds).
+    Attributes:
+        client: the client address (the TCP peer, or ``X-Forwarded-For`` from a trusted
+            proxy), at most 255 characters.
+        failed_at: when it failed (UTC).
     """
 
-    def __init__(self, attempts: int, window_s: float) -> None:
-        from limits import RateLimitItemPerSecond
-        from limits.storage import MemoryStorage
-        from limits.strategies import MovingWindowRateLimiter
+    __tablename__ = "login_failures"
+    __table_args__ = (
+        Index("ix_login_failures_client_failed_at", "client", "failed_at"),
+        Index("ix_login_failures_failed_at", "failed_at"),
+    )
 
-        self._item = RateLimitItemPerSecond(attempts, max(1, math.ceil(window_s)))
-        self._limiter = MovingWindowRateLimiter(MemoryStorage())
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    client: Mapped[str] = mapped_column(String(255))
+    failed_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class LoginLimiter:
+    """Rate limit of failed dashboard sign-ins per client address: at most ``attempts``
+    failures within any ``window_s`` (a moving window), counted in the database so every
+    replica of the server shares one budget per address.
+
+    Each failure is a :class:`LoginFailure` row; :meth:`blocked` counts the address's rows of
+    the last ``window_s``. Rows older than the window are deleted as failures are counted
+    (up to :data:`PRUNE_BATCH` per failure, ``SKIP LOCKED`` on PostgreSQL so concurrent
+    sign-ins on several replicas never wait for or deadlock on each other), so the table
+    holds about one window's failures. (The ``limits`` library, which kept these counters in
+    one process's memory before, has storage for Redis, Memcached and MongoDB, none for SQL.)
+
+    Checking and counting are separate steps, as they were in memory: requests from one
+    address that are in flight at once all pass :meth:`blocked` before any of them counts,
+    so an address may get that many attempts past the limit.
+
+    Args:
+        factory: session factory on the server's database.
+        attempts: failed attempts allowed per ``window_s``.
+        window_s: the window (seconds; rounded up to whole seconds).
+        clock: the current time (timezone-aware UTC; tests move it).
+    """
+
+    PRUNE_BATCH = 1000
+
+    def __init__(
+        self,
+        factory: sessionmaker[Session],
+        attempts: int,
+        window_s: float,
+        *,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self._factory = factory
+        self._attempts = attempts
         self.window_s = max(1, math.ceil(window_s))
+        self._clock = clock
 
     def blocked(self, client: str) -> bool:
-        """Whether ``client`` has used up its failed attempts for now."""
-        return not self._limiter.test(self._item, "login", client)
+        """Whether ``client`` has used up its failed attempts for now.
+
+        Raises:
+            sqlalchemy.exc.SQLAlchemyError: the database cannot be read.
+        """
+        since = self._clock() - timedelta(seconds=self.window_s)
+        with self._factory() as session:
+            failures = session.scalar(
+                select(func.count())
+                .select_from(LoginFailure)
+                .where(LoginFailure.client == client[:255], LoginFailure.failed_at > since)
+            )
+        return int(failures or 0) >= self._attempts
 
     def failed(self, client: str) -> None:
-        """Count one failed attempt of ``client``."""
-        self._limiter.hit(self._item, "login", client)
+        """Count one failed attempt of ``client`` (committed at once), and delete failures
+        older than the window.
+
+        Raises:
+            sqlalchemy.exc.SQLAlchemyError: the database cannot be written.
+        """
+        now = self._clock()
+        expired = (
+            select(LoginFailure.id)
+            .where(LoginFailure.failed_at <= now - timedelta(seconds=self.window_s))
+            .order_by(LoginFailure.id)
+            .limit(self.PRUNE_BATCH)
+            .with_for_update(skip_locked=True)  # (SQLite: no row locks, nothing rendered)
+        )
+        with self._factory() as session:
+            session.execute(delete(LoginFailure).where(LoginFailure.id.in_(expired)))
+            session.add(LoginFailure(client=client[:255], failed_at=now))
+            session.commit()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from alembic import context
 
+from tierwatch.server import security as _security  # noqa: F401  (login_failures)
 from tierwatch.server import tokens as _tokens  # noqa: F401
 from tierwatch.server.actions import models as _action_models  # noqa: F401
 from tierwatch.server.alerts import models as _alert_models  # noqa: F401
