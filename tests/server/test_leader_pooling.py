@@ -58,69 +58,84 @@ class Bouncer:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
 
 
-@pytest.fixture(scope="module")
-def pgbouncer(pg_url: str) -> Iterator[Bouncer]:
-    exe = require_executable("pgbouncer", "pgbouncer")
-    target = make_url(pg_url)
+def _start_pgbouncer(exe: str, folder: Path, backend: str) -> tuple[subprocess.Popen[bytes], int]:
+    """PgBouncer on a free port (another one when the port drawn was taken meanwhile)."""
     user = pwd.getpwnam("postgres")
-    folder = Path(tempfile.mkdtemp(prefix="tw-pgbouncer-"))
-    folder.chmod(0o755)  # the postgres user reads its files; it writes none (logs to stderr)
-    backend = (
-        f"host={target.host or '127.0.0.1'} port={target.port or 5432} "
-        f"dbname={target.database} user={target.username or 'postgres'}"
-    )
-    port = free_port()
-    (folder / "users.txt").write_text('"postgres" ""\n')
-    (folder / "pgbouncer.ini").write_text(
-        "[databases]\n"
-        f"tw_session = {backend} pool_mode=session\n"
-        f"tw_transaction = {backend} pool_mode=transaction\n"
-        "[pgbouncer]\n"
-        "listen_addr = 127.0.0.1\n"
-        f"listen_port = {port}\n"
-        "unix_socket_dir =\n"
-        "auth_type = trust\n"
-        f"auth_file = {folder / 'users.txt'}\n"
-        "pool_mode = session\n"
-        # (the default, spelled out: it runs when a session-mode client disconnects, and
-        # DISCARD ALL releases the session's advisory locks)
-        "server_reset_query = DISCARD ALL\n"
-    )
-    for f in folder.iterdir():
-        f.chmod(0o644)
     log = folder / "pgbouncer.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [exe, str(folder / "pgbouncer.ini")],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            user=user.pw_uid,
-            group=user.pw_gid,
-            extra_groups=[],
+    for _ in range(3):
+        port = free_port()
+        (folder / "pgbouncer.ini").write_text(
+            "[databases]\n"
+            f"tw_session = {backend} pool_mode=session\n"
+            f"tw_transaction = {backend} pool_mode=transaction\n"
+            "[pgbouncer]\n"
+            "listen_addr = 127.0.0.1\n"
+            f"listen_port = {port}\n"
+            "unix_socket_dir =\n"
+            "auth_type = trust\n"
+            f"auth_file = {folder / 'users.txt'}\n"
+            "pool_mode = session\n"
+            # (the default, spelled out: it runs when a session-mode client disconnects,
+            # and DISCARD ALL releases the session's advisory locks)
+            "server_reset_query = DISCARD ALL\n"
+            # what docs/operations.md recommends for tierwatch's pool
+            "tcp_keepalive = 1\ntcp_keepidle = 10\ntcp_keepintvl = 5\ntcp_keepcnt = 3\n"
+            "tcp_user_timeout = 25000\n"
         )
-    bouncer = Bouncer(port=port, log=log)
-    try:
+        (folder / "pgbouncer.ini").chmod(0o644)
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [exe, str(folder / "pgbouncer.ini")],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                user=user.pw_uid,
+                group=user.pw_gid,
+                extra_groups=[],
+            )
 
-        def _up() -> bool:
+        def _up(proc: subprocess.Popen[bytes] = proc, port: int = port) -> str:
             if proc.poll() is not None:
-                raise AssertionError(f"pgbouncer exited: {log.read_text()[-2000:]}")
+                return "exited"
             try:
                 with psycopg.connect(
                     host="127.0.0.1", port=port, dbname="tw_session", user="postgres"
                 ) as conn:
-                    return conn.execute("SELECT 1").fetchone() == (1,)
+                    return "up" if conn.execute("SELECT 1").fetchone() == (1,) else ""
             except psycopg.OperationalError:
-                return False
+                return ""
 
-        wait_for(_up, timeout=TIMEOUT_S, interval=0.05, what="pgbouncer to accept connections")
-        yield bouncer
-    finally:
-        proc.terminate()
+        state = wait_for(_up, timeout=TIMEOUT_S, interval=0.05, what="pgbouncer to start")
+        if state == "up":
+            return proc, port
+        if "Address already in use" not in log.read_text():
+            break
+    raise AssertionError(f"pgbouncer did not start: {log.read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def pgbouncer(pg_url: str) -> Iterator[Bouncer]:
+    exe = require_executable("pgbouncer", "pgbouncer")
+    target = make_url(pg_url)
+    folder = Path(tempfile.mkdtemp(prefix="tw-pgbouncer-"))
+    folder.chmod(0o755)  # the postgres user reads its files; it writes none (logs to stderr)
+    (folder / "users.txt").write_text('"postgres" ""\n')
+    (folder / "users.txt").chmod(0o644)
+    backend = (
+        f"host={target.host or '127.0.0.1'} port={target.port or 5432} "
+        f"dbname={target.database} user={target.username or 'postgres'}"
+    )
+    try:
+        proc, port = _start_pgbouncer(exe, folder, backend)
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            yield Bouncer(port=port, log=folder / "pgbouncer.log")
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
