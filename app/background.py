@@ -138,8 +138,10 @@ class BackgroundWork:
         facts = self.watch.facts()
         try:
             self._police(facts)
-        finally:
-            self.watch.pass_done()
+        except BaseException:
+            self.watch.pass_done(ok=False)
+            raise
+        self.watch.pass_done()
 
     def _police(self, facts: ControlPlaneFacts) -> None:
         now = facts.now

@@ -11,9 +11,11 @@ cluster-wide drain. So the policy never isolates for unreachability while any of
 1. **Ingest lag.** The oldest report still waiting to be stored in this replica has waited
    longer than ``suspect_ingest_lag_s``: the database is slow or stalled.
 2. **Not listening long enough.** This replica became leader, started, or resumed after its
-   own loop stalled (the server or the database was down) less than ``control_plane_window_s``
-   ago. Agents back off up to 30 s between retries after an outage
-   (``tierwatch.agent.reporter``), so a restart must not be followed by instant verdicts.
+   own loop stalled (the server or the database was down, or its passes failed) less than
+   ``control_plane_window_s`` ago. A stall also raises the alert by itself, on the first pass
+   after it, even when no node is held: the operator learns that verdicts are on hold.
+   Agents back off up to 30 s between retries after an outage (``tierwatch.agent.reporter``),
+   so a restart must not be followed by instant verdicts.
 3. **Many at once.** More than ``max(1, suspect_unreachable_pct % of nodes)`` nodes went
    silent within the last ``control_plane_window_s``. Independent node failures are rare
    (Llama 3's 419 unexpected interruptions in 54 days on 16,384 GPUs: about one every three
@@ -52,6 +54,8 @@ class ControlPlaneFacts:
         ingest_waiting: reports waiting to be stored in this replica.
         cause: why ``listening_since`` is what it is: ``started``, ``became leader``,
             ``resumed after a stall of N s``.
+        stall: set on the first pass after the leader found it had stalled (its passes
+            could not run or reach the database): what happened; None otherwise.
     """
 
     now: datetime
@@ -59,6 +63,7 @@ class ControlPlaneFacts:
     ingest_lag_s: float = 0.0
     ingest_waiting: int = 0
     cause: str = "started"
+    stall: str | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,8 @@ def assess(
     evidence: dict[str, Any] = {"unreachable": len(silent), "nodes": nodes}
     now = facts.now if facts is not None else None
     if facts is not None:
+        if facts.stall is not None:
+            reasons.append(f"the control plane stalled: {facts.stall}")
         evidence["ingest_lag_s"] = round(facts.ingest_lag_s, 2)
         evidence["ingest_waiting"] = facts.ingest_waiting
         listening_s = (facts.now - facts.listening_since).total_seconds()
@@ -187,7 +194,7 @@ class ControlPlaneWatch:
         self._pass_started: float | None = None
         self._since: datetime = self._wall()
         self._cause = "started"
-        self.alert_open = False
+        self._stall: str | None = None
 
     def lost(self) -> None:
         """This replica is not the leader (the next pass that leads starts a new period)."""
@@ -202,22 +209,35 @@ class ControlPlaneWatch:
             if self._last_pass is None:
                 self._since, self._last_pass = now, now_m
             elif now_m - self._last_pass > self._stall_s:
-                self._cause = f"resumed after a stall of {now_m - self._last_pass:.0f} s"
+                gap = now_m - self._last_pass
+                self._cause = f"resumed after a stall of {gap:.0f} s"
+                self._stall = f"no leader pass completed for {gap:.0f} s"
                 self._since = now
             self._pass_started = now_m
-            since, cause = self._since, self._cause
+            since, cause, stall = self._since, self._cause, self._stall
+            self._stall = None
         lag, waiting = self._ingest_lag() if self._ingest_lag is not None else (0.0, 0)
         return ControlPlaneFacts(
-            now=now, listening_since=since, ingest_lag_s=lag, ingest_waiting=waiting, cause=cause
+            now=now,
+            listening_since=since,
+            ingest_lag_s=lag,
+            ingest_waiting=waiting,
+            cause=cause,
+            stall=stall,
         )
 
-    def pass_done(self) -> None:
-        """A leader pass completed. A pass that took longer than the stall limit (it waited
-        on a stalled database) restarts the listening period as a gap does."""
+    def pass_done(self, *, ok: bool = True) -> None:
+        """A leader pass ended. A pass that took longer than the stall limit (it waited on a
+        stalled database) restarts the listening period as a gap does; a failed pass (the
+        database refused or dropped it) does not count as listening at all."""
         now_m = self._clock()
         with self._lock:
+            if not ok:
+                return
             started = self._pass_started
             if started is not None and now_m - started > self._stall_s:
-                self._cause = f"a leader pass waited {now_m - started:.0f} s on the database"
+                waited = now_m - started
+                self._cause = f"a leader pass waited {waited:.0f} s on the database"
+                self._stall = self._cause
                 self._since = self._wall()
             self._last_pass = now_m

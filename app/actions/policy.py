@@ -347,7 +347,7 @@ def _guard_unreachable(
     resolve) the "control plane suspect" alert."""
     unreachable = [c.name for c in todo if c.rule == "unreachable"]
     suspicion = None
-    if unreachable:
+    if unreachable or (facts is not None and facts.stall is not None):
         silent = [
             Silent(v.node.name, v.node.last_seen)
             for v in views
@@ -366,11 +366,13 @@ def _guard_unreachable(
         return todo
     result.suspect = suspicion
     result.held_unreachable = unreachable
-    message = (
-        f"control plane suspect: not isolating {len(unreachable)} unreachable node(s) "
-        f"({', '.join(unreachable[:10])}{' …' if len(unreachable) > 10 else ''}): "
-        + suspicion.summary()
+    held = (
+        f"not isolating {len(unreachable)} unreachable node(s) "
+        f"({', '.join(unreachable[:10])}{' …' if len(unreachable) > 10 else ''})"
+        if unreachable
+        else f"unreachability is not acted on for {policy.control_plane_window_s:g} s"
     )
+    message = f"control plane suspect: {held}: {suspicion.summary()}"
     raised = notify.control_plane_suspect(
         session,
         settings,

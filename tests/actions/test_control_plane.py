@@ -128,3 +128,34 @@ def test_losing_the_lead_restarts_listening_as_a_new_leader() -> None:
     assert f.listening_since == clock.wall
     assert f.cause == "became leader"
     assert (f.ingest_lag_s, f.ingest_waiting) == (2.5, 7)
+
+
+def test_a_stall_is_reported_once_and_holds_verdicts_with_no_node_silent() -> None:
+    clock = Clock()
+    w = watch(clock)
+    w.facts()
+    w.pass_done()
+    clock.advance(30)
+    f = w.facts()
+    assert f.stall == "no leader pass completed for 30 s"
+    got = assess(f, [], nodes=10, **RULES)
+    assert got.suspect
+    assert "the control plane stalled: no leader pass completed for 30 s" in got.summary()
+    w.pass_done()
+    clock.advance(1)
+    assert w.facts().stall is None  # reported once; the window still holds verdicts
+
+
+def test_failed_passes_do_not_count_as_listening() -> None:
+    clock = Clock()
+    w = watch(clock)
+    w.facts()
+    w.pass_done()
+    for _ in range(10):  # the database refuses every pass for 10 s
+        clock.advance(1)
+        w.facts()
+        w.pass_done(ok=False)
+    clock.advance(1)
+    f = w.facts()
+    assert f.listening_since == clock.wall
+    assert f.stall == "no leader pass completed for 11 s"
