@@ -69,6 +69,7 @@ def env_printer(path: Path) -> Path:
             import json, os
             prefixes = ("TIERWATCH_", "AWS_", "SLURM_")
             env = os.environ.items()
+            print("NodeName=gpu-017 State=IDLE")  # what scontrol -o show node reads
             print(json.dumps({k: v for k, v in env if k.upper().startswith(prefixes)}))
             """
         )

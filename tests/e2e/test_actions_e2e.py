@@ -28,12 +28,27 @@ def api(server, token, method, path, **kw):
 
 
 def recorder(tmp_path: Path, name: str, exit_code: int = 0) -> tuple[Path, Path]:
-    """An executable that appends its argv and TIERWATCH_* environment as a JSON line."""
+    """An executable that appends its argv and TIERWATCH_* environment as a JSON line.
+
+    As a stand-in ``scontrol`` it also answers ``-o show node <n>`` (not recorded) with the
+    state its own ``update`` calls left: drained with their reason, or IDLE.
+    """
     log = tmp_path / f"{name}.jsonl"
+    state = tmp_path / f"{name}.state"
     exe = tmp_path / name
     exe.write_text(
         "#!/usr/bin/env python3\n"
         "import json, os, sys\n"
+        f"state = {str(state)!r}\n"
+        "if sys.argv[1:3] == ['-o', 'show']:\n"
+        "    reason = open(state).read() if os.path.exists(state) else ''\n"
+        "    flags = f'+DRAIN Reason={reason} [root@2026-12-02T00:00:00]' if reason else ''\n"
+        "    print(f'NodeName={sys.argv[4]} State=IDLE{flags}')\n"
+        "    sys.exit(0)\n"
+        "if 'state=drain' in sys.argv:\n"
+        "    open(state, 'w').write(sys.argv[-1].removeprefix('reason='))\n"
+        "if 'state=resume' in sys.argv and os.path.exists(state):\n"
+        "    os.remove(state)\n"
         f"with open({str(log)!r}, 'a') as f:\n"
         "    env = {k: v for k, v in os.environ.items() if k.startswith('TIERWATCH_') and "
         "k in ('TIERWATCH_NODE', 'TIERWATCH_ACTION', 'TIERWATCH_REASON')}\n"
@@ -188,7 +203,7 @@ def test_slurm_driver_drains_a_node_whose_agent_is_dead(tmp_path, own_db):
             what="scontrol resume ran on the server",
         )
         assert [c["argv"] for c in calls(log)] == [
-            ["update", "nodename=gpu-b", "state=drain", 'reason=PSU "B" failed'],
+            ["update", "nodename=gpu-b", "state=drain", 'reason=tierwatch: PSU "B" failed'],
             ["update", "nodename=gpu-b", "state=resume"],
         ]
         assert "$ " in command_state(server, viewer, cid)["output"]
