@@ -7,11 +7,11 @@ later drain by someone else and a pending reboot in place. Each test has a node 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
+from procs import wait_for
 from slurm import SlurmCluster, start_slurm
 from support import auth, make_batch, post_batch
 
@@ -195,10 +195,8 @@ def test_the_server_drains_and_releases_through_the_api(
 
 
 def wait_command(client: TestClient, headers: dict[str, str], command: str) -> dict:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def finished() -> dict | None:
         got = client.get(f"/api/v1/commands/{command}", headers=headers).json()
-        if got["state"] in ("succeeded", "failed", "expired"):
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"command {command} did not finish: {got}")
+        return got if got["state"] in ("succeeded", "failed", "expired") else None
+
+    return wait_for(finished, timeout=30, what=f"command {command} to finish")

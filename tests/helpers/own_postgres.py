@@ -12,12 +12,12 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from executables import REQUIRE_ENV
+from procs import wait_for
 
 from tierwatch.agent.netutil import free_port
 
@@ -125,17 +125,18 @@ def start_postgres() -> OwnPostgres:
         **who,
     )
     pg = OwnPostgres(root, port, proc)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"postgres exited: {log.read_text()[-2000:]}")
         ok = subprocess.run(
             [isready, "-h", "127.0.0.1", "-p", str(port), "-q"], check=False, timeout=10
         )
-        if ok.returncode == 0:
-            break
-        if proc.poll() is not None:
-            raise AssertionError(f"postgres exited: {log.read_text()[-2000:]}")
-        time.sleep(0.1)
-    else:
+        return ok.returncode == 0
+
+    try:
+        wait_for(ready, timeout=60, what=f"postgres on port {port}")
+    except BaseException:
         pg.stop()
-        raise AssertionError(f"postgres not ready: {log.read_text()[-2000:]}")
+        raise
     return pg

@@ -15,12 +15,13 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from executables import REQUIRE_ENV, require_executable
+from procs import wait_for
 
 from tierwatch.agent.netutil import free_port
 from tierwatch.server.actions.slurm_state import SlurmNode, parse_show_node
@@ -118,16 +119,17 @@ class SlurmCluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _wait(what: str, check: object, cluster: SlurmCluster, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():  # type: ignore[operator]
-            return
+def _wait(what: str, check: Callable[[], bool], cluster: SlurmCluster, timeout_s: float) -> None:
+    def holds() -> bool:
         for name, proc in cluster.procs.items():
             if proc.poll() is not None:
                 raise AssertionError(f"{name} exited {proc.returncode}:\n{cluster.log(name)}")
-        time.sleep(0.1)
-    raise AssertionError(f"{what} within {timeout_s:g} s:\n{cluster.log()[-3000:]}")
+        return check()
+
+    try:
+        wait_for(holds, timeout=timeout_s, what=what)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{cluster.log()[-3000:]}") from exc
 
 
 def start_slurm(nodes: list[str]) -> SlurmCluster:
