@@ -152,6 +152,10 @@ def test_settings_validation() -> None:
         IsolationSettings(driver="pbs")  # type: ignore[arg-type]
     with pytest.raises(ValidationError, match="not a Kubernetes taint key"):
         IsolationSettings(taint_key="bad key!")
+    with pytest.raises(
+        ValidationError, match="not a Kubernetes annotation key.*tierwatch.io/isolation"
+    ):
+        IsolationSettings(annotation_key="tierwatch.io/")
     with pytest.raises(ValidationError):
         IsolationSettings(scontrol="")
     assert IsolationSettings(kubeconfig="", kube_context="").kubeconfig is None
