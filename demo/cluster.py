@@ -116,6 +116,9 @@ def server_env(
         "TIERWATCH_POLICY__UNREACHABLE_S": f"{policy_unreachable_s:g}",
         "TIERWATCH_POLICY__BREAKER_PCT": "40",
         "TIERWATCH_POLICY__BREAKER_WINDOW_S": "120",
+        # time is compressed (1 s reports, 3 s unreachable): the control-plane guard's window
+        # after the server starts shrinks with it (300 s by default)
+        "TIERWATCH_POLICY__CONTROL_PLANE_WINDOW_S": "10",
         "TIERWATCH_POLICY__ACTIONS": json.dumps(
             ["RESET_GPU", "RESTART_BM", "REPLACE_GPU", "CHECK_COOLING"]
         ),
