@@ -48,7 +48,7 @@ test-fast: setup
 	$(VENV)/bin/pytest $(XDIST) -m "not e2e and not browser and not slow and not soak and not screenshot and not gpu" $(PYTEST_ARGS)
 
 soak: setup
-	$(VENV)/bin/pytest -m soak $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m soak --timeout=3600 $(PYTEST_ARGS)
 
 screenshot: setup
 	$(VENV)/bin/pytest -m screenshot $(PYTEST_ARGS)

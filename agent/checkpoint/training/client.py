@@ -70,6 +70,11 @@ class AgentClient:
         """Close the connection pool."""
         self._http.close()
 
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran: every later call raises AgentUnavailable."""
+        return self._http.is_closed
+
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             resp = self._http.request(method, path, **kwargs)
@@ -273,6 +278,8 @@ class EventSender:
         while time.monotonic() < deadline:
             if self._send_once():
                 return True
+            if self.client.closed:
+                return False  # nothing can be delivered any more
             time.sleep(0.2)
         return False
 
@@ -329,6 +336,19 @@ class EventSender:
             self._wake.clear()
             self._write_progress()
             self._send_once()
+            if self.client.closed:
+                # a closed client never delivers again: stop instead of retrying forever
+                log.warning(
+                    "checkpoint event sender stopped: the agent client is closed "
+                    "(%d entries undelivered)",
+                    self.pending(),
+                )
+                return
+
+    def pending(self) -> int:
+        """How many events, progress reports and restore outcomes are queued, unsent."""
+        with self._lock:
+            return len(self._events) + len(self._progress) + len(self._restores)
 
     def _write_progress(self) -> None:
         """Record the newest completed step in the memory folder (restore's steps lost)."""

@@ -328,6 +328,8 @@ def test_the_report_sent_at_start_is_marked_starting() -> None:
     from tierwatch.agent.protocol import JobProgress, utcnow
 
     class Agent:
+        closed = False
+
         def __init__(self) -> None:
             self.progress: list[dict] = []
 
@@ -360,6 +362,8 @@ def test_a_refused_restore_hands_its_report_to_the_agent_before_raising(node) ->
     ckpt.close()
 
     class Agent:
+        closed = False
+
         def __init__(self) -> None:
             self.restores: list[dict] = []
 
@@ -400,7 +404,12 @@ def test_a_sender_that_outlives_its_closed_client_ends_quietly() -> None:
     sender.progress(JobProgress(job_id="j", rank=0, world_size=1, step=0, ts=utcnow()))
     wait_for(lambda: sender.failures > 0, timeout=10, what="a failed send")
     assert "is closed" in (sender.last_error or "")
+    # a closed client never delivers again: the thread ends instead of retrying forever
+    wait_for(lambda: not sender._thread.is_alive(), timeout=10, what="the sender thread to end")
+    failures = sender.failures
+    assert sender.pending() == 1
     assert sender.close(timeout_s=0.5) is False  # undelivered, and said so
+    assert sender.failures == failures + 1  # one last try, not a 0.5 s retry loop
 
 
 def test_availability_with_the_persistent_tier_waits_for_a_slow_listing() -> None:
