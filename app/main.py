@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tierwatch import __version__
 from tierwatch.server.actions import api as actions_api
+from tierwatch.server.actions import maintenance_api
 from tierwatch.server.actions import views as actions_views
 from tierwatch.server.alerts import api as alerts_api
 from tierwatch.server.alerts import views as alerts_views
@@ -243,6 +244,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(checkpoints_api.router)
     app.include_router(credentials_api.router)
     app.include_router(actions_api.router)
+    app.include_router(maintenance_api.router)
     app.include_router(alerts_api.router)
     app.include_router(demo_api.router)
     # Dashboard pages: the sign-in, then each domain's views (one URL each, order-free).

@@ -17,6 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tierwatch.agent.protocol import utcnow
+from tierwatch.server.actions import maintenance
 from tierwatch.server.checkpoints import service as checkpoint_service
 from tierwatch.server.fleet import rules
 from tierwatch.server.fleet.models import Gpu, Node, XidCount
@@ -154,13 +155,26 @@ def collect_fleet(session: Session, th: rules.HealthThresholds) -> Iterator[Metr
     isolated = GaugeMetricFamily(
         "tierwatch_node_isolated", "1 when the node is isolated.", labels=["Hostname"]
     )
+    in_maintenance = GaugeMetricFamily(
+        "tierwatch_node_maintenance",
+        "1 while a maintenance window (the node's or the cluster's) covers the node.",
+        labels=["Hostname"],
+    )
+    windows = maintenance.active(session, now)
     for node in nodes.values():
         current, _ = effective_state(node, now, th)
         for s in STATES:
             state.add_metric([node.name, s], 1.0 if s == current else 0.0)
         isolated.add_metric([node.name], 1.0 if node.isolated else 0.0)
+        in_maintenance.add_metric([node.name], 0.0 if windows.covering(node.name) is None else 1.0)
     yield state
     yield isolated
+    yield in_maintenance
+    yield GaugeMetricFamily(
+        "tierwatch_cluster_maintenance",
+        "1 while a cluster-wide maintenance window is active.",
+        value=0.0 if windows.cluster is None else 1.0,
+    )
 
 
 def collect_checkpoints(session: Session) -> Iterator[Metric]:

@@ -7,11 +7,13 @@ test session migrates into its own schema, dropped at the end.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import Connection, Engine, event
 from sqlalchemy.orm import Session
 from support import PG_URL, migrated_database
 from web_support import sign_in
@@ -27,6 +29,31 @@ from tierwatch.server.tokens import create_token
 pytest_plugins = ["process_fixtures", "s3_server"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+#: Every PostgreSQL engine that opened a connection in this worker (weakly held).
+_PG_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@event.listens_for(Engine, "engine_connect")
+def _track_engine(conn: Connection) -> None:
+    if conn.engine.dialect.name == "postgresql":
+        _PG_ENGINES.add(conn.engine)
+
+
+@pytest.fixture(autouse=True)
+def _close_idle_connections() -> Iterator[None]:
+    """Close the idle pooled connections of every PostgreSQL engine after each test.
+
+    A test's app whose lifespan never ran (or an engine a test made) keeps its pool until
+    garbage collection, which app reference cycles delay: three workers once held 80+ idle
+    connections and the suite hit PostgreSQL's ``max_connections`` (100). Connections in
+    use (a leader lock, a session-scoped server) are not touched; a disposed engine opens
+    new ones when it is used again.
+    """
+    yield
+    for engine in list(_PG_ENGINES):
+        engine.dispose()
+
 
 BACKENDS = [
     pytest.param("sqlite", id="sqlite"),

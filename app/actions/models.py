@@ -195,3 +195,39 @@ class PolicySettingsRow(Base):
     updated_by: Mapped[str] = mapped_column(String(128), default="")
     breaker_tripped_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     breaker_message: Mapped[str] = mapped_column(Text, default="")
+
+
+MAINTENANCE_SCOPES = ("node", "cluster")
+
+
+class MaintenanceWindow(Base):
+    """A maintenance window: a node (or the whole cluster) silenced for a time.
+
+    While a window covers a node, the policy does not isolate it automatically and its
+    alerts are recorded but not delivered (:mod:`~tierwatch.server.actions.maintenance`).
+
+    Attributes:
+        scope: ``node`` | ``cluster``.
+        node: the node's name (scope ``node``); None for the cluster.
+        starts_at, ends_at: the window (timezone-aware UTC; ``starts_at < ends_at``).
+        reason: why (shown with every alert it silences).
+        created_by, created_at: who opened it (``token:<id>``), and when.
+        ended_at, ended_by: set when an operator ended it early (None: runs to ``ends_at``).
+    """
+
+    __tablename__ = "maintenance_windows"
+    __table_args__ = (
+        Index("ix_maintenance_windows_ends_at", "ends_at"),
+        Index("ix_maintenance_windows_node_ends_at", "node", "ends_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    scope: Mapped[str] = mapped_column(String(16))
+    node: Mapped[str | None] = mapped_column(String(128))
+    starts_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    ends_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    reason: Mapped[str] = mapped_column(Text)
+    created_by: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    ended_by: Mapped[str] = mapped_column(String(128), default="")

@@ -43,6 +43,9 @@ def isolation_changed(
     )
 
 
+NODE_STATES_ALERTED = ("degraded", "unhealthy", "unreachable")
+
+
 def node_state_changed(
     session: Session,
     settings: Settings,
@@ -53,18 +56,46 @@ def node_state_changed(
     message: str,
     now: datetime,
 ) -> None:
-    """A node's health state changed (firing while degraded/unhealthy, resolved when healthy)."""
+    """A node's health state changed: the new state's alert fires (unless healthy), and
+    every other state's alert of that node still firing resolves (so ``degraded →
+    unhealthy → degraded → healthy`` leaves none open, whatever the path)."""
+    for state in NODE_STATES_ALERTED:
+        if state == new:
+            continue
+        key = f"node_state:{node}:{state}"
+        if _newest_status(session, key) != "firing":
+            continue
+        raise_alert(
+            session,
+            settings.alerts,
+            kind="node_state",
+            key=key,
+            severity="info",
+            status="resolved",
+            summary=f"node {node} is {new} (was {old})" + (f": {message}" if message else ""),
+            labels={"node": node, "state": state},
+            details={"old": old, "new": new, "message": message},
+            now=now,
+        )
+    if new == "healthy":
+        return
     raise_alert(
         session,
         settings.alerts,
         kind="node_state",
-        key=f"node_state:{node}:{new if new != 'healthy' else old}",
+        key=f"node_state:{node}:{new}",
         severity={"unhealthy": "critical", "degraded": "warning"}.get(new, "info"),
-        status="resolved" if new == "healthy" else "firing",
+        status="firing",
         summary=f"node {node} is {new} (was {old})" + (f": {message}" if message else ""),
         labels={"node": node, "state": new},
         details={"old": old, "new": new, "message": message},
         now=now,
+    )
+
+
+def _newest_status(session: Session, key: str) -> str | None:
+    return session.scalar(
+        select(Alert.status).where(Alert.key == key).order_by(Alert.id.desc()).limit(1)
     )
 
 
@@ -173,13 +204,7 @@ def control_plane_suspect(
 
 def control_plane_clear(session: Session, settings: Settings, *, now: datetime) -> None:
     """Resolve the "control plane suspect" alert, if its newest notice is firing."""
-    newest = session.scalar(
-        select(Alert.status)
-        .where(Alert.key == CONTROL_PLANE_KEY)
-        .order_by(Alert.id.desc())
-        .limit(1)
-    )
-    if newest != "firing":
+    if _newest_status(session, CONTROL_PLANE_KEY) != "firing":
         return
     raise_alert(
         session,

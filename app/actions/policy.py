@@ -27,7 +27,14 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from tierwatch.server.actions import audit, control_plane, isolation, notify, restores
+from tierwatch.server.actions import (
+    audit,
+    control_plane,
+    isolation,
+    maintenance,
+    notify,
+    restores,
+)
 from tierwatch.server.actions.control_plane import ControlPlaneFacts, Silent, Suspicion
 from tierwatch.server.actions.drivers import SchedulerView
 from tierwatch.server.actions.models import AuditEntry, PolicySettingsRow
@@ -192,6 +199,8 @@ class PolicyRun:
     """Unreachable nodes not isolated: the control plane is suspect."""
     agent_silent: list[str] = field(default_factory=list)
     """Unreachable nodes not isolated: the scheduler still hears from them."""
+    maintenance: list[str] = field(default_factory=list)
+    """Candidates not isolated: a maintenance window covers them (or the cluster)."""
 
 
 def _jobs_on(session: Session, node: str, now: datetime) -> list[Job]:
@@ -259,9 +268,11 @@ def run(
         _reset_breaker(session, settings, row, now=now, detail={"allowed": allowed, "count": count})
         result.reset = True
         tripped = False
-    todo = _guard_unreachable(
-        session, settings, candidates(views, policy, now), views, policy, facts, result, now
-    )
+    windows = maintenance.active(session, now)
+    todo = _hold_for_maintenance(session, candidates(views, policy, now), windows, result, now)
+    # planned silence is not an outage: covered nodes are left out of the control-plane rules
+    watched = [v for v in views if windows.covering(v.node.name) is None]
+    todo = _guard_unreachable(session, settings, todo, watched, policy, facts, result, now)
     for cand in todo:
         if count >= allowed:
             result.held.append(cand.name)
@@ -331,6 +342,27 @@ def run(
             result.tripped = True
         row.breaker_message = message  # while it holds: the nodes held now
     return result
+
+
+def _hold_for_maintenance(
+    session: Session,
+    todo: list[Candidate],
+    windows: maintenance.ActiveMaintenance,
+    result: PolicyRun,
+    now: datetime,
+) -> list[Candidate]:
+    """Drop the candidates a maintenance window covers (audited once per window and node)."""
+    kept = []
+    for cand in todo:
+        window = windows.covering(cand.name)
+        if window is None:
+            kept.append(cand)
+            continue
+        result.maintenance.append(cand.name)
+        maintenance.record_hold(
+            session, window, node=cand.name, rule=cand.rule, reason=cand.reason, now=now
+        )
+    return kept
 
 
 def _guard_unreachable(

@@ -141,3 +141,26 @@ class PolicyOut(BaseModel):
     updated_at: datetime | None
     updated_by: str
     recent: list[AuditOut]
+
+
+class MaintenanceOut(BaseModel):
+    """A maintenance window (``actions.models.MaintenanceWindow``); ``state`` is
+    ``scheduled`` (not open yet), ``active`` or ``over`` at the time of the answer."""
+
+    id: int
+    scope: Literal["node", "cluster"]
+    node: str | None
+    starts_at: datetime
+    ends_at: datetime
+    ended_at: datetime | None
+    ended_by: str
+    reason: str
+    created_by: str
+    created_at: datetime
+    state: Literal["scheduled", "active", "over"]
+
+
+class MaintenanceList(BaseModel):
+    """Maintenance windows, newest first."""
+
+    windows: list[MaintenanceOut]

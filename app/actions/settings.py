@@ -48,6 +48,8 @@ class PolicySettings(BaseModel):
             plane suspect (seconds).
         suspect_unreachable_pct: more than this percentage of nodes (and at least 2) going
             unreachable within one window makes the control plane suspect.
+        maintenance_max_s: the longest maintenance window an operator may open (seconds;
+            default 7 days), so a forgotten window cannot silence a node for good.
     """
 
     enabled: bool = False
@@ -59,6 +61,7 @@ class PolicySettings(BaseModel):
     control_plane_window_s: Annotated[float, Field(gt=0, le=86400)] = 300.0
     suspect_ingest_lag_s: Annotated[float, Field(gt=0)] = 10.0
     suspect_unreachable_pct: Annotated[float, Field(gt=0, le=100)] = 5.0
+    maintenance_max_s: Annotated[float, Field(gt=0, le=366 * 86400)] = 7 * 86400.0
 
 
 class PolicyUpdate(BaseModel):

@@ -15,6 +15,9 @@ Routes:
     GET  /audit                  the audit log, filterable; fragment for htmx
     GET  /policy                 policy settings, breaker, recent policy actions
     POST /policy                 change the policy (admin)
+    GET  /maintenance            maintenance windows (scheduled, active, recent)
+    POST /maintenance            node?, hours, reason → open a window (operator)
+    POST /maintenance/{id}/end   reason → end a window now (operator)
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ from __future__ import annotations
 from typing import Annotated, Any
 from urllib.parse import quote, urlencode
 
-from fastapi import APIRouter, Form, Query, Request, Response
+from fastapi import APIRouter, Form, Path, Query, Request, Response
 from fastapi.responses import RedirectResponse
 from pydantic import ValidationError
 
 from tierwatch.agent.protocol import utcnow
-from tierwatch.server.actions import audit, isolation, policy, restores
+from tierwatch.server.actions import audit, isolation, maintenance, policy, restores
 from tierwatch.server.actions.settings import PolicyUpdate
 from tierwatch.server.checkpoints import service as checkpoint_service
 from tierwatch.server.deps import SessionDep, SettingsDep
@@ -324,3 +327,119 @@ def policy_form(
         + (" — auto-isolation is ON." if change.enabled else " — auto-isolation is off."),
     )
     return _back("/policy")
+
+
+# --- maintenance windows -------------------------------------------------------------------
+
+
+@router.get("/maintenance")
+def maintenance_page(
+    request: Request, viewer: ViewerPageDep, session: SessionDep, settings: SettingsDep
+) -> Response:
+    """Maintenance windows: scheduled and active ones first, then the recent ones."""
+    now = utcnow()
+    windows = maintenance.list_windows(session, now=now, include_over=True)
+    context = {
+        "principal": viewer,
+        "now": now,
+        "refresh_s": max(5.0, settings.dashboard_refresh_s),
+        "windows": [maintenance.window_out(w, now) for w in windows],
+        "max_h": settings.policy.maintenance_max_s / 3600,
+    }
+    return render_page(request, "pages/maintenance.html", context)
+
+
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc'])) or 'window'}: {e['msg'].removeprefix('Value error, ')}"
+        for e in exc.errors()
+    )
+
+
+@router.post("/maintenance")
+def maintenance_form(
+    request: Request,
+    principal: OperatorPageDep,
+    _: CsrfDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    node: Annotated[str, Form(max_length=128)] = "",
+    hours: Annotated[str, Form(max_length=24)] = "",
+    reason: ReasonField = "",
+    back: Annotated[str, Form(max_length=200)] = "",
+) -> Response:
+    """Open a maintenance window on a node (or, with no node, the cluster) for some hours."""
+    target = back if back.startswith("/nodes/") else "/maintenance"
+    text = _reason(request, reason)
+    if text is None:
+        return _back(target)
+    try:
+        duration_s = float(hours.strip()) * 3600 if hours.strip() else None
+    except ValueError:
+        flash(request, f"Hours must be a number, like 2 or 0.5, not {hours.strip()!r}.", "error")
+        return _back(target)
+    try:
+        body = maintenance.MaintenanceIn(
+            node=node.strip() or None, reason=text, duration_s=duration_s
+        )
+    except ValidationError as exc:
+        flash(request, f"No window opened: {_problems(exc)}", "error")
+        return _back(target)
+    now = utcnow()
+    try:
+        window = maintenance.start(
+            session,
+            body,
+            actor=principal.actor,
+            role=principal.role,
+            now=now,
+            max_s=settings.policy.maintenance_max_s,
+        )
+    except LookupError as exc:
+        flash(request, f"No window opened: {exc}", "error")
+        return _back(target)
+    except maintenance.MaintenanceRefused as exc:
+        session.commit()  # keep the audit entry of the refusal
+        flash(request, f"No window opened: {exc}", "error")
+        return _back(target)
+    session.commit()
+    what = f"node {window.node}" if window.node else "the whole cluster"
+    flash(
+        request,
+        f"Maintenance window {window.id} open on {what} until {window.ends_at:%Y-%m-%d %H:%M} "
+        "UTC: no automatic isolation, alerts recorded but not delivered.",
+    )
+    return _back(target)
+
+
+@router.post("/maintenance/{window_id}/end")
+def maintenance_end_form(
+    request: Request,
+    window_id: Annotated[int, Path(ge=1, le=2**31 - 1)],
+    principal: OperatorPageDep,
+    _: CsrfDep,
+    session: SessionDep,
+    reason: ReasonField = "",
+) -> Response:
+    """End a maintenance window now."""
+    text = _reason(request, reason)
+    if text is None:
+        return _back("/maintenance")
+    try:
+        window, changed = maintenance.end(
+            session,
+            window_id,
+            actor=principal.actor,
+            role=principal.role,
+            reason=text,
+            now=utcnow(),
+        )
+    except LookupError as exc:
+        flash(request, str(exc), "error")
+        return _back("/maintenance")
+    session.commit()
+    if changed:
+        flash(request, f"Maintenance window {window.id} ended: the policy and alerts act again.")
+    else:
+        flash(request, f"Maintenance window {window.id} was already over; nothing changed.", "info")
+    return _back("/maintenance")

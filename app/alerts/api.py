@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
-from pydantic import AwareDatetime, BaseModel
+from pydantic import AwareDatetime, BaseModel, Field
 
 from tierwatch.server.alerts import service
 from tierwatch.server.alerts.models import Alert, AlertDelivery
@@ -50,6 +50,9 @@ class AlertOut(BaseModel):
     ends_at: AwareDatetime | None
     last_fired_at: AwareDatetime
     count: int
+    silenced_by: int | None = Field(
+        description="the maintenance window that silenced it (recorded, not delivered)"
+    )
     deliveries: list[DeliveryOut]
 
 
@@ -91,6 +94,7 @@ def alert_out(alert: Alert) -> AlertOut:
         ends_at=alert.ends_at,
         last_fired_at=alert.last_fired_at,
         count=alert.count,
+        silenced_by=alert.silenced_by,
         deliveries=[delivery_out(d, i) for i, d in enumerate(alert.deliveries, start=1)],
     )
 

@@ -54,6 +54,9 @@ class Alert(Base):
         ends_at: when the condition ended (resolved notices only; Alertmanager ``endsAt``).
         last_fired_at: the newest time the same notice was raised (dedup bumps it).
         count: how many times it was raised (1 + the deduplicated repeats).
+        silenced_by: the maintenance window that covered the alert's node (or the cluster)
+            when it was raised: recorded, not delivered. A resolved notice carries its
+            firing notice's window, so a receiver never gets a resolution it never saw fire.
     """
 
     __tablename__ = "alerts"
@@ -76,6 +79,7 @@ class Alert(Base):
     ends_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     last_fired_at: Mapped[datetime] = mapped_column(UTCDateTime)
     count: Mapped[int] = mapped_column(Integer, default=1)
+    silenced_by: Mapped[int | None] = mapped_column(Integer)
 
     deliveries: Mapped[list[AlertDelivery]] = relationship(
         back_populates="alert", order_by="AlertDelivery.id", passive_deletes=True

@@ -24,6 +24,7 @@ from pydantic_settings import NoDecode
 from sqlalchemy import delete, exists, or_, select
 from sqlalchemy.orm import Session, selectinload
 
+from tierwatch.server.actions import maintenance
 from tierwatch.server.alerts.models import (
     DELIVERY_STATES,
     SEVERITIES,
@@ -240,8 +241,10 @@ def raise_alert(
     """Raise an alert inside the caller's transaction (the caller commits).
 
     Writes the alert and one pending delivery per configured webhook and Alertmanager
-    (``settings.targets``), due at ``now``; or, when the newest notice for ``key`` has the
-    same ``status`` and is younger than ``settings.dedup_s``, bumps its ``count`` and
+    (``settings.targets``), due at ``now`` (none when a maintenance window silences it:
+    ``Alert.silenced_by``, :mod:`~tierwatch.server.actions.maintenance`); or, when the
+    newest notice for ``key`` has the same ``status`` and is younger than
+    ``settings.dedup_s``, bumps its ``count`` and
     ``last_fired_at`` and sends nothing. A new notice supersedes the older notices' pending
     and re-scheduled Alertmanager deliveries (see ``_supersede``).
 
@@ -277,10 +280,30 @@ def raise_alert(
         raise ValueError(f"labels must map strings to strings; not so for {bad}")
 
     newest = _newest(session, key)
+    firing = None
+    if status == "firing":
+        # Only a new condition is silenced: one already delivered as firing keeps its word.
+        continues = newest is not None and newest.status == "firing"
+        window = (
+            None
+            if continues and newest is not None and newest.silenced_by is None
+            else maintenance.active(session, now).silencing(labels)
+        )
+        silenced_by = window.id if window is not None else None
+    else:
+        firing = (
+            newest
+            if newest is not None and newest.status == "firing"
+            else _newest(session, key, status="firing")
+        )
+        # a resolution goes wherever its firing notice went (nowhere, if it was silenced)
+        silenced_by = firing.silenced_by if firing is not None else None
     if (
         newest is not None
         and newest.status == status
         and (now - newest.created_at).total_seconds() < settings.dedup_s
+        # a silenced alert that outlives its window is a new notice, and is delivered
+        and not (newest.silenced_by is not None and silenced_by is None)
     ):
         newest.count += 1
         newest.last_fired_at = max(newest.last_fired_at, now)
@@ -291,11 +314,6 @@ def raise_alert(
         starts_at = newest.starts_at if newest is not None and newest.status == "firing" else now
         ends_at = None
     else:
-        firing = (
-            newest
-            if newest is not None and newest.status == "firing"
-            else _newest(session, key, status="firing")
-        )
         starts_at = firing.starts_at if firing is not None else now
         ends_at = now
     alert = Alert(
@@ -311,9 +329,12 @@ def raise_alert(
         ends_at=ends_at,
         last_fired_at=now,
         count=1,
+        silenced_by=silenced_by,
     )
     session.add(alert)
     session.flush()
+    if silenced_by is not None:
+        return alert  # recorded and shown, not delivered: a maintenance window covers it
     _supersede(session, alert)
     for url in settings.targets:  # one delivery per distinct URL
         session.add(

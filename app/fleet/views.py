@@ -17,7 +17,7 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Query, Request, Response
 
 from tierwatch.agent.protocol import utcnow
-from tierwatch.server.actions import policy, queue
+from tierwatch.server.actions import maintenance, policy, queue
 from tierwatch.server.checkpoints import service as checkpoint_service
 from tierwatch.server.deps import SessionDep, SettingsDep
 from tierwatch.server.fleet import rules, schemas, service
@@ -103,6 +103,7 @@ def node_page(
             "refresh_s": settings.dashboard_refresh_s,
             "chart_refresh_s": max(CHART_REFRESH_MIN_S, settings.dashboard_refresh_s),
             "node": node,
+            "maintenance": maintenance.active(session, now).covering(view.node.name),
             "reasons": service.sort_reasons(node.reasons),
             "describe_action": rules.describe_action,
             "xids": service.xid_rows(session, view.node),

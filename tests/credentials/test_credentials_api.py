@@ -190,24 +190,26 @@ def test_the_default_lifetime_is_a_setting(db_url, make_token):
 def test_two_processes_making_the_key_at_once_agree_on_one(app):
     """The second insert of the key row conflicts (fixed id) and reads the first's row."""
     factory = app.state.sessionmaker
-    first = factory()
-    mine = service.signing_key(first)  # inserted, not committed yet
     seen: dict[str, SigningKey] = {}
+    # The first session holds the row's lock until it ends: it must end whatever happens,
+    # or every later test of this worker that makes the key waits on it.
+    with factory() as first:
+        mine = service.signing_key(first)  # inserted, not committed yet
 
-    def other() -> None:
-        with factory() as s:
-            seen["key"] = service.signing_key(s)  # waits for the first's transaction
-            s.commit()
+        def other() -> None:
+            with factory() as s:
+                seen["key"] = service.signing_key(s)  # waits for the first's transaction
+                s.commit()
 
-    thread = threading.Thread(target=other)
-    thread.start()
-    thread.join(timeout=0.5)
-    assert thread.is_alive()  # blocked on the row the first process holds
-    first.commit()
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(timeout=0.5)
+        assert thread.is_alive()  # blocked on the row the first process holds
+        first.commit()
+        made = (mine.kid, mine.job_secret)
     thread.join(timeout=30)
     assert not thread.is_alive()
-    assert (seen["key"].kid, seen["key"].job_secret) == (mine.kid, mine.job_secret)
-    first.close()
+    assert (seen["key"].kid, seen["key"].job_secret) == made
     with factory() as s:
         assert len(list(s.scalars(select(SigningKey)))) == 1
 

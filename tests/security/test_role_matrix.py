@@ -133,6 +133,13 @@ MATRIX: dict[tuple[str, str], Row] = {
         "api", PEOPLE_WRITE, json=lambda: {"reason": "matrix"}
     ),
     ("PUT", "/api/v1/policy"): Row("api", ADMIN_WRITE, json=lambda: {"breaker_pct": 25}),
+    ("POST", "/api/v1/maintenance"): Row(
+        "api", PEOPLE_WRITE, json=lambda: {"node": "n1", "duration_s": 600, "reason": "matrix"}
+    ),
+    # The first role allowed ends the seeded window; ending it again is a valid no-op.
+    ("POST", "/api/v1/maintenance/{window_id}/end"): Row(
+        "api", PEOPLE_WRITE, json=lambda: {"reason": "matrix"}
+    ),
     # Registering the job again (the next role) replaces its registration: each call is valid.
     ("POST", "/api/v1/jobs/{job_id}/credential"): Row(
         "api", PEOPLE_WRITE, json=lambda: {"nodes": ["n1", "n2"]}
@@ -163,8 +170,21 @@ MATRIX: dict[tuple[str, str], Row] = {
         "web", PAGE_OPERATOR, form={"step": "", "tier": "", "reason": "matrix"}
     ),
     ("POST", "/policy"): Row("web", PAGE_ADMIN, form={"breaker_pct": "25"}),
+    ("POST", "/maintenance"): Row(
+        "web", PAGE_OPERATOR, form={"node": "n1", "hours": "1", "reason": "matrix"}
+    ),
+    ("POST", "/maintenance/{window_id}/end"): Row("web", PAGE_OPERATOR, form={"reason": "matrix"}),
 }
-PATH_PARAMS = {"name": "n1", "job_id": JOB, "command_id": "1", "request_id": "1"}
+#: The id of the maintenance window each matrix test seeds (far above what the table's own
+#: sequence hands out, so a window opened in the same test never collides with it).
+WINDOW_ID = 2_000_000_000
+PATH_PARAMS = {
+    "name": "n1",
+    "job_id": JOB,
+    "command_id": "1",
+    "request_id": "1",
+    "window_id": str(WINDOW_ID),
+}
 
 # --- reads ---
 API_READ: dict[str, int | str] = {
@@ -206,6 +226,7 @@ READS: dict[str, dict[str, int | str]] = {
     "/api/v1/commands/{command_id}": API_READ,
     "/api/v1/audit": API_READ,
     "/api/v1/policy": API_READ,
+    "/api/v1/maintenance": API_READ,
     "/api/v1/alerts": API_READ,
     "/api/v1/demo/report": API_READ,
     "/": PAGE_READ,
@@ -214,6 +235,7 @@ READS: dict[str, dict[str, int | str]] = {
     "/alerts": PAGE_READ,
     "/audit": PAGE_READ,
     "/policy": PAGE_READ,
+    "/maintenance": PAGE_READ,
     "/demo": PAGE_READ,
     # The peer registry: agents only; a job's layout only for the agents of its nodes.
     "/api/v1/agent/peers": AGENT_CALL,
@@ -334,6 +356,7 @@ def _call(app, client: TestClient, tokens, key: tuple[str, str], row: Row, role:
 @pytest.mark.parametrize("key", PRESENT, ids=[f"{m} {p}" for m, p in PRESENT])
 def test_role_matrix(app, client, tokens, key):
     seed_cluster(client, tokens)
+    _seed_window(app)
     row = MATRIX[key]
     wrong = {}
     for role in ROLES:
@@ -341,6 +364,30 @@ def test_role_matrix(app, client, tokens, key):
         if response.status_code >= 500 or not _verdict(response, row.expect[role]):
             wrong[role] = f"expected {row.expect[role]}, got {_describe(response)}"
     assert not wrong, f"{key[0]} {key[1]}: {wrong}"
+
+
+def _seed_window(app) -> None:  # type: ignore[no-untyped-def]
+    """An active maintenance window on n1 with id :data:`WINDOW_ID`."""
+    from datetime import timedelta
+
+    from tierwatch.server.actions.models import MaintenanceWindow
+
+    now = utcnow()
+    with app.state.sessionmaker() as s:
+        s.add(
+            MaintenanceWindow(
+                id=WINDOW_ID,
+                scope="node",
+                node="n1",
+                starts_at=now,
+                ends_at=now + timedelta(hours=1),
+                reason="seeded",
+                created_by="matrix",
+                created_at=now,
+                ended_by="",
+            )
+        )
+        s.commit()
 
 
 def _read(app, client: TestClient, tokens, path: str, role: str):  # type: ignore[no-untyped-def]
