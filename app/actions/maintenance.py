@@ -48,6 +48,8 @@ from tierwatch.server.fleet.models import Node
 CLUSTER = "cluster"
 #: A start this far in the past is taken as "now" (clock skew between the operator and us).
 PAST_START_SLACK_S = 300.0
+#: How far ahead a window may be scheduled (seconds; a year).
+MAX_AHEAD_S = 366 * 86400.0
 
 
 class MaintenanceRefused(ValueError):
@@ -80,7 +82,7 @@ class MaintenanceIn(BaseModel):
     ]
     starts_at: AwareDatetime | None = None
     ends_at: AwareDatetime | None = None
-    duration_s: Annotated[float, Field(gt=0)] | None = None
+    duration_s: Annotated[float, Field(gt=0, le=MAX_AHEAD_S)] | None = None
 
     @model_validator(mode="after")
     def _one_end(self) -> MaintenanceIn:
@@ -96,13 +98,17 @@ def plan(body: MaintenanceIn, *, now: datetime, max_s: float) -> tuple[datetime,
     """The window's ``(starts_at, ends_at)`` (pure).
 
     Raises:
-        MaintenanceRefused: it starts more than 5 minutes in the past, ends before it starts
-            or before now, or is longer than ``max_s`` seconds.
+        MaintenanceRefused: it starts more than 5 minutes in the past or more than a year
+            ahead, ends before it starts, or is longer than ``max_s`` seconds.
     """
     starts = body.starts_at or now
     if starts < now - timedelta(seconds=PAST_START_SLACK_S):
         raise MaintenanceRefused(
             f"starts_at {starts.isoformat()} is in the past; leave it out to start now"
+        )
+    if starts > now + timedelta(seconds=MAX_AHEAD_S):
+        raise MaintenanceRefused(
+            f"starts_at {starts.isoformat()} is more than a year ahead; schedule it later"
         )
     starts = max(starts, now)
     if body.duration_s is not None:

@@ -46,6 +46,8 @@ LANDS_ON = {
     ("POST", "/nodes/{name}/ack"): "/nodes/n1",
     ("POST", "/jobs/{job_id}/restore"): f"/jobs/{JOB}",
     ("POST", "/policy"): "/policy",
+    ("POST", "/maintenance"): "/maintenance",
+    ("POST", "/maintenance/{window_id}/end"): "/maintenance",
 }
 
 
@@ -96,6 +98,7 @@ API_WRITES = [
     ("POST", "/api/v1/nodes/n1/ack", {}),
     ("POST", f"/api/v1/jobs/{JOB}/restore", {"reason": "csrf"}),
     ("PUT", "/api/v1/policy", {"breaker_pct": 30}),
+    ("POST", "/api/v1/maintenance", {"node": "n1", "duration_s": 60, "reason": "csrf"}),
 ]
 
 
