@@ -354,14 +354,9 @@ def _apply_progress(job: dict[str, Any], p: JobProgress) -> None:
     world size: a start that is refused (another world size, another model) leaves a known
     job's as they were; the first save's report, which carries the layout too, changes them
     once the start is accepted. The first layout applied pins it (the job is registered:
-    ``scoping`` accepts nothing else). A report made before a registration that replaced an
-    earlier run's (``p.ts < replaced_at``: the previous run's, still on its way from an
-    agent's queue) changes neither: that run's layout must not be pinned again.
+    ``scoping`` accepts nothing else).
     """
     _raise_step(job, p.step, p.ts)
-    replaced = job.get("replaced_at")
-    if replaced is not None and p.ts < replaced:
-        return
     newest = job["progress_ts"] is None or p.ts >= job["progress_ts"]
     if scoping.pinned_layout(job) is not None:
         if newest and not p.starting:

@@ -66,9 +66,6 @@ class Job(Base):
         registered_world_size: world size given at registration (None: not given).
         registered_at, registered_by: when and by whom (the actor) it last registered.
         credential_expires_at: expiry of the newest job credential issued.
-        replaced_at: when a registration last replaced an earlier run's (the job had
-            registered or reported before): progress made before it never sets the job's
-            world size or layout, so a previous run's late report cannot pin its layout again.
     """
 
     __tablename__ = "jobs"
@@ -88,7 +85,6 @@ class Job(Base):
     registered_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     registered_by: Mapped[str | None] = mapped_column(String(128))
     credential_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
-    replaced_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class LedgerRow(Base):

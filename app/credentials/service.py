@@ -181,8 +181,6 @@ def register_job(
         "registered_at": job.registered_at.isoformat() if job.registered_at else None,
     }
     pinned_size = request.effective_world_size
-    if job.registered_at is not None or job.progress_ts is not None:
-        job.replaced_at = now  # an earlier run's reports still on their way change nothing
     job.registered_nodes = list(request.nodes)
     job.registered_world_size = pinned_size
     job.layout = list(request.layout) if request.layout is not None else None

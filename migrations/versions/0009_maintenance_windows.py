@@ -1,6 +1,5 @@
 """maintenance windows: a node or the cluster silenced for a time (policy and alerts honour
-them); alerts remember the window that silenced them; jobs remember when a registration
-replaced an earlier run's
+them); alerts remember the window that silenced them
 
 Revision ID: 0009
 Revises: 0008
@@ -44,13 +43,9 @@ def upgrade() -> None:
     )
     with op.batch_alter_table("alerts") as batch:
         batch.add_column(sa.Column("silenced_by", sa.Integer(), nullable=True))
-    with op.batch_alter_table("jobs") as batch:
-        batch.add_column(sa.Column("replaced_at", sa.DateTime(timezone=True), nullable=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("jobs") as batch:
-        batch.drop_column("replaced_at")
     with op.batch_alter_table("alerts") as batch:
         batch.drop_column("silenced_by")
     op.drop_index("ix_maintenance_windows_node_ends_at", table_name="maintenance_windows")

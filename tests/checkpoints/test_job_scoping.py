@@ -272,35 +272,6 @@ def test_the_first_layout_pins_it_until_the_job_registers_again(client, agents, 
     assert (job.layout, job.world_size, job.step) == (["n3", "n3", "n1", "n2"], 4, 8)
 
 
-def test_a_late_report_of_the_previous_run_never_pins_its_layout_again(client, agents, session):
-    """A job restarts on one node: it registers again (the layout is released), and a report
-    the 2-rank run made before that, still on its way from an agent's queue, arrives late.
-    It must not pin the old layout: the new run's refused restore is still accepted."""
-    register_job(client, "resized", ["n1", "n2"])
-    made_before = utcnow()
-    agents.post("n1", progress=[progress(0, 3, layout=["n1", "n2"], job="resized")])
-    assert job_row(session, "resized").layout == ["n1", "n2"]
-    register_job(client, "resized", ["n1"])
-    assert job_row(session, "resized").layout is None
-    late = JobProgress(
-        job_id="resized", rank=0, world_size=2, step=3, ts=made_before, layout=["n1", "n2"]
-    )
-    agents.post("n1", progress=[late])
-    assert job_row(session, "resized").layout is None  # not pinned again
-    refused = RestoreReport(
-        job_id="resized",
-        rank=0,
-        world_size=1,
-        ts=utcnow(),
-        seconds=0.1,
-        ok=False,
-        message="world size",
-    )
-    agents.post("n1", restores=[refused])
-    r = client.get("/api/v1/jobs/resized", headers=auth(agents.make_token("viewer")))
-    assert [(x["ok"], x["world_size"]) for x in r.json()["restores"]] == [(False, 1)]
-
-
 def test_two_layouts_in_one_group_pin_the_first_applied(client, agents, session):
     """Within one batch, the first layout pins it and binds the reports after it."""
     register_job(client, "race", ["n1"])

@@ -239,9 +239,8 @@ def test_a_refused_start_does_not_rewrite_the_jobs_world_size_or_layout(client, 
     register_job(client, "fresh", ["n1"])
     agents.post("n1", progress=[start.model_copy(update={"job_id": "fresh"})])
     assert job("fresh") == (1, ["n1"], 0)
-    # an accepted start's first save (made after the registration, as a real one is)
-    # reports the new world size and layout
-    first = JobProgress(job_id=JOB, rank=0, world_size=1, step=0, ts=utcnow(), layout=["n1"])
+    # an accepted start's first save reports the new world size and layout
+    first = JobProgress(job_id=JOB, rank=0, world_size=1, step=0, ts=at(6.0), layout=["n1"])
     agents.post("n1", progress=[first])
     assert job() == (1, ["n1"], 1)
 

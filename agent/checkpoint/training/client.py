@@ -228,6 +228,10 @@ class EventSender:
         self._progress: deque[JobProgress] = deque(maxlen=max_queued)
         self._restores: deque[RestoreReport] = deque(maxlen=max_queued)
         self._lock = threading.Lock()
+        # One send at a time: a flush that finds the queues empty while the background
+        # thread's post is still in flight must wait for it, not report "delivered" (a
+        # refused restore's process exits right after its flush, killing that post).
+        self._send_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.sent = 0
@@ -309,6 +313,11 @@ class EventSender:
             self._restores.extendleft(reversed(restores))
 
     def _send_once(self) -> bool:
+        """Send one batch of what is queued; True when everything queued was delivered."""
+        with self._send_lock:
+            return self._send_locked()
+
+    def _send_locked(self) -> bool:
         events, progress, restores = self._take()
         if not (events or progress or restores):
             return True

@@ -446,3 +446,43 @@ def test_availability_with_the_persistent_tier_waits_for_a_slow_listing() -> Non
         client.close()
         server.shutdown()
         server.server_close()
+
+
+def test_a_flush_waits_for_the_send_in_flight() -> None:
+    """The background thread may have taken the queued report and still be posting it when
+    the rank flushes (a refused restore flushes, then the process exits): the flush must
+    wait for that post, not find the queue empty and say "delivered"."""
+    import threading
+
+    from tierwatch.agent.checkpoint.training.client import EventSender
+    from tierwatch.agent.protocol import RestoreReport, utcnow
+
+    posting, release = threading.Event(), threading.Event()
+
+    class SlowAgent:
+        closed = False
+
+        def __init__(self) -> None:
+            self.restores: list[dict] = []
+
+        def post_events(self, *, events: list, progress: list, restores: list) -> None:
+            posting.set()
+            release.wait(10)
+            self.restores += restores
+
+    agent = SlowAgent()
+    sender = EventSender(agent, period_s=0.01)  # type: ignore[arg-type]
+    sender.restore(
+        RestoreReport(job_id="j", rank=0, world_size=1, ts=utcnow(), seconds=0.1, ok=False)
+    )
+    assert posting.wait(5)  # the background thread took it and is posting
+    result: dict[str, bool] = {}
+    flusher = threading.Thread(target=lambda: result.update(ok=sender.flush(5)))
+    flusher.start()
+    flusher.join(0.5)
+    assert flusher.is_alive(), "the flush returned while the report was still in flight"
+    release.set()
+    flusher.join(5)
+    assert result == {"ok": True}
+    assert len(agent.restores) == 1
+    sender.close(1)
