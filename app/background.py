@@ -35,7 +35,7 @@ from tierwatch.server.actions.ingest import record_command_outcome
 from tierwatch.server.actions.models import CommandRow
 from tierwatch.server.actions.queue import prune as prune_actions
 from tierwatch.server.alerts.delivery import deliver_due
-from tierwatch.server.alerts.service import prune_alerts
+from tierwatch.server.alerts.service import deliver_after_maintenance, prune_alerts
 from tierwatch.server.config import ConfigError, Settings
 from tierwatch.server.fleet import service as fleet_service
 from tierwatch.server.fleet.models import Node
@@ -153,6 +153,8 @@ class BackgroundWork:
                     session, self._settings, row, names.get(row.node_id, "?"), now=now
                 )
             restores.expire_requests(session, now=now, settings=self._settings)
+            # a silenced alert that outlived its maintenance window is delivered now
+            deliver_after_maintenance(session, self._settings.alerts, now=now)
             session.commit()
         with self._factory() as session:
             run = policy.run(

@@ -37,7 +37,7 @@ from pydantic import (
     StringConstraints,
     model_validator,
 )
-from sqlalchemy import or_, select
+from sqlalchemy import and_, not_, or_, select
 from sqlalchemy.orm import Session
 
 from tierwatch.agent.protocol import _no_nul
@@ -170,10 +170,9 @@ class ActiveMaintenance:
         return cls(cluster, nodes)
 
     def covering(self, node: str | None) -> MaintenanceWindow | None:
-        """The window that silences ``node`` (the cluster's first), or None."""
-        if self.cluster is not None:
-            return self.cluster
-        return self.nodes.get(node) if node is not None else None
+        """The window that silences ``node`` longest (its own or the cluster's), or None."""
+        found = [w for w in (self.cluster, self.nodes.get(node or "")) if w is not None]
+        return max(found, key=closes_at) if found else None
 
     def silencing(self, labels: Mapping[str, str]) -> MaintenanceWindow | None:
         """The window that silences an alert with these labels: a node's alert under its
@@ -298,20 +297,27 @@ def end(
     return window, changed
 
 
+OVER_SHOWN = 200
+
+
 def list_windows(
     session: Session, *, now: datetime, node: str | None = None, include_over: bool = False
 ) -> list[MaintenanceWindow]:
-    """Windows newest first: those not over yet (and, with ``include_over``, the 200 newest
-    of all); ``node`` keeps that node's windows and the cluster's."""
+    """Every window not over yet (scheduled or active), newest first; with ``include_over``,
+    then the 200 newest that are over. ``node`` keeps that node's windows and the
+    cluster's."""
     q = select(MaintenanceWindow)
-    if not include_over:
-        q = q.where(
-            MaintenanceWindow.ends_at > now,
-            or_(MaintenanceWindow.ended_at.is_(None), MaintenanceWindow.ended_at > now),
-        )
     if node is not None:
         q = q.where(or_(MaintenanceWindow.node == node, MaintenanceWindow.scope == CLUSTER))
-    return list(session.scalars(q.order_by(MaintenanceWindow.id.desc()).limit(200)))
+    open_ = and_(
+        MaintenanceWindow.ends_at > now,
+        or_(MaintenanceWindow.ended_at.is_(None), MaintenanceWindow.ended_at > now),
+    )
+    newest = MaintenanceWindow.id.desc()
+    windows = list(session.scalars(q.where(open_).order_by(newest)))
+    if include_over:
+        windows += session.scalars(q.where(not_(open_)).order_by(newest).limit(OVER_SHOWN))
+    return windows
 
 
 def window_out(window: MaintenanceWindow, now: datetime) -> dict[str, Any]:
@@ -336,6 +342,7 @@ def record_hold(
 ) -> bool:
     """Audit that the policy did not isolate ``node`` because of ``window``, once per window
     and node (``maintenance_hold``). Returns True when a new entry was written."""
+    said = f"not isolated: maintenance window {window.id} ("
     seen = session.scalar(
         select(AuditEntry.id)
         .where(
@@ -343,6 +350,7 @@ def record_hold(
             AuditEntry.target_kind == "node",
             AuditEntry.target == node,
             AuditEntry.ts >= window.starts_at,
+            AuditEntry.reason.startswith(said, autoescape=True),
         )
         .limit(1)
     )
@@ -355,7 +363,7 @@ def record_hold(
         action="maintenance_hold",
         target_kind="node",
         target=node,
-        reason=f"not isolated: maintenance window {window.id} ({window.reason}); {reason}",
+        reason=f"{said}{window.reason}); {reason}",
         outcome="ok",
         now=now,
         detail={"window": window.id, "rule": rule},

@@ -22,6 +22,7 @@ Routes:
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 from urllib.parse import quote, urlencode
 
@@ -66,6 +67,9 @@ def _reason(request: Request, reason: str) -> str | None:
             "Give a reason: it goes into the audit log and tells other operators why.",
             "error",
         )
+        return None
+    if "\x00" in text:
+        flash(request, "The reason holds a NUL character; type it again without one.", "error")
         return None
     return text
 
@@ -369,14 +373,21 @@ def maintenance_form(
     back: Annotated[str, Form(max_length=200)] = "",
 ) -> Response:
     """Open a maintenance window on a node (or, with no node, the cluster) for some hours."""
-    target = back if back.startswith("/nodes/") else "/maintenance"
+    # back to the node page the form came from (built here, never taken from the form)
+    target = _node_path(node.strip()) if back and node.strip() else "/maintenance"
     text = _reason(request, reason)
     if text is None:
         return _back(target)
     try:
-        duration_s = float(hours.strip()) * 3600 if hours.strip() else None
+        duration_s = float(hours.strip()) * 3600
     except ValueError:
-        flash(request, f"Hours must be a number, like 2 or 0.5, not {hours.strip()!r}.", "error")
+        duration_s = math.nan
+    if not (math.isfinite(duration_s) and duration_s > 0):
+        flash(
+            request,
+            f"Hours must be a positive number, like 2 or 0.5, not {hours.strip()!r}.",
+            "error",
+        )
         return _back(target)
     try:
         body = maintenance.MaintenanceIn(

@@ -64,6 +64,7 @@ class Alert(Base):
         Index("ix_alerts_key_created_at", "key", "created_at"),
         Index("ix_alerts_created_at", "created_at"),
         Index("ix_alerts_kind_created_at", "kind", "created_at"),
+        Index("ix_alerts_silenced_by", "silenced_by"),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)

@@ -351,6 +351,44 @@ def raise_alert(
     return alert
 
 
+def deliver_after_maintenance(session: Session, settings: AlertSettings, *, now: datetime) -> int:
+    """Raise again, to be delivered, every alert still firing whose notice a maintenance
+    window silenced and that no window covers any more (the caller commits).
+
+    A silenced condition that outlives its window is news once the window ends, whether or
+    not anything raises it again (a node's state alert is raised only when the state
+    changes). Call it from the leader's pass.
+
+    Returns:
+        How many alerts were raised again.
+    """
+    silenced = session.scalars(
+        select(Alert)
+        .where(Alert.silenced_by.is_not(None), Alert.status == "firing")
+        .order_by(Alert.id)
+    ).all()
+    if not silenced:
+        return 0
+    windows = maintenance.active(session, now)
+    raised = 0
+    for alert in silenced:
+        if windows.silencing(alert.labels) is not None or not is_newest(session, alert):
+            continue
+        again = raise_alert(
+            session,
+            settings,
+            kind=alert.kind,
+            key=alert.key,
+            severity=alert.severity,
+            summary=alert.summary,
+            labels=dict(alert.labels),
+            details={**alert.details, "silenced_by_window": alert.silenced_by},
+            now=now,
+        )
+        raised += again is not None
+    return raised
+
+
 def _supersede(session: Session, newer: Alert) -> None:
     """Stop the Alertmanager deliveries of ``newer``'s key that are still outstanding.
 

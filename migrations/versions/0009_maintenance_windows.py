@@ -43,9 +43,11 @@ def upgrade() -> None:
     )
     with op.batch_alter_table("alerts") as batch:
         batch.add_column(sa.Column("silenced_by", sa.Integer(), nullable=True))
+    op.create_index("ix_alerts_silenced_by", "alerts", ["silenced_by"], unique=False)
 
 
 def downgrade() -> None:
+    op.drop_index("ix_alerts_silenced_by", table_name="alerts")
     with op.batch_alter_table("alerts") as batch:
         batch.drop_column("silenced_by")
     op.drop_index("ix_maintenance_windows_node_ends_at", table_name="maintenance_windows")

@@ -105,6 +105,7 @@ def test_which_window_covers_what() -> None:
     assert active.silencing({"scope": "cluster"}) is None
     assert active.silencing({"job": "llama"}) is None
     with_cluster = ActiveMaintenance.of([*windows, _window(5, scope="cluster")], now)
+    assert with_cluster.covering("n1").id == 4  # its own window outlasts the cluster's
     assert with_cluster.covering("n9").id == 5
     assert with_cluster.silencing({"scope": "cluster"}).id == 5
     assert with_cluster.silencing({"job": "llama"}) is None  # a job's owner is not on maintenance
@@ -429,11 +430,11 @@ def test_an_operator_opens_and_ends_a_window_from_the_dashboard(reported, make_t
 @pytest.mark.parametrize(
     ("form", "says"),
     [
-        ({"node": "n1", "hours": "two", "reason": "x"}, "Hours must be a number"),
+        ({"node": "n1", "hours": "two", "reason": "x"}, "Hours must be a positive number"),
         ({"node": "n1", "hours": "1", "reason": " "}, "Give a reason"),
         ({"node": "nope", "hours": "1", "reason": "x"}, "no node named"),
         ({"node": "n1", "hours": "200", "reason": "x"}, "MAINTENANCE_MAX_S"),
-        ({"node": "n1", "hours": "-1", "reason": "x"}, "No window opened"),
+        ({"node": "n1", "hours": "-1", "reason": "x"}, "Hours must be a positive number"),
     ],
     ids=["not-a-number", "no-reason", "unknown-node", "too-long", "negative"],
 )
@@ -481,3 +482,90 @@ def test_metrics_say_which_nodes_are_in_maintenance(reported, make_token):
     text = reported.get("/metrics", headers=auth(make_token("viewer"))).text
     assert 'tierwatch_node_maintenance{Hostname="n2"} 1.0' in text
     assert "tierwatch_cluster_maintenance 1.0" in text
+
+
+def test_every_open_window_is_listed_before_the_ones_that_are_over(reported, app):
+    """An active window never drops off the list (and so the page that ends it) behind
+    200 newer windows that are over."""
+    now = utcnow()
+    with app.state.sessionmaker() as s:
+        for i in range(maintenance.OVER_SHOWN + 5):
+            start = now - timedelta(hours=2)
+            s.add(
+                MaintenanceWindow(
+                    scope="node" if i else "cluster",
+                    node="n1" if i else None,
+                    starts_at=start,
+                    ends_at=now + timedelta(days=5) if i == 0 else start + timedelta(seconds=1),
+                    reason=f"w{i}",
+                    created_by="t",
+                    created_at=start,
+                    ended_by="",
+                )
+            )
+        s.commit()
+        windows = maintenance.list_windows(s, now=now, include_over=True)
+    assert windows[0].reason == "w0"
+    assert len(windows) == 1 + maintenance.OVER_SHOWN
+
+
+def test_each_window_that_holds_a_node_is_audited_once(env, make_token):
+    for n in ("n0", "n1"):
+        env.report(n)
+    own = env.open("n0", hours=1)
+    cluster = env.open(None, hours=2)  # the longer one holds n0 first
+    env.report("n0", xid=79)
+    env.run()
+    env.run()
+    op = auth(make_token("operator"))
+    r = env.client.post(f"/api/v1/maintenance/{cluster}/end", json={"reason": "done"}, headers=op)
+    assert r.status_code == 200
+    env.run()
+    env.run()
+    holds = env.client.get(
+        "/api/v1/audit", params={"action": "maintenance_hold", "target": "n0"}, headers=op
+    ).json()
+    assert sorted(h["detail"]["window"] for h in holds) == sorted([own, cluster])
+
+
+def test_the_leaders_pass_delivers_an_alert_that_outlived_its_window(env, make_token):
+    """A node turned unhealthy in its window, the window ends, and the node stays unhealthy:
+    its alert is delivered by the next pass of the server's own background work."""
+    from tierwatch.server.alerts.service import deliver_after_maintenance
+
+    env.report("n0")
+    wid = env.open("n0")
+    env.report("n0", xid=79)
+    op = auth(make_token("operator"))
+    [alert] = _alerts(env, make_token)
+    assert alert["silenced_by"] == wid
+    assert (
+        env.client.post(
+            f"/api/v1/maintenance/{wid}/end", json={"reason": "x"}, headers=op
+        ).status_code
+        == 200
+    )
+    with env.app.state.sessionmaker() as s:
+        assert deliver_after_maintenance(s, env.app.state.settings.alerts, now=utcnow()) == 1
+        s.commit()
+    newest = _alerts(env, make_token)[0]
+    assert newest["silenced_by"] is None
+    assert len(newest["deliveries"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("hours", "reason", "says"),
+    [
+        ("nan", "x", "Hours must be a positive number"),
+        ("inf", "x", "Hours must be a positive number"),
+        ("1", "ok\x00evil", "NUL character"),
+    ],
+    ids=["nan", "inf", "nul-reason"],
+)
+def test_odd_form_values_say_what_to_fix(reported, make_token, app, hours, reason, says):
+    client = _as(reported, make_token, "operator")
+    page = client.get("/maintenance").text
+    form = {"csrf_token": csrf_from(page), "node": "n1", "hours": hours, "reason": reason}
+    assert client.post("/maintenance", data=form, follow_redirects=False).status_code == 303
+    assert says in client.get("/maintenance").text
+    assert _count(app) == 0

@@ -167,3 +167,44 @@ def test_node_state_alerts_resolve_whatever_path_the_state_took(
             {"node_state:n1:degraded"},
             set(),
         ]
+
+
+def test_an_alert_still_firing_when_its_window_ends_is_delivered_by_the_next_pass(
+    sm: sessionmaker[Session],
+):
+    """Nothing raises a node's state alert again while the state holds: the leader's pass
+    delivers a silenced alert once its window is over (ended early here), once."""
+    from tierwatch.server.alerts.service import deliver_after_maintenance
+
+    with sm() as s:
+        wid = _open(s, "n1", T0)
+        silenced = _raise(s, T0 + timedelta(minutes=1))
+        resolved_key = _raise(s, T0 + timedelta(minutes=1), key="k:gone")
+        _raise(s, T0 + timedelta(minutes=2), key="k:gone", status="resolved")
+        assert silenced is not None
+        assert resolved_key is not None
+        # while the window holds, nothing is delivered
+        assert deliver_after_maintenance(s, SETTINGS, now=T0 + timedelta(minutes=5)) == 0
+        s.get(MaintenanceWindow, wid).ended_at = T0 + timedelta(minutes=10)
+        s.flush()
+        later = T0 + timedelta(minutes=11)
+        assert deliver_after_maintenance(s, SETTINGS, now=later) == 1  # not the resolved one
+        newest = s.scalars(select(Alert).where(Alert.key == "k:n1").order_by(Alert.id)).all()
+        assert [(a.status, a.silenced_by) for a in newest] == [("firing", wid), ("firing", None)]
+        assert _deliveries(s, newest[-1]) == 1
+        assert newest[-1].starts_at == silenced.starts_at
+        assert deliver_after_maintenance(s, SETTINGS, now=later + timedelta(seconds=1)) == 0
+
+
+def test_a_silenced_alert_under_another_window_stays_silenced(sm: sessionmaker[Session]):
+    from tierwatch.server.alerts.service import deliver_after_maintenance
+
+    with sm() as s:
+        first = _open(s, "n1", T0, hours=0.1)
+        _open(s, None, T0, hours=2)  # the cluster's, longer
+        alert = _raise(s, T0 + timedelta(minutes=1))
+        assert alert is not None
+        assert alert.silenced_by is not None
+        assert first is not None
+        assert deliver_after_maintenance(s, SETTINGS, now=T0 + timedelta(minutes=30)) == 0
+        assert deliver_after_maintenance(s, SETTINGS, now=T0 + timedelta(hours=3)) == 1
