@@ -212,6 +212,21 @@ def start(
         MaintenanceRefused: see :func:`plan` (audited as refused).
     """
     target_kind, target = ("node", body.node) if body.node else (CLUSTER, CLUSTER)
+
+    def audited(outcome: str, detail: dict[str, Any]) -> None:
+        audit.record(
+            session,
+            actor=actor,
+            role=role,
+            action="maintenance_start",
+            target_kind=target_kind,
+            target=target,
+            reason=body.reason,
+            outcome=outcome,
+            now=now,
+            detail=detail,
+        )
+
     if (
         body.node is not None
         and session.scalar(select(Node.id).where(Node.name == body.node)) is None
@@ -223,18 +238,7 @@ def start(
     try:
         starts, ends = plan(body, now=now, max_s=max_s)
     except MaintenanceRefused as exc:
-        audit.record(
-            session,
-            actor=actor,
-            role=role,
-            action="maintenance_start",
-            target_kind=target_kind,
-            target=target,
-            reason=body.reason,
-            outcome="refused",
-            now=now,
-            detail={"error": str(exc)},
-        )
+        audited("refused", {"error": str(exc)})
         raise
     window = MaintenanceWindow(
         scope="node" if body.node else CLUSTER,
@@ -249,17 +253,8 @@ def start(
     )
     session.add(window)
     session.flush()
-    audit.record(
-        session,
-        actor=actor,
-        role=role,
-        action="maintenance_start",
-        target_kind=target_kind,
-        target=target,
-        reason=body.reason,
-        outcome="ok",
-        now=now,
-        detail={"window": window.id, "starts_at": starts.isoformat(), "ends_at": ends.isoformat()},
+    audited(
+        "ok", {"window": window.id, "starts_at": starts.isoformat(), "ends_at": ends.isoformat()}
     )
     return window
 
