@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import NoDecode
 from sqlalchemy import delete, exists, or_, select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import Session, aliased, selectinload
 
 from tierwatch.server.actions import maintenance
 from tierwatch.server.alerts.models import (
@@ -362,9 +362,15 @@ def deliver_after_maintenance(session: Session, settings: AlertSettings, *, now:
     Returns:
         How many alerts were raised again.
     """
+    later = aliased(Alert)
     silenced = session.scalars(
         select(Alert)
-        .where(Alert.silenced_by.is_not(None), Alert.status == "firing")
+        .where(
+            Alert.silenced_by.is_not(None),
+            Alert.status == "firing",
+            # only a key's newest notice: one query, not one per silenced notice ever
+            ~exists().where(later.key == Alert.key, later.id > Alert.id),
+        )
         .order_by(Alert.id)
     ).all()
     if not silenced:
