@@ -68,6 +68,7 @@ class RouteLimit:
 
 AGENT_LIMITS: tuple[RouteLimit, ...] = (
     RouteLimit("GET", "/v1/status", 0),
+    RouteLimit("GET", "/metrics", 0),
     RouteLimit("POST", "/v1/inject", 4 * KiB),
     RouteLimit("POST", "/v1/trainer/latency", 2 * MiB, "send at most 4096 samples per request"),
     RouteLimit("GET", "/v1/ckpt/info", 0),

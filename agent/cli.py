@@ -3,6 +3,7 @@
 Examples::
 
     tierwatch-agent run --node gpu-017 --server http://cp:8000 --token-file /etc/tierwatch/token
+    tierwatch-agent run ... --metrics-listen 0.0.0.0:9471   # Prometheus scrapes :9471/metrics
     TIERWATCH_COLLECTOR=simulated TIERWATCH_SIM_GPUS=4 tierwatch-agent run --node sim-1 ...
     tierwatch-agent inject xid 79 --gpu 3
     tierwatch-agent inject temp 95 --gpu 1
@@ -76,6 +77,27 @@ def run(
     listen: Annotated[
         str | None,
         typer.Option(help="Local API address (default 127.0.0.1:9470) [TIERWATCH_LISTEN]."),
+    ] = None,
+    metrics_listen: Annotated[
+        str | None,
+        typer.Option(
+            help="Also serve GET /metrics (dcgm-exporter format, nothing else) on HOST:PORT, "
+            "for Prometheus (default: only on the local API) [TIERWATCH_METRICS_LISTEN]."
+        ),
+    ] = None,
+    metrics_host_label: Annotated[
+        str | None,
+        typer.Option(
+            help="Name of the /metrics label holding the node name (default Hostname; "
+            "dcgm-exporter >= 2026: hostname) [TIERWATCH_METRICS_HOST_LABEL]."
+        ),
+    ] = None,
+    metrics_model_label: Annotated[
+        str | None,
+        typer.Option(
+            help="Name of the /metrics label holding the GPU model (default modelName) "
+            "[TIERWATCH_METRICS_MODEL_LABEL]."
+        ),
     ] = None,
     spool_dir: Annotated[
         Path | None,
@@ -234,6 +256,9 @@ def run(
             "collector": collector,
             "interval": interval,
             "listen": listen,
+            "metrics_listen": metrics_listen,
+            "metrics_host_label": metrics_host_label,
+            "metrics_model_label": metrics_model_label,
             "spool_dir": spool_dir,
             "spool_max_batches": spool_max_batches,
             "dcgm_exporter_url": dcgm_exporter_url,

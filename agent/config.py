@@ -21,6 +21,8 @@ from tierwatch.agent.protocol import NODE_NAME_PATTERN
 
 CollectorName = Literal["auto", "nvml", "dcgm-exporter", "simulated"]
 DEFAULT_PORT = 9470
+#: Port of ``--metrics-listen HOST`` without one (next to the local API's).
+DEFAULT_METRICS_PORT = 9471
 
 _NODE_RE = re.compile(NODE_NAME_PATTERN)
 
@@ -165,12 +167,13 @@ class SettingsError(ValueError):
     """Settings are incomplete or inconsistent for what was asked (the message says what to set)."""
 
 
-def parse_listen(listen: str) -> tuple[str, int]:
+def parse_listen(listen: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
     """Split a listen address into host and port.
 
     Args:
-        listen: ``HOST:PORT``, ``[IPV6]:PORT``, ``HOST`` (port 9470) or ``:PORT`` (loopback).
-            Port 0 picks a free ephemeral port.
+        listen: ``HOST:PORT``, ``[IPV6]:PORT``, ``HOST`` (port ``default_port``) or ``:PORT``
+            (loopback). Port 0 picks a free ephemeral port.
+        default_port: The port of an address without one (9470, the local API's).
 
     Returns:
         ``(host, port)``.
@@ -185,12 +188,12 @@ def parse_listen(listen: str) -> tuple[str, int]:
         host, sep, rest = text[1:].partition("]")
         if not sep:
             raise ValueError(f"listen address {listen!r}: missing ']' after the IPv6 address")
-        port_text = rest.removeprefix(":") or str(DEFAULT_PORT)
+        port_text = rest.removeprefix(":") or str(default_port)
     elif text.count(":") > 1:  # a bare IPv6 address without a port
-        host, port_text = text, str(DEFAULT_PORT)
+        host, port_text = text, str(default_port)
     else:
         host, _, port_text = text.partition(":")
-        port_text = port_text or str(DEFAULT_PORT)
+        port_text = port_text or str(default_port)
     host = host or "127.0.0.1"
     try:
         port = int(port_text)
@@ -291,6 +294,14 @@ class AgentSettings(BaseSettings):
             or ``simulated``.
         interval: Seconds between two reports.
         listen: Address of the agent's local HTTP API (loopback by default).
+        metrics_listen: Address of a second listener that serves only ``GET /metrics``
+            (``HOST:PORT``; a bare host listens on port 9471), so Prometheus can scrape the
+            node while the control API stays on loopback; None: ``/metrics`` is served on
+            the local API only.
+        metrics_host_label: Name of the label of ``/metrics`` that holds the node's name
+            (dcgm-exporter: ``Hostname``, ``hostname`` since 2026).
+        metrics_model_label: Name of the label that holds the GPU model (dcgm-exporter:
+            ``modelName``, which promtool's linter calls camelCase).
         spool_dir: Folder of the on-disk spool of unsent batches (default
             ``var/spool/<node>`` under the working directory).
         spool_max_batches: Most batches the spool holds; beyond, the oldest are dropped.
@@ -356,6 +367,11 @@ class AgentSettings(BaseSettings):
     collector: CollectorName = "auto"
     interval: float = Field(5.0, gt=0, le=3600)
     listen: str = f"127.0.0.1:{DEFAULT_PORT}"
+    metrics_listen: str | None = None
+    # exporter.DEFAULT_HOST_LABEL / DEFAULT_MODEL_LABEL (tested); not imported, so that
+    # loading the settings does not load prometheus-client
+    metrics_host_label: str = "Hostname"
+    metrics_model_label: str = "modelName"
     spool_dir: Path | None = None
     spool_max_batches: int = Field(10000, ge=1)
     shutdown_flush_s: float = Field(5.0, ge=0, le=600)
@@ -495,6 +511,40 @@ class AgentSettings(BaseSettings):
         parse_listen(value)
         return value
 
+    @field_validator("metrics_listen")
+    @classmethod
+    def _metrics_listen(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        try:
+            parse_listen(value, DEFAULT_METRICS_PORT)
+        except ValueError as exc:
+            raise ValueError(f"--metrics-listen (TIERWATCH_METRICS_LISTEN): {exc}") from None
+        return value.strip()
+
+    @field_validator("metrics_host_label")
+    @classmethod
+    def _metrics_host_label(cls, value: str) -> str:
+        from tierwatch.agent.exporter import check_label_name
+
+        return check_label_name(value, "--metrics-host-label (TIERWATCH_METRICS_HOST_LABEL)")
+
+    @field_validator("metrics_model_label")
+    @classmethod
+    def _metrics_model_label(cls, value: str) -> str:
+        from tierwatch.agent.exporter import check_label_name
+
+        return check_label_name(value, "--metrics-model-label (TIERWATCH_METRICS_MODEL_LABEL)")
+
+    @model_validator(mode="after")
+    def _metrics_labels_differ(self) -> AgentSettings:
+        if self.metrics_host_label == self.metrics_model_label:
+            raise ValueError(
+                "--metrics-host-label and --metrics-model-label are both "
+                f"{self.metrics_host_label!r}: give them two names"
+            )
+        return self
+
     @field_validator("log_level")
     @classmethod
     def _log_level(cls, value: str) -> str:
@@ -523,6 +573,13 @@ class AgentSettings(BaseSettings):
     def listen_port(self) -> int:
         """Port part of :attr:`listen` (0: ephemeral)."""
         return parse_listen(self.listen)[1]
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """``(host, port)`` of :attr:`metrics_listen` (None: no separate listener)."""
+        if self.metrics_listen is None:
+            return None
+        return parse_listen(self.metrics_listen, DEFAULT_METRICS_PORT)
 
     @property
     def token_value(self) -> str | None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 import uuid
@@ -599,10 +600,7 @@ class Reporter:
             multiplier=self._backoff_initial, max=self._backoff_max, jitter=self._backoff_initial
         )(state)
         exc = state.outcome.exception() if state.outcome else None
-        retry_after = getattr(exc, "retry_after_s", None)
-        if retry_after is not None:
-            return min(max(exp, retry_after), max(self._backoff_max, 1.0))
-        return exp
+        return retry_wait_s(exp, getattr(exc, "retry_after_s", None), self._backoff_max)
 
     def _sleep(self, seconds: float) -> None:
         self._nudge.wait(seconds)
@@ -709,6 +707,36 @@ class Reporter:
                     self._on_commands(list(ack.commands))
                 except Exception:  # noqa: BLE001 - a bad callback must not stop delivery
                     log.exception("command callback failed")
+
+
+#: A ``Retry-After`` wait is stretched by a random 0 to this fraction of itself.
+RETRY_AFTER_SPREAD = 0.5
+
+
+def retry_wait_s(
+    backoff_s: float,
+    retry_after_s: float | None,
+    backoff_max_s: float,
+    rand: Callable[[], float] = random.random,
+) -> float:
+    """Seconds to wait before the next delivery attempt.
+
+    Args:
+        backoff_s: the jittered exponential backoff for this attempt (seconds).
+        retry_after_s: the server's ``Retry-After`` (seconds), or None.
+        backoff_max_s: the longest wait (seconds; at least 1 s when the server asked).
+        rand: uniform [0, 1) source (tests pass a fixed one).
+
+    Returns:
+        ``backoff_s`` without a ``Retry-After``. With one: at least the server's wait,
+        stretched by a random 0–50 % (``RETRY_AFTER_SPREAD``), capped at ``backoff_max_s``.
+        The stretch matters at scale: every agent a busy server sheds gets the same whole
+        number of seconds, and without it they would all come back in the same instant.
+    """
+    if retry_after_s is None:
+        return backoff_s
+    spread = retry_after_s * (1.0 + RETRY_AFTER_SPREAD * rand())
+    return min(max(backoff_s, spread), max(backoff_max_s, 1.0))
 
 
 def _retry_after(resp: httpx.Response) -> float | None:

@@ -14,10 +14,16 @@ events, progress and restore reports that local ranks post, go into the next bat
 folder or persistent URL that cannot be used is logged and reported as an agent event
 (``checkpoint_error``); GPU health reporting goes on without the checkpoint store.
 
-Shutdown: the local API stops, the tier worker stops, a last batch holds what was collected
-or queued since the previous one, the collector shuts down, and the reporter tries to deliver
-the spool for up to ``flush_timeout_s``; what is still unsent stays in the on-disk spool for
-the next start.
+Metrics: every :meth:`~AgentRuntime.tick` also hands the samples and the collector's extra
+readings to :attr:`AgentRuntime.metrics` (:class:`~tierwatch.agent.exporter.MetricsState`), and
+every XID is counted there; ``GET /metrics`` on the local API, and on the separate metrics
+listener when ``metrics_listen`` is set, renders a snapshot of it (no collector call per
+scrape). See :mod:`tierwatch.agent.exporter`.
+
+Shutdown: the local API and the metrics listener stop, the tier worker stops, a last batch
+holds what was collected or queued since the previous one, the collector shuts down, and the
+reporter tries to deliver the spool for up to ``flush_timeout_s``; what is still unsent stays
+in the on-disk spool for the next start.
 """
 
 from __future__ import annotations
@@ -37,6 +43,13 @@ from tierwatch.agent.commands import CommandExecutor
 from tierwatch.agent.config import AgentSettings, SettingsError, is_loopback_host
 from tierwatch.agent.credential_keys import ServerKeys
 from tierwatch.agent.credentials import CredentialError
+from tierwatch.agent.exporter import (
+    MIN_MAX_AGE_S,
+    STALE_INTERVALS,
+    ExportOptions,
+    MetricsState,
+    render,
+)
 from tierwatch.agent.protocol import (
     AgentEvent,
     CheckpointEvent,
@@ -69,9 +82,12 @@ class LocalApiServer:
         app: The ASGI app.
         host: Bind address.
         port: Bind port (0: ephemeral).
+        what: What it serves and the option that sets its address (for messages).
     """
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    def __init__(
+        self, app: Any, host: str, port: int, what: tuple[str, str] = ("local API", "--listen")
+    ) -> None:
         import uvicorn  # imported here: only `run` needs it
 
         self._server = uvicorn.Server(
@@ -80,10 +96,11 @@ class LocalApiServer:
             )
         )
         self._thread = threading.Thread(
-            target=self._server.run, name="tierwatch-local-api", daemon=True
+            target=self._server.run, name=f"tierwatch-{what[0].replace(' ', '-')}", daemon=True
         )
         self.host = host
         self.port = port
+        self.what = what
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Start serving and wait until the socket listens.
@@ -95,9 +112,10 @@ class LocalApiServer:
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
+                name, option = self.what
                 raise RuntimeError(
-                    f"local API could not listen on {self.host}:{self.port} (address in use? "
-                    "pick another with --listen)"
+                    f"{name} could not listen on {self.host}:{self.port} (address in use? "
+                    f"pick another with {option})"
                 )
             time.sleep(0.01)
         sockets = [s for srv in self._server.servers for s in srv.sockets]
@@ -181,9 +199,22 @@ class AgentRuntime:
             keys_file=settings.credential_keys_file,
             state_dir=settings.resolved_state_dir(),
         )
+        self.export_options = ExportOptions(
+            host_label=settings.metrics_host_label,
+            model_label=settings.metrics_model_label,
+            dcgm_fields=self.collector.exports_dcgm_fields,
+        )
+        self.metrics = MetricsState(
+            node=settings.node or "",
+            collector=self.collector.name,
+            simulated=self.collector.simulated,
+            version=__version__,
+            max_age_s=max(STALE_INTERVALS * settings.interval, MIN_MAX_AGE_S),
+        )
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._api: LocalApiServer | None = None
+        self._metrics_server: LocalApiServer | None = None
         self._started = False
         self._ticks = 0
 
@@ -196,9 +227,12 @@ class AgentRuntime:
             serve_api: Serve the local API.
             checkpoints: Run the checkpoint store (None: when the API is served).
 
+        The separate metrics listener (``settings.metrics_listen``) starts whatever
+        ``serve_api`` says.
+
         Raises:
             CollectorError: the collector cannot start.
-            RuntimeError: the local API cannot listen.
+            RuntimeError: the local API or the metrics listener cannot listen.
         """
         try:
             self.keys.load()
@@ -227,6 +261,7 @@ class AgentRuntime:
                     "endpoints require the agent token from other hosts",
                     self.settings.listen_host,
                 )
+        self._start_metrics_listener()
         if self.ckpt is not None:
             try:
                 self.ckpt.start(
@@ -246,6 +281,25 @@ class AgentRuntime:
             self.settings.interval,
             self.reporter.epoch,
         )
+
+    def _start_metrics_listener(self) -> None:
+        address = self.settings.metrics_address
+        if address is None:
+            return
+        from tierwatch.agent.server import create_metrics_app
+
+        host, port = address
+        server = LocalApiServer(
+            create_metrics_app(self), host, port, what=("metrics listener", "--metrics-listen")
+        )
+        server.start()
+        self._metrics_server = server
+        log.info("metrics on http://%s:%d/metrics", server.host, server.port)
+
+    def render_metrics(self) -> bytes:
+        """``GET /metrics``: the exposition of the latest readings (never calls the
+        collector; see :mod:`tierwatch.agent.exporter`)."""
+        return render(self.metrics.snapshot(), self.export_options)
 
     def _make_ckpt(self) -> None:
         from tierwatch.agent.checkpoint.tierstore.api import CheckpointService
@@ -277,6 +331,11 @@ class AgentRuntime:
     def api_port(self) -> int | None:
         """The port the local API listens on (None when not serving)."""
         return self._api.port if self._api else None
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port the metrics listener listens on (None without one)."""
+        return self._metrics_server.port if self._metrics_server else None
 
     def stop(self) -> None:
         """Ask :meth:`run` to finish (thread- and signal-safe)."""
@@ -320,6 +379,9 @@ class AgentRuntime:
         if self._api is not None:
             self._api.stop()
             self._api = None
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+            self._metrics_server = None
         self.commands.stop()
         if self.ckpt is not None:
             self.ckpt.stop()
@@ -347,10 +409,13 @@ class AgentRuntime:
         self._ticks += 1
         try:
             samples = self.collector.collect()
+            extras = self.collector.extras()
         except Exception as exc:  # noqa: BLE001 - a collector bug becomes an event
             log.exception("collector %s failed", self.collector.name)
-            samples = []
+            samples, extras = [], {}
             self.add_event("collector_error", f"{self.collector.name}: {exc!r}")
+        inventory = self.collector.inventory()
+        self.metrics.update(inventory, samples, extras)
         try:
             own_latency = self.collector.latency()
         except Exception as exc:  # noqa: BLE001
@@ -367,7 +432,7 @@ class AgentRuntime:
             progress = _take(self._progress, MAX_PER_BATCH)
             restores = _take(self._restores, MAX_RESTORES_PER_BATCH)
         self.reporter.report(
-            gpus=self.collector.inventory(),
+            gpus=inventory,
             samples=samples[:MAX_PER_BATCH],
             latency=latency,
             events=events,
@@ -377,7 +442,9 @@ class AgentRuntime:
         )
 
     def on_xid(self, event: XidEvent) -> None:
-        """Push an XID (from any thread) to the server at once, in its own batch."""
+        """Count an XID for ``/metrics`` and push it (from any thread) to the server at once,
+        in its own batch."""
+        self.metrics.count_xid(event)
         try:
             self.reporter.push_now(
                 gpus=self.collector.inventory(), xids=[event], events=self._take_events()
@@ -477,6 +544,7 @@ class AgentRuntime:
         rep = self.reporter.status()
         with self._lock:
             queued_latency = len(self._latency)
+        metrics = self._metrics_server
         return {
             "node": self.settings.node,
             "agent_version": __version__,
@@ -501,6 +569,7 @@ class AgentRuntime:
             "commands_running": self.commands.busy(),
             "checkpoints": self.ckpt is not None,
             "queued_checkpoint_events": len(self._ckpt_events),
+            "metrics_listen": f"{metrics.host}:{metrics.port}" if metrics else None,
         }
 
 

@@ -4,6 +4,12 @@ Endpoints:
 
 - ``GET /v1/status``: node, collector, simulated flag, epoch, last seq built/sent/acked, spool
   depth, dropped and rejected batch counts (read-only, open to any client that can connect).
+- ``GET /metrics``: this node's GPUs in dcgm-exporter's Prometheus format
+  (:mod:`tierwatch.agent.exporter`), read-only and open like ``/v1/status``: it holds the
+  telemetry a node's dcgm-exporter serves to anyone on port 9400 (no token, job data or
+  paths), and Prometheus scrapes exporters without credentials. The same endpoint, alone, is
+  served by the separate metrics listener (``--metrics-listen``, :func:`create_metrics_app`),
+  so Prometheus can reach it while the control API stays on loopback.
 - ``POST /v1/inject``: inject a fault into the simulated collector
   (body ``{"fault": ..., "gpu": int|null, "value": number|null}``); 409 on a real collector,
   422 on an unknown fault, a GPU index out of range or a missing/extra value.
@@ -23,13 +29,14 @@ grants nothing. The server binds to loopback by default (``--listen``).
 
 from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException
+from fastapi import Depends, FastAPI, HTTPException, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from tierwatch import __version__
 from tierwatch.agent.access import Caller, LocalAccess, require_jobs
 from tierwatch.agent.bodylimit import BodyLimit
 from tierwatch.agent.collectors.simulated import Fault, FaultError
+from tierwatch.agent.exporter import CONTENT_TYPE
 from tierwatch.agent.protocol import LatencySample
 
 if TYPE_CHECKING:
@@ -88,6 +95,8 @@ def create_app(runtime: "AgentRuntime") -> FastAPI:
         """The agent's identity, collector and reporting state."""
         return runtime.status()
 
+    _add_metrics_route(app, runtime)
+
     @app.post("/v1/inject")
     def inject(body: InjectRequest, _: NodeCaller) -> InjectResponse:
         """Inject a fault into the simulated collector (409 on a real collector)."""
@@ -125,4 +134,37 @@ def create_app(runtime: "AgentRuntime") -> FastAPI:
             queue_events=runtime.add_checkpoint_reports,
         )
     )
+    return app
+
+
+def _add_metrics_route(app: FastAPI, runtime: "AgentRuntime") -> None:
+    @app.get("/metrics", response_class=Response)
+    def metrics() -> Response:
+        """This node's GPUs in dcgm-exporter's Prometheus text format.
+
+        No credential (principal: anyone who can connect), as ``/v1/status``: read-only GPU
+        telemetry that dcgm-exporter itself serves without one, rendered from the runtime's
+        latest readings (a scrape never calls the collector).
+        """
+        return Response(runtime.render_metrics(), media_type=CONTENT_TYPE)
+
+
+def create_metrics_app(runtime: "AgentRuntime") -> FastAPI:
+    """The separate metrics listener's app: ``GET /metrics`` and nothing else.
+
+    Args:
+        runtime: The running agent.
+
+    Returns:
+        A FastAPI application without docs or OpenAPI routes.
+    """
+    app = FastAPI(
+        title="tierwatch agent metrics",
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.add_middleware(BodyLimit)
+    _add_metrics_route(app, runtime)
     return app

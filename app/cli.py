@@ -32,12 +32,47 @@ def _sessionmaker():  # type: ignore[no-untyped-def]
     return make_sessionmaker(make_engine(get_settings().database_url))
 
 
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _configure_logging(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, format=_LOG_FORMAT)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def worker_app():  # type: ignore[no-untyped-def]
+    """The app factory each ``serve --workers N`` process calls (uvicorn ``factory=True``).
+
+    Settings come from the environment, as in the parent, which sets ``TIERWATCH_LOG_LEVEL``
+    to its ``--log-level``.
+    """
+    from tierwatch.server.main import create_app
+
+    settings = get_settings()
+    _configure_logging(settings.log_level)
+    return create_app(settings)
+
+
 @app.command()
 def serve(
     host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port", min=1, max=65535)] = 8000,
+    workers: Annotated[
+        int,
+        typer.Option(
+            help="server processes sharing the port (PostgreSQL only); each has its own "
+            "request pool and ingest writer, one of them (the leader) runs background work",
+            min=1,
+            max=64,
+        ),
+    ] = 1,
     migrate_first: Annotated[bool, typer.Option("--migrate/--no-migrate")] = True,
-    log_level: Annotated[str, typer.Option()] = "info",
+    log_level: Annotated[
+        str | None,
+        typer.Option(help="debug, info, warning or error (default: TIERWATCH_LOG_LEVEL, info)"),
+    ] = None,
     forwarded_allow_ips: Annotated[
         str,
         typer.Option(
@@ -47,36 +82,46 @@ def serve(
     ] = "",
 ) -> None:
     """Run the control plane (migrates the database first unless --no-migrate)."""
-    import logging
+    import os
 
     import uvicorn
 
     from tierwatch.server.main import create_app
 
-    logging.basicConfig(
-        level=log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     settings = get_settings()
+    log_level = (log_level or settings.log_level).lower()
+    if log_level not in ("debug", "info", "warning", "error", "critical"):
+        _err(f"error: --log-level {log_level!r}: use debug, info, warning, error or critical")
+        raise typer.Exit(2)
+    _configure_logging(log_level)
     try:
         settings.check_serving()
+        if workers > 1 and settings.database_url.startswith("sqlite"):
+            raise ConfigError(
+                f"--workers {workers} needs PostgreSQL: SQLite takes one writer at a time, so "
+                "more processes only wait on its lock. Set TIERWATCH_DATABASE_URL to a "
+                "PostgreSQL database, or serve with --workers 1"
+            )
         if migrate_first:
             from tierwatch.server.migrate import upgrade
 
             upgrade(settings.database_url)
-        app_ = create_app(settings)
+        # One process: the app is built here, so a bad setting fails before the port opens.
+        # Several: each worker builds its own from the same environment (uvicorn's factory).
+        app_ = create_app(settings) if workers == 1 else "tierwatch.server.cli:worker_app"
     except ConfigError as exc:
         _err(f"error: {exc}")
         raise typer.Exit(2) from exc
-    _err(f"tierwatch-server listening on http://{host}:{port}")
+    os.environ["TIERWATCH_LOG_LEVEL"] = log_level  # the workers read their settings anew
+    _err(f"tierwatch-server listening on http://{host}:{port} ({workers} worker(s))")
     # Proxy headers only from named proxies: otherwise any local client could claim any
     # address (and get round the sign-in rate limit).
     uvicorn.run(
         app_,
         host=host,
         port=port,
+        workers=workers if workers > 1 else None,
+        factory=workers > 1,
         log_level=log_level,
         access_log=False,
         proxy_headers=bool(forwarded_allow_ips),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -52,6 +52,11 @@ class Settings(BaseSettings):
         event_retention_s: events (XIDs, state changes) older than this are pruned (seconds).
         prune_interval_s: how often the pruner runs (seconds; 0 disables it).
         max_body_bytes: request bodies larger than this are refused with 413 (bytes).
+        log_level: the server's log level (``debug``, ``info``, ``warning``, ``error``);
+            ``serve --log-level`` overrides it, for its worker processes too.
+        ingest_max_queue: agent reports one replica holds (queued or being stored) before it
+            sheds more with 503 and a ``Retry-After`` sized to the backlog (docs/operations.md,
+            "Ingest back-pressure"); the agents keep shed reports in their spools and retry.
         metrics_require_token: require a bearer token for ``GET /metrics``.
         max_clock_skew_s: reports with a time further than this ahead of the server's
             clock are refused (seconds): a future reading would pin a GPU's latest value.
@@ -99,6 +104,8 @@ class Settings(BaseSettings):
     event_retention_s: Annotated[float, Field(gt=0)] = 30 * 24 * 3600.0
     prune_interval_s: Annotated[float, Field(ge=0)] = 300.0
     max_body_bytes: Annotated[int, Field(gt=0)] = 1024 * 1024
+    ingest_max_queue: Annotated[int, Field(ge=1)] = 2000
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     metrics_require_token: bool = False
     token_cache_s: Annotated[float, Field(ge=0)] = 30.0
     max_clock_skew_s: Annotated[float, Field(gt=0)] = 300.0

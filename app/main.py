@@ -35,7 +35,7 @@ from tierwatch.server.demo import views as demo_views
 from tierwatch.server.fleet import api as fleet_api
 from tierwatch.server.fleet import views as fleet_views
 from tierwatch.server.ingest import api as ingest_api
-from tierwatch.server.ingest.writer import IngestWriter
+from tierwatch.server.ingest.writer import IngestWriter, WriterMetrics
 from tierwatch.server.metrics import make_registry
 from tierwatch.server.resources import resource_dir
 from tierwatch.server.security import (
@@ -210,6 +210,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.ingest_writer = IngestWriter(make_sessionmaker(writer_engine), settings)
     # tierwatch_ingest_refused_total: report items refused for their job (checkpoints.scoping)
     app.state.metrics_registry.register(app.state.ingest_writer.refusals)
+    app.state.metrics_registry.register(WriterMetrics(app.state.ingest_writer))
     app.state.token_resolver = TokenResolver(engine, settings.token_cache_s)
     app.state.background = BackgroundWork(
         app.state.sessionmaker,

@@ -10,6 +10,12 @@ they never raise out of ``collect()``.
 Stale telemetry: when a GPU cannot be read, ``collect()`` returns that GPU's last good sample
 unchanged, including its old ``ts``, so the control plane sees the telemetry go stale (and
 the accompanying event says why) instead of a sample of Nones that looks fresh.
+
+Extra readings: :meth:`GpuCollector.extras` gives the dcgm-exporter counters of the last
+``collect()`` that :class:`~tierwatch.agent.protocol.GpuSample` lacks
+(:class:`~tierwatch.agent.readings.GpuExtras`: clocks, energy, framebuffer free/reserved,
+identity labels, MIG instances), for the agent's own ``/metrics`` only; a GPU whose sample
+was stale has none.
 """
 
 from __future__ import annotations
@@ -18,9 +24,9 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from tierwatch.agent.protocol import (
     AgentEvent,
@@ -30,6 +36,7 @@ from tierwatch.agent.protocol import (
     XidEvent,
     utcnow,
 )
+from tierwatch.agent.readings import GpuExtras, MigInstance
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +44,8 @@ XidCallback = Callable[[XidEvent], None]
 
 #: Most events a collector keeps before the runtime drains them (oldest dropped beyond).
 MAX_PENDING_EVENTS = 1000
+
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class CollectorError(RuntimeError):
@@ -49,10 +58,15 @@ class GpuCollector(ABC):
     Attributes:
         name: Short name sent in each report's ``collector`` field.
         simulated: True when the readings are made up (the report's ``simulated`` flag).
+        exports_dcgm_fields: Whether the agent's ``/metrics`` exports this collector's
+            readings under dcgm-exporter's ``DCGM_FI_*`` names. False for a collector that
+            reads a dcgm-exporter the node's Prometheus already scrapes (a second copy would
+            double every series).
     """
 
     name: str = "base"
     simulated: bool = False
+    exports_dcgm_fields: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._events: list[AgentEvent] = []
@@ -90,6 +104,14 @@ class GpuCollector(ABC):
         """Collective-latency samples produced by the collector itself (default: none)."""
         return []
 
+    def extras(self) -> dict[int, GpuExtras]:
+        """The extra readings of the last :meth:`collect`, by GPU index (default: none).
+
+        Only GPUs read live in that collection have an entry (a stale sample has none).
+        Called by the runtime right after ``collect()``, from the same thread.
+        """
+        return {}
+
     # -- events --------------------------------------------------------------------------
     def add_event(self, kind: str, message: str, gpu: int | None = None) -> None:
         """Queue an :class:`AgentEvent` for the next report and log it as a warning."""
@@ -126,20 +148,47 @@ class GpuCollector(ABC):
         Raises:
             pydantic.ValidationError: ``index`` or ``ts`` themselves are invalid.
         """
+        return self._build(GpuSample, fields, keep=("index", "ts"), gpu=fields.get("index"))
+
+    def build_extras(self, fields: Mapping[str, Any]) -> GpuExtras:
+        """Validate raw extra readings into a :class:`GpuExtras`, as :meth:`build_sample`
+        does (an out-of-range field becomes None plus an ``invalid_reading`` event).
+
+        Args:
+            fields: ``GpuExtras`` keyword arguments; must include a valid ``index``. ``mig``
+                is a list of :class:`MigInstance` keyword arguments, each validated the same
+                way.
+
+        Raises:
+            pydantic.ValidationError: ``index``, or a MIG instance's id or profile, is invalid.
+        """
+        data = dict(fields)
+        gpu = data.get("index")
+        data["mig"] = [
+            self._build(MigInstance, m, keep=("gpu_instance_id", "profile"), gpu=gpu)
+            for m in data.get("mig") or ()
+        ]
+        return self._build(GpuExtras, data, keep=("index", "mig"), gpu=gpu)
+
+    def _build(
+        self, model: type[_M], fields: Mapping[str, Any], *, keep: tuple[str, ...], gpu: Any
+    ) -> _M:
+        """``model(**fields)``, with each invalid field but those in ``keep`` set to None
+        (one ``invalid_reading`` event for GPU ``gpu`` each)."""
         data = dict(fields)
         for _ in range(len(data) + 1):
             try:
-                return GpuSample(**data)
+                return model(**data)
             except ValidationError as exc:
                 bad = {str(err["loc"][0]) for err in exc.errors() if err["loc"]}
-                bad -= {"index", "ts"}
+                bad -= set(keep)
                 if not bad:
                     raise
                 for name in sorted(bad):
                     self.add_event(
                         "invalid_reading",
                         f"{self.name}: {name}={data.get(name)!r} is out of range; sent as null",
-                        gpu=data.get("index"),
+                        gpu=gpu,
                     )
                     data[name] = None
-        return GpuSample(**data)  # pragma: no cover - loop always returns or raises
+        return model(**data)  # pragma: no cover - loop always returns or raises

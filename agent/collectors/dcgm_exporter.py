@@ -21,6 +21,11 @@ be counted.
 Stale telemetry: when the scrape fails (or a GPU is missing from it), the GPU's last sample is
 returned unchanged with its old ``ts``, plus an ``exporter_unreachable`` event.
 
+The agent's own ``/metrics``: with this collector it exports no ``DCGM_FI_*`` series
+(:attr:`~tierwatch.agent.collectors.base.GpuCollector.exports_dcgm_fields` is False), only its
+``tierwatch_*`` ones. The node's Prometheus already scrapes the exporter this collector reads;
+a second copy under the same names would double every series of the stock dashboard.
+
 Source: dcgm-exporter's default counters (etc/default-counters.csv) and DCGM field ids.
 """
 
@@ -177,6 +182,7 @@ class DcgmExporterCollector(GpuCollector):
 
     name = "dcgm-exporter"
     simulated = False
+    exports_dcgm_fields = False  # Prometheus scrapes the exporter itself (module docs)
 
     def __init__(self, url: str, timeout_s: float = 3.0) -> None:
         super().__init__()

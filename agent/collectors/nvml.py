@@ -14,6 +14,17 @@ fires, and it queues one ``nvml_gpu_error`` event when the GPU goes bad (and aga
 :data:`REPEAT_FAILURE_EVENT_S` seconds while it stays bad) and one ``nvml_gpu_recovered``
 event when it reads again.
 
+Extra readings (:class:`~tierwatch.agent.readings.GpuExtras`, for the agent's ``/metrics``):
+``nvmlDeviceGetClockInfo`` (SM and memory clocks, MHz), ``nvmlDeviceGetTotalEnergyConsumption``
+(mJ), ``nvmlDeviceGetEncoderUtilization`` / ``...DecoderUtilization`` (%), the ``memory``
+rate of ``nvmlDeviceGetUtilizationRates`` (memory-copy %), ``nvmlDeviceGetMemoryInfo``
+version 2 (used without reserved, free, reserved), ``nvmlDeviceGetFieldValues`` with
+``NVML_FI_DEV_MEMORY_TEMP`` (HBM °C), and with MIG on (``nvmlDeviceGetMigMode``) each MIG
+device's GPU instance id, profile (from its name) and memory. The PCI bus id
+(``nvmlDeviceGetPciInfo``) and driver version (``nvmlSystemGetDriverVersion``) are read once at
+start. Each call is guarded like the sample's (None when unsupported, or when this
+nvidia-ml-py lacks the function); none of them decides whether a GPU counts as read.
+
 XID errors: a daemon thread waits on an NVML event set (``nvmlEventSetCreate``,
 ``nvmlDeviceRegisterEvents(handle, nvmlEventTypeXidCriticalError, set)``,
 ``nvmlEventSetWait_v2(set, timeout_ms)`` in a loop); ``eventData`` is the XID code, and the
@@ -28,6 +39,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +48,7 @@ from typing import Any
 
 from tierwatch.agent.collectors.base import CollectorError, GpuCollector, XidCallback
 from tierwatch.agent.protocol import GpuInfo, GpuSample, XidEvent, utcnow
+from tierwatch.agent.readings import GpuExtras
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +124,9 @@ class NvmlCollector(GpuCollector):
         self._index_by_key: dict[Any, int] = {}
         self._inventory: list[GpuInfo] = []
         self._last_good: dict[int, GpuSample] = {}
+        self._extras: dict[int, GpuExtras] = {}  # of the last collect(), GPUs read live
+        self._pci_bus_ids: dict[int, str] = {}
+        self._driver_version: str | None = None
         self._failed_since: dict[int, float] = {}  # index -> monotonic time of last event
         self._reported_field_errors: set[tuple[int, str, int]] = set()
         self._nvlink_links: dict[int, list[int] | None] = {}  # index -> supported links
@@ -182,6 +198,7 @@ class NvmlCollector(GpuCollector):
         except nv.NVMLError as exc:
             raise CollectorError(f"nvmlDeviceGetCount failed: {exc}") from exc
         self._handles, self._inventory = [], []
+        self._driver_version = self._read_driver_version()
         for index in range(count):
             try:
                 handle = nv.nvmlDeviceGetHandleByIndex(index)
@@ -195,6 +212,10 @@ class NvmlCollector(GpuCollector):
             uuid = self._field(index, "uuid", nv.nvmlDeviceGetUUID, handle)
             name = self._field(index, "name", nv.nvmlDeviceGetName, handle)
             mem = self._field(index, "memory_info", nv.nvmlDeviceGetMemoryInfo, handle)
+            pci = self._call(index, "pci_info", "nvmlDeviceGetPciInfo", handle)
+            bus_id = _text(getattr(pci, "busId", None)) if pci is not None else None
+            if bus_id:
+                self._pci_bus_ids[index] = bus_id
             self._inventory.append(
                 GpuInfo(
                     index=index,
@@ -205,6 +226,19 @@ class NvmlCollector(GpuCollector):
             )
         log.info("NVML: %d GPU(s): %s", count, ", ".join(g.name for g in self._inventory))
         self._start_xid_thread()
+
+    def _read_driver_version(self) -> str | None:
+        """``nvmlSystemGetDriverVersion`` (None when it fails; an event unless unsupported)."""
+        nv = self.nvml
+        fn = getattr(nv, "nvmlSystemGetDriverVersion", None)
+        if fn is None:
+            return None
+        try:
+            return _text(fn()) or None
+        except nv.NVMLError as exc:
+            if getattr(exc, "value", None) not in self._unsupported:
+                self.add_event("nvml_field_error", f"nvmlSystemGetDriverVersion failed: {exc}")
+            return None
 
     def shutdown(self) -> None:
         """Stop the XID thread, free the event set and shut NVML down (idempotent)."""
@@ -316,6 +350,7 @@ class NvmlCollector(GpuCollector):
     def collect(self) -> list[GpuSample]:
         """One sample per GPU (see the module docs for unsupported fields and lost GPUs)."""
         samples = []
+        self._extras = {}
         for index, handle in enumerate(self._handles):
             sample = self._read_gpu(index, handle) if handle is not None else None
             if sample is None:
@@ -323,6 +358,17 @@ class NvmlCollector(GpuCollector):
             if sample is not None:
                 samples.append(sample)
         return samples
+
+    def extras(self) -> dict[int, GpuExtras]:
+        """The extra readings of the last :meth:`collect` (GPUs read live only)."""
+        return dict(self._extras)
+
+    def _call(self, index: int, field: str, fn_name: str, *args: Any) -> Any:
+        """:meth:`_field` for a function this nvidia-ml-py may lack (None then)."""
+        fn = getattr(self.nvml, fn_name, None)
+        if fn is None:
+            return None
+        return self._field(index, field, fn, *args)
 
     def _field(self, index: int, field: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Call one NVML function; None when unsupported or failing (see module docs).
@@ -351,9 +397,10 @@ class NvmlCollector(GpuCollector):
     def _read_gpu(self, index: int, handle: Any) -> GpuSample | None:
         nv = self.nvml
         try:
-            fields, any_ok = self._read_fields(index, handle)
+            fields, any_ok, raw = self._read_fields(index, handle)
             if not any_ok:
                 raise _GpuFailed("every NVML query failed")
+            extra_fields = self._read_extras(index, handle, raw)
         except _GpuFailed as exc:
             now = time.monotonic()
             last = self._failed_since.get(index)
@@ -375,9 +422,12 @@ class NvmlCollector(GpuCollector):
             self.add_event("nvml_gpu_recovered", f"GPU {index} reads again", gpu=index)
         sample = self.build_sample(fields)
         self._last_good[index] = sample
+        self._extras[index] = self.build_extras(extra_fields)
         return sample
 
-    def _read_fields(self, index: int, handle: Any) -> tuple[dict[str, Any], bool]:
+    def _read_fields(self, index: int, handle: Any) -> tuple[dict[str, Any], bool, dict[str, Any]]:
+        """The sample's fields, whether any call answered, and the raw utilisation and
+        memory answers (which :meth:`_read_extras` reuses)."""
         nv = self.nvml
         f = self._field
         ts = utcnow()
@@ -441,7 +491,88 @@ class NvmlCollector(GpuCollector):
         put("pcie_replay_count", f(index, "pcie_replay", nv.nvmlDeviceGetPcieReplayCounter, handle))
         put("throttle_reasons", self._throttle_reasons(index, handle))
         out.update(self._nvlink_errors(index, handle))
-        return out, any(ok)
+        return out, any(ok), {"util": util, "mem": mem}
+
+    def _read_extras(self, index: int, handle: Any, raw: dict[str, Any]) -> dict[str, Any]:
+        """:class:`GpuExtras` fields of one GPU (units: MHz, °C, mJ, %, MiB).
+
+        Raises:
+            _GpuFailed: a call says the GPU or NVML is gone.
+        """
+        nv = self.nvml
+        call = self._call
+        out: dict[str, Any] = {
+            "index": index,
+            "pci_bus_id": self._pci_bus_ids.get(index),
+            "driver_version": self._driver_version,
+        }
+        for name, clock in (("sm_clock_mhz", "NVML_CLOCK_SM"), ("mem_clock_mhz", "NVML_CLOCK_MEM")):
+            if hasattr(nv, clock):
+                mhz = call(index, name, "nvmlDeviceGetClockInfo", handle, getattr(nv, clock))
+                out[name] = float(mhz) if mhz is not None else None
+        out["total_energy_mj"] = call(
+            index, "total_energy", "nvmlDeviceGetTotalEnergyConsumption", handle
+        )
+        for name, fn_name in (
+            ("enc_util_pct", "nvmlDeviceGetEncoderUtilization"),
+            ("dec_util_pct", "nvmlDeviceGetDecoderUtilization"),
+        ):
+            answer = call(index, name, fn_name, handle)  # [utilisation %, sampling period µs]
+            out[name] = float(answer[0]) if answer is not None else None
+        util = raw["util"]
+        out["mem_copy_util_pct"] = float(util.memory) if util is not None else None
+        out.update(self._memory_v2(index, handle, raw["mem"]))
+        if hasattr(nv, "NVML_FI_DEV_MEMORY_TEMP"):
+            field_ids = [nv.NVML_FI_DEV_MEMORY_TEMP]
+            values = call(index, "memory_temp", "nvmlDeviceGetFieldValues", handle, field_ids)
+            out["memory_temp_c"] = _field_value(nv, values[0]) if values else None
+        out["mig"] = self._mig_instances(index, handle)
+        return out
+
+    def _memory_v2(self, index: int, handle: Any, mem_v1: Any) -> dict[str, float | None]:
+        """``fb_used_mib`` (without reserved), ``fb_free_mib`` and ``fb_reserved_mib`` from
+        ``nvmlDeviceGetMemoryInfo`` version 2; only ``fb_free_mib`` (from version 1's
+        answer) where version 2 is not available."""
+        version = getattr(self.nvml, "nvmlMemory_v2", None)
+        mem = None
+        if version is not None:
+            mem = self._call(index, "memory_info_v2", "nvmlDeviceGetMemoryInfo", handle, version)
+        if mem is None:
+            free = round(mem_v1.free / MIB, 1) if mem_v1 is not None else None
+            return {"fb_used_mib": None, "fb_free_mib": free, "fb_reserved_mib": None}
+        return {
+            "fb_used_mib": round(mem.used / MIB, 1),
+            "fb_free_mib": round(mem.free / MIB, 1),
+            "fb_reserved_mib": round(mem.reserved / MIB, 1),
+        }
+
+    def _mig_instances(self, index: int, handle: Any) -> list[dict[str, Any]]:
+        """The GPU's MIG instances (empty with MIG off or unsupported), one per GPU instance
+        id (several compute instances of one GPU instance share its memory)."""
+        nv = self.nvml
+        call = self._call
+        mode = call(index, "mig_mode", "nvmlDeviceGetMigMode", handle)  # [current, pending]
+        if not mode or mode[0] != getattr(nv, "NVML_DEVICE_MIG_ENABLE", 1):
+            return []
+        count = call(index, "mig_count", "nvmlDeviceGetMaxMigDeviceCount", handle) or 0
+        instances: dict[int, dict[str, Any]] = {}
+        for slot in range(int(count)):
+            # an empty slot answers NVML_ERROR_NOT_FOUND: None, quietly
+            mig = call(index, "mig_handle", "nvmlDeviceGetMigDeviceHandleByIndex", handle, slot)
+            if mig is None:
+                continue
+            gi = call(index, "mig_gpu_instance", "nvmlDeviceGetGpuInstanceId", mig)
+            if gi is None or int(gi) in instances:
+                continue
+            name = _text(call(index, "mig_name", "nvmlDeviceGetName", mig)) or ""
+            mem = call(index, "mig_memory", "nvmlDeviceGetMemoryInfo", mig)
+            instances[int(gi)] = {
+                "gpu_instance_id": int(gi),
+                "profile": mig_profile(name) or "unknown",
+                "fb_used_mib": round(mem.used / MIB, 1) if mem is not None else None,
+                "fb_free_mib": round(mem.free / MIB, 1) if mem is not None else None,
+            }
+        return [instances[gi] for gi in sorted(instances)]
 
     def _throttle_reasons(self, index: int, handle: Any) -> int | None:
         nv = self.nvml
@@ -494,6 +625,34 @@ class NvmlCollector(GpuCollector):
         if probing:
             self._nvlink_links[index] = supported
         return totals
+
+
+_MIG_PROFILE_RE = re.compile(r"\bMIG\s+(\S+)\s*$")
+
+
+def mig_profile(device_name: str) -> str | None:
+    """The MIG profile in a MIG device's NVML name (``NVIDIA A100-SXM4-40GB MIG 1g.5gb`` →
+    ``1g.5gb``), or None when the name has none."""
+    m = _MIG_PROFILE_RE.search(device_name)
+    return m.group(1) if m else None
+
+
+def _field_value(nv: ModuleType, value: Any) -> float | None:
+    """The number in one ``nvmlFieldValue_t`` (None when its ``nvmlReturn`` is an error)."""
+    if getattr(value, "nvmlReturn", 1) != getattr(nv, "NVML_SUCCESS", 0):
+        return None
+    member = {
+        getattr(nv, "NVML_VALUE_TYPE_DOUBLE", 0): "dVal",
+        getattr(nv, "NVML_VALUE_TYPE_UNSIGNED_INT", 1): "uiVal",
+        getattr(nv, "NVML_VALUE_TYPE_UNSIGNED_LONG", 2): "ulVal",
+        getattr(nv, "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", 3): "ullVal",
+        getattr(nv, "NVML_VALUE_TYPE_SIGNED_LONG_LONG", 4): "sllVal",
+        getattr(nv, "NVML_VALUE_TYPE_SIGNED_INT", 5): "siVal",
+        getattr(nv, "NVML_VALUE_TYPE_UNSIGNED_SHORT", 6): "usVal",
+    }.get(int(value.valueType))
+    if member is None:
+        return None
+    return float(getattr(value.value, member))
 
 
 def _text(value: Any) -> str | None:

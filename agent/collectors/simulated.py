@@ -23,15 +23,26 @@ fault                     effect (on GPU ``gpu``, default 0)
                           ``gpu`` is None; volatile ECC counts reset to 0 as a GPU reset
                           would (aggregate counts stay)
 ========================  ===============================================================
+
+Extra readings (:meth:`SimulatedCollector.extras`, for the agent's ``/metrics``): an H100's
+clocks (SM clock follows the load, lower while throttled; HBM3 at 2619 MHz), memory
+temperature a few °C above the GPU's, an energy counter that adds each sample's power over
+:data:`SIM_STEP_S` seconds per ``collect()``, no video encode/decode, 512 MiB reserved
+framebuffer (``memory_used_mib`` counts it, as NVML's version-1 ``used`` does), NVLink
+traffic and DCGM profiling ratios that follow the load, and an HGX board's PCI bus ids. They
+come from a second random generator seeded from ``seed``, so the samples' sequence is the
+same with or without them. With ``mig`` a GPU has MIG instances of the given profiles, each
+with its own memory slice and activity.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import re
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import ClassVar, Literal, get_args
@@ -47,6 +58,7 @@ from tierwatch.agent.protocol import (
     XidEvent,
     utcnow,
 )
+from tierwatch.agent.readings import GpuExtras, MigInstance
 
 Fault = Literal[
     "xid",
@@ -72,6 +84,15 @@ SLOWDOWN_C = 90.0
 SHUTDOWN_C = 98.0
 POWER_LIMIT_W = 700.0
 BASE_LATENCY_MS = 2.0
+SIM_DRIVER_VERSION = "550.90.07"
+SIM_MAX_SM_CLOCK_MHZ = 1980.0
+SIM_MEM_CLOCK_MHZ = 2619.0
+SIM_RESERVED_MIB = 512.0
+#: Seconds of energy (power × time) each ``collect()`` adds to the energy counter.
+SIM_STEP_S = 1.0
+#: PCI bus numbers of the 8 GPUs of an HGX H100 board (GPUs beyond 8 continue from 0xE0).
+_HGX_BUSES = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
+_MIG_PROFILE_RE = re.compile(r"^([1-7])g\.(\d{1,3})gb$")
 _UUID_NAMESPACE = uuid.UUID("6b1f3c3e-52a4-4c55-9a4b-7d0e4a1c0b11")
 
 
@@ -82,6 +103,12 @@ class FaultError(ValueError):
 def simulated_uuid(node: str, index: int) -> str:
     """Deterministic ``GPU-…`` UUID of simulated GPU ``index`` on ``node``."""
     return f"GPU-{uuid.uuid5(_UUID_NAMESPACE, f'{node}/{index}')}"
+
+
+def simulated_pci_bus_id(index: int) -> str:
+    """PCI bus id of simulated GPU ``index``, as an HGX H100 board numbers them."""
+    bus = _HGX_BUSES[index] if index < len(_HGX_BUSES) else 0xE0 + index - len(_HGX_BUSES)
+    return f"00000000:{bus:02X}:00.0"
 
 
 @dataclass
@@ -108,6 +135,10 @@ class _SimGpu:
     throttle: bool = False
     frozen: bool = False
     last: GpuSample | None = field(default=None, repr=False)
+    # extra readings
+    energy_mj: int = 0
+    nvlink_bandwidth: int = 0
+    mig: list[MigInstance] = field(default_factory=list)  # the profiles and instance ids
 
     def clear(self) -> None:
         self.thermal = False
@@ -130,9 +161,12 @@ class SimulatedCollector(GpuCollector):
         job: When set, :meth:`latency` yields one collective-latency sample per call for
             this job and ``rank`` (about 2 ms with jitter).
         rank: The rank of those latency samples.
+        mig: MIG instances by GPU index: the profile of each (``"3g.40gb"``); their GPU
+            instance ids are 1, 2, … in that order.
 
     Raises:
-        ValueError: ``gpus`` is out of range, or only one of ``job``/``rank`` is given.
+        ValueError: ``gpus`` is out of range, only one of ``job``/``rank`` is given, or
+            ``mig`` names a GPU out of range or a profile that is not ``<n>g.<m>gb``.
     """
 
     name = "simulated"
@@ -145,6 +179,7 @@ class SimulatedCollector(GpuCollector):
         seed: int | None = None,
         job: str | None = None,
         rank: int | None = None,
+        mig: Mapping[int, Sequence[str]] | None = None,
     ) -> None:
         super().__init__()
         if not 1 <= gpus <= 64:
@@ -169,6 +204,18 @@ class SimulatedCollector(GpuCollector):
         ]
         for gpu in self._gpus:
             gpu.temperature_c = gpu.base_temp_c
+        # the extra readings draw from their own generator: the samples stay as they were
+        self._xrng = random.Random(f"{self.seed}/extras")
+        self._extras: dict[int, GpuExtras] = {}
+        for gpu in self._gpus:
+            gpu.energy_mj = int(self._xrng.uniform(1e9, 5e9))  # since the (simulated) boot
+        for index, profiles in (mig or {}).items():
+            if not 0 <= index < gpus:
+                raise ValueError(f"mig: GPU {index} is out of range 0-{gpus - 1}")
+            for gi, profile in enumerate(profiles, start=1):
+                if not _MIG_PROFILE_RE.match(profile):
+                    raise ValueError(f"mig: profile {profile!r} is not <n>g.<m>gb, e.g. 3g.40gb")
+                self._gpus[index].mig.append(MigInstance(gpu_instance_id=gi, profile=profile))
         self._inventory = [
             GpuInfo(
                 index=i,
@@ -201,7 +248,13 @@ class SimulatedCollector(GpuCollector):
         with self._lock:
             self._tick += 1
             now = utcnow()
+            self._extras = {}
             return [self._step(gpu, now) for gpu in self._gpus]
+
+    def extras(self) -> dict[int, GpuExtras]:
+        """The extra readings of the last :meth:`collect` (none for a frozen GPU)."""
+        with self._lock:
+            return dict(self._extras)
 
     def _step(self, gpu: _SimGpu, now: datetime) -> GpuSample:
         rng = self._rng
@@ -215,6 +268,7 @@ class SimulatedCollector(GpuCollector):
         mem_used = 60000.0 + 15000.0 * load + rng.uniform(-500, 500)
         sbe_draw = rng.random()
         pcie_draw = rng.random()
+        noise = [self._xrng.gauss(0, 1) for _ in range(4)]  # drawn whatever the faults
         if gpu.frozen and gpu.last is not None:
             return gpu.last
 
@@ -264,7 +318,42 @@ class SimulatedCollector(GpuCollector):
             nvlink_recovery_errors=gpu.nvlink_recovery,
         )
         gpu.last = sample
+        self._extras[gpu.index] = self._extra(gpu, sample, load, noise)
         return sample
+
+    def _extra(self, gpu: _SimGpu, sample: GpuSample, load: float, noise: list[float]) -> GpuExtras:
+        """The extra readings that go with ``sample`` (see the module docs)."""
+        throttled = bool(sample.throttle_reasons)
+        power = sample.power_w or 0.0
+        used = sample.memory_used_mib or 0.0
+        gpu.energy_mj += int(power * 1000 * SIM_STEP_S)
+        gpu.nvlink_bandwidth += int(2e8 * (0.5 + load))
+        sm_clock = SIM_MAX_SM_CLOCK_MHZ * (0.88 + 0.12 * load) * (0.6 if throttled else 1.0)
+        tensor = _clamp(0.25 + 0.45 * load + 0.02 * noise[2], 0.0, 1.0)
+        return GpuExtras(
+            index=gpu.index,
+            pci_bus_id=simulated_pci_bus_id(gpu.index),
+            driver_version=SIM_DRIVER_VERSION,
+            sm_clock_mhz=round(sm_clock),
+            mem_clock_mhz=SIM_MEM_CLOCK_MHZ,
+            memory_temp_c=round(_clamp(gpu.temperature_c + 6 + noise[0], -50.0, 200.0), 1),
+            total_energy_mj=gpu.energy_mj,
+            enc_util_pct=0.0,
+            dec_util_pct=0.0,
+            mem_copy_util_pct=round(_clamp(25.0 + 40.0 * load + 2 * noise[1], 0.0, 100.0), 1),
+            fb_used_mib=round(used - SIM_RESERVED_MIB, 1),
+            fb_free_mib=round(SIM_MEMORY_MIB - used, 1),
+            fb_reserved_mib=SIM_RESERVED_MIB,
+            nvlink_bandwidth_total=gpu.nvlink_bandwidth,
+            prof_gr_engine_active_ratio=round(
+                _clamp((sample.utilization_pct or 0) / 100 * 0.97, 0.0, 1.0), 3
+            ),
+            prof_pipe_tensor_active_ratio=round(tensor, 3),
+            prof_dram_active_ratio=round(_clamp(0.2 + 0.5 * load + 0.02 * noise[3], 0.0, 1.0), 3),
+            prof_pcie_tx_bps=round(2e9 * (0.5 + load)),
+            prof_pcie_rx_bps=round(3e9 * (0.5 + load)),
+            mig=[_mig_reading(m, load) for m in gpu.mig],
+        )
 
     def latency(self) -> list[LatencySample]:
         """One latency sample (ms) for the configured job and rank, or none.
@@ -403,3 +492,26 @@ class SimulatedCollector(GpuCollector):
         "freeze": _freeze,
         "clear": _clear,
     }
+
+
+def _clamp(value: float, low: float, high: float) -> float:
+    return min(high, max(low, value))
+
+
+def _mig_reading(instance: MigInstance, load: float) -> MigInstance:
+    """One reading of a simulated MIG instance: its memory slice (the profile's ``<m>gb``)
+    used at 60-90 % with the load, and activity ratios that follow the load."""
+    m = _MIG_PROFILE_RE.match(instance.profile)
+    assert m is not None  # checked by the constructor
+    total = int(m.group(2)) * 1024.0
+    used = round(total * (0.6 + 0.3 * load), 1)
+    return instance.model_copy(
+        update={
+            "fb_used_mib": used,
+            "fb_free_mib": round(total - used, 1),
+            "fb_reserved_mib": 0.0,
+            "prof_gr_engine_active_ratio": round(0.5 + 0.45 * load, 3),
+            "prof_pipe_tensor_active_ratio": round(0.2 + 0.4 * load, 3),
+            "prof_dram_active_ratio": round(0.15 + 0.5 * load, 3),
+        }
+    )

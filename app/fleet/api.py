@@ -61,14 +61,37 @@ def list_nodes(
     settings: SettingsDep,
     state: StateFilter = None,
     name: Annotated[str | None, Query(max_length=128, description="name contains")] = None,
+    limit: Annotated[
+        int, Query(ge=1, le=service.NODE_PAGE_MAX, description="most nodes in this page")
+    ] = service.NODE_PAGE_DEFAULT,
+    cursor: Annotated[
+        str | None,
+        Query(max_length=256, description="the previous page's next_cursor"),
+    ] = None,
 ) -> Response:
-    """All nodes with effective state, reasons and their GPUs' latest values.
+    """Nodes in name order, one page at a time, with effective state, reasons and their
+    GPUs' latest values.
 
     ``counts`` has the number of nodes per state (after the name filter, before the state
-    filter). Serialised straight from database rows (the shape is ``NodeList``).
+    filter and the paging). ``next_cursor`` (None on the last page) fetches the next page
+    with the same filters: pass it back as ``cursor``. Serialised straight from database
+    rows (the shape is ``NodeList``).
+
+    Raises:
+        HTTPException: 422 for a cursor this API did not give out.
     """
+    try:
+        after = service.decode_cursor(cursor) if cursor else None
+    except service.BadCursor as exc:
+        raise invalid_request(("query", "cursor"), str(exc)) from exc
     payload = service.node_list_payload(
-        session, now=utcnow(), th=settings.health, state=state, name_contains=name
+        session,
+        now=utcnow(),
+        th=settings.health,
+        state=state,
+        name_contains=name,
+        limit=limit,
+        after=after,
     )
     return Response(content=to_json(payload), media_type="application/json")
 

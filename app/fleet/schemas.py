@@ -108,10 +108,17 @@ class NodeDetailOut(NodeOut):
 
 
 class NodeList(BaseModel):
-    """Nodes plus the number per state."""
+    """One page of nodes plus the number per state.
+
+    Attributes:
+        counts: nodes per effective state (name filter applied; state filter and paging not).
+        nodes: this page, in name order.
+        next_cursor: pass as ``cursor`` for the next page; None on the last one.
+    """
 
     counts: dict[str, int]
     nodes: list[NodeOut]
+    next_cursor: str | None = None
 
 
 class EventOut(BaseModel):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -202,6 +203,38 @@ def list_node_views(
     return views
 
 
+#: Nodes per page of ``GET /api/v1/nodes`` unless the client asks (``limit``), and the most.
+NODE_PAGE_DEFAULT = 500
+NODE_PAGE_MAX = 5000
+
+
+class BadCursor(ValueError):
+    """A ``cursor`` that this API did not give out (or that was edited)."""
+
+
+def encode_cursor(name: str) -> str:
+    """The opaque cursor of the page after node ``name`` (URL-safe base64, no padding)."""
+    return base64.urlsafe_b64encode(name.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> str:
+    """The node name a cursor points after.
+
+    Raises:
+        BadCursor: not base64 of a valid node name.
+    """
+    try:
+        name = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadCursor("cursor is not one this API gave out: start again without it") from exc
+    if not _NODE_NAME.fullmatch(name):
+        raise BadCursor("cursor is not one this API gave out: start again without it")
+    return name
+
+
+_NODE_NAME = re.compile(NODE_NAME_PATTERN)
+
+
 def node_list_payload(
     session: Session,
     *,
@@ -209,51 +242,79 @@ def node_list_payload(
     th: rules.HealthThresholds,
     state: str | None = None,
     name_contains: str | None = None,
+    limit: int | None = None,
+    after: str | None = None,
 ) -> dict[str, Any]:
-    """``GET /api/v1/nodes`` as plain dicts, read with four Core queries.
+    """``GET /api/v1/nodes`` as plain dicts, read with Core queries, one page at a time.
 
     The same shape as ``schemas.NodeList`` (a test holds the two together) but built
-    without ORM objects or model validation: with 2,048 nodes x 8 GPUs this response is
-    about 11 MB and is polled by dashboards and automation.
+    without ORM objects or model validation. Every node row is read (its effective state
+    decides the counts and the state filter, and is not a column), but GPUs, XID counts and
+    reasons only for the page: with 2,048 nodes × 8 GPUs the whole list was about 11 MB.
+
+    Args:
+        limit: most nodes in the page (None: every node).
+        after: the page starts after this node name (from the previous ``next_cursor``).
 
     Returns:
-        ``{"counts": {state: n}, "nodes": [node dict, ...]}``; ``counts`` ignores the
-        ``state`` filter (it counts every state of the name-filtered nodes).
+        ``{"counts": {state: n}, "nodes": [node dict, ...], "next_cursor": str | None}``,
+        nodes in name order; ``counts`` ignores the ``state`` filter and the paging (it
+        counts every state of the name-filtered nodes); ``next_cursor`` is None on the last
+        page.
     """
     nodes_t, gpus_t, reasons_t = Node.__table__, Gpu.__table__, ReasonRow.__table__
     q = select(nodes_t).order_by(nodes_t.c.name)
     if name_contains:
         q = q.where(_name_filter(nodes_t.c.name, name_contains))
-    nodes = session.execute(q).all()
-    reasons: dict[int, list[dict[str, Any]]] = {}
-    for r in session.execute(select(reasons_t).order_by(reasons_t.c.first_seen)):
-        reasons.setdefault(r.node_id, []).append(reason_fields(r))
-    xids: dict[tuple[int, int], int] = {}
-    for node_id, gpu, n in session.execute(
-        select(XidCount.node_id, XidCount.gpu_index, func.sum(XidCount.count)).group_by(
-            XidCount.node_id, XidCount.gpu_index
-        )
-    ):
-        xids[(node_id, gpu)] = int(n)
-    gpus: dict[int, list[dict[str, Any]]] = {}
-    gpu_cols = [gpus_t.c[n] for n in GPU_COLUMNS]
-    query = select(gpus_t.c.node_id, *gpu_cols).order_by(gpus_t.c.node_id, gpus_t.c.index)
-    for row in session.execute(query):
-        values = row[1:]
-        gpus.setdefault(row[0], []).append(
-            gpu_fields(values, xid_count=xids.get((row[0], values[0]), 0))
-        )
     counts = dict.fromkeys(STATES, 0)
-    out = []
-    for n in nodes:
+    page: list[tuple[Any, str]] = []
+    more = False
+    for n in session.execute(q):
         eff, _ = effective_state(n, now, th)
         counts[eff] += 1
-        if state and eff != state:
+        if (state and eff != state) or (after is not None and n.name <= after):
             continue
-        out.append(
-            node_fields(n, state=eff, reasons=reasons.get(n.id, []), gpus=gpus.get(n.id, []))
+        if limit is not None and len(page) >= limit:
+            more = True
+            continue
+        page.append((n, eff))
+    ids = [n.id for n, _ in page]
+    reasons: dict[int, list[dict[str, Any]]] = {}
+    xids: dict[tuple[int, int], int] = {}
+    gpus: dict[int, list[dict[str, Any]]] = {}
+    for chunk in _chunks(ids, 1000):  # bound the IN list (SQLite's variable limit)
+        for r in session.execute(
+            select(reasons_t).where(reasons_t.c.node_id.in_(chunk)).order_by(reasons_t.c.first_seen)
+        ):
+            reasons.setdefault(r.node_id, []).append(reason_fields(r))
+        for node_id, gpu, count in session.execute(
+            select(XidCount.node_id, XidCount.gpu_index, func.sum(XidCount.count))
+            .where(XidCount.node_id.in_(chunk))
+            .group_by(XidCount.node_id, XidCount.gpu_index)
+        ):
+            xids[(node_id, gpu)] = int(count)
+        gpu_cols = [gpus_t.c[c] for c in GPU_COLUMNS]
+        query = (
+            select(gpus_t.c.node_id, *gpu_cols)
+            .where(gpus_t.c.node_id.in_(chunk))
+            .order_by(gpus_t.c.node_id, gpus_t.c.index)
         )
-    return {"counts": counts, "nodes": out}
+        for row in session.execute(query):
+            values = row[1:]
+            gpus.setdefault(row[0], []).append(
+                gpu_fields(values, xid_count=xids.get((row[0], values[0]), 0))
+            )
+    out = [
+        node_fields(n, state=eff, reasons=reasons.get(n.id, []), gpus=gpus.get(n.id, []))
+        for n, eff in page
+    ]
+    next_cursor = encode_cursor(page[-1][0].name) if more and page else None
+    return {"counts": counts, "nodes": out, "next_cursor": next_cursor}
+
+
+def _chunks(items: list[int], size: int) -> Iterator[list[int]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
 
 
 def _name_filter(column: Any, text: str) -> Any:

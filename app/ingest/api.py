@@ -38,8 +38,9 @@ async def report(principal: AgentDep, request: Request) -> ReportAck | Response:
 
     Raises:
         RequestValidationError: 422 with each wrong field's path.
-        HTTPException: 403 when the token is bound to another node; 503 (retry) when the
-            server is stopping or could not store the batch.
+        HTTPException: 403 when the token is bound to another node; 503 with
+            ``Retry-After`` (seconds) when the server is stopping, could not store the batch,
+            or holds ``TIERWATCH_INGEST_MAX_QUEUE`` reports already (the batch is shed).
     """
     try:
         body = await request.body()
@@ -70,4 +71,6 @@ async def report(principal: AgentDep, request: Request) -> ReportAck | Response:
     try:
         return await writer.submit(batch)
     except IngestUnavailable as exc:
-        raise HTTPException(status_code=503, detail=str(exc), headers={"Retry-After": "1"}) from exc
+        raise HTTPException(
+            status_code=503, detail=str(exc), headers={"Retry-After": str(exc.retry_after_s)}
+        ) from exc

@@ -9,6 +9,12 @@ means "stored".
 
 If a group fails, each of its reports is retried alone, so one report the database refuses
 fails only its own request and never stalls the other nodes.
+
+Back-pressure: the writer holds at most ``max_queue`` reports (waiting or being stored). One
+more is shed at once with :class:`IngestBusy`, which the route answers with 503 and a
+``Retry-After`` of the time the backlog needs to drain (:func:`retry_after_s`). Shedding at
+the door keeps an overloaded replica's latency bounded: without it every report waits behind
+the whole backlog, the agents time out, retry, and add to it.
 """
 
 from __future__ import annotations
@@ -16,11 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from anyio import to_thread
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from sqlalchemy.orm import Session, sessionmaker
 
 from tierwatch.agent.protocol import ReportAck, ReportBatch, utcnow
@@ -31,8 +41,41 @@ from tierwatch.server.ingest.refusals import RefusalLog
 log = logging.getLogger("tierwatch.server.ingest")
 
 
+#: Bounds of the ``Retry-After`` a shed report gets (seconds).
+RETRY_AFTER_MIN_S = 1
+RETRY_AFTER_MAX_S = 30
+
+
 class IngestUnavailable(RuntimeError):
-    """The writer is stopped or could not store the report; the agent should retry."""
+    """The writer is stopped or could not store the report; the agent should retry.
+
+    Attributes:
+        retry_after_s: whole seconds the agent should wait before it sends again.
+    """
+
+    def __init__(self, message: str, retry_after_s: int = RETRY_AFTER_MIN_S) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class IngestBusy(IngestUnavailable):
+    """The writer's queue is full: the report was shed, not stored (503, ``Retry-After``)."""
+
+
+def retry_after_s(backlog: int, store_s_per_report: float) -> int:
+    """Seconds until a backlog of reports has been stored, as a ``Retry-After`` value.
+
+    Args:
+        backlog: reports waiting or being stored.
+        store_s_per_report: recent storing time per report (seconds; the writer's moving
+            average over its groups).
+
+    Returns:
+        ``ceil(backlog × store_s_per_report)``, clamped to [RETRY_AFTER_MIN_S,
+        RETRY_AFTER_MAX_S]; HTTP's ``Retry-After`` takes whole seconds (RFC 9110, 10.2.3).
+    """
+    wait = math.ceil(max(0, backlog) * max(0.0, store_s_per_report))
+    return max(RETRY_AFTER_MIN_S, min(RETRY_AFTER_MAX_S, wait))
 
 
 @dataclass
@@ -52,6 +95,8 @@ class IngestWriter:
         max_delay_s: longest a report waits for others to join its group (seconds).
         refusals: counts the report items refused for their job (``checkpoints.scoping``);
             default: a log of its own (:attr:`refusals`, a collector for ``/metrics``).
+        max_queue: most reports held (waiting or being stored); more are shed with
+            :class:`IngestBusy`. Default: ``settings.ingest_max_queue``.
     """
 
     def __init__(
@@ -62,6 +107,7 @@ class IngestWriter:
         max_group: int = 256,
         max_delay_s: float = 0.01,
         refusals: RefusalLog | None = None,
+        max_queue: int | None = None,
     ) -> None:
         self._factory = factory
         self.refusals = refusals if refusals is not None else RefusalLog()
@@ -73,6 +119,10 @@ class IngestWriter:
         self.groups_written = 0
         self.reports_written = 0
         self._waiting: dict[int, float] = {}  # id(pending) -> queued_at, until answered
+        self.max_queue = max_queue if max_queue is not None else settings.ingest_max_queue
+        self.shed = 0  # reports refused with IngestBusy since start
+        # moving average of storing time per report (s); starts at 10 ms, a cold guess
+        self._store_s_per_report = 0.01
 
     async def start(self) -> None:
         """Start the writer loop on the running event loop."""
@@ -91,10 +141,20 @@ class IngestWriter:
         """Queue one report and wait until it is stored.
 
         Raises:
+            IngestBusy: ``max_queue`` reports are held already; nothing was stored.
             IngestUnavailable: the writer is not running, or storing this report failed.
         """
         if self._task is None or self._task.done():
             raise IngestUnavailable("the server is shutting down; retry shortly")
+        backlog = len(self._waiting)
+        if backlog >= self.max_queue:
+            self.shed += 1
+            wait = retry_after_s(backlog, self._store_s_per_report)
+            raise IngestBusy(
+                f"the server holds {backlog} reports (its limit, TIERWATCH_INGEST_MAX_QUEUE, "
+                f"is {self.max_queue}); this one was not stored: send it again in {wait} s",
+                retry_after_s=wait,
+            )
         future: asyncio.Future[ReportAck] = asyncio.get_running_loop().create_future()
         pending = _Pending(batch, future)
         self._waiting[id(pending)] = pending.queued_at
@@ -163,6 +223,7 @@ class IngestWriter:
         return group, later, stopping
 
     async def _write(self, group: list[_Pending]) -> None:
+        started = time.monotonic()
         try:
             acks = await to_thread.run_sync(self._store, [p.batch for p in group])
         except Exception:
@@ -184,6 +245,8 @@ class IngestWriter:
             return
         self.groups_written += 1
         self.reports_written += len(group)
+        per_report = (time.monotonic() - started) / len(group)
+        self._store_s_per_report += 0.2 * (per_report - self._store_s_per_report)
         for p, ack in zip(group, acks, strict=True):
             _resolve(p.future, ack=ack)
 
@@ -196,6 +259,37 @@ class IngestWriter:
                 now=utcnow(),
                 refusal_log=self.refusals,
             )
+
+
+class WriterMetrics(Collector):
+    """This replica's ingest back-pressure on ``/metrics``.
+
+    Families: ``tierwatch_ingest_queue_reports`` (reports held now: waiting or being stored),
+    ``tierwatch_ingest_queue_limit`` (``TIERWATCH_INGEST_MAX_QUEUE``) and
+    ``tierwatch_ingest_shed_total`` (reports answered 503 because the queue was full, since
+    this process started). Per replica: Prometheus sums them over its targets.
+    """
+
+    def __init__(self, writer: IngestWriter) -> None:
+        self._writer = writer
+
+    def collect(self) -> Iterator[Metric]:
+        w = self._writer
+        yield GaugeMetricFamily(
+            "tierwatch_ingest_queue_reports",
+            "Agent reports this replica holds (waiting or being stored).",
+            value=float(w.lag()[1]),
+        )
+        yield GaugeMetricFamily(
+            "tierwatch_ingest_queue_limit",
+            "Most agent reports this replica holds before it sheds more with 503.",
+            value=float(w.max_queue),
+        )
+        yield CounterMetricFamily(
+            "tierwatch_ingest_shed",
+            "Agent reports shed with 503 because the ingest queue was full.",
+            value=float(w.shed),
+        )
 
 
 def _resolve(

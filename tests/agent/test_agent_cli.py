@@ -122,6 +122,26 @@ def test_run_without_required_settings(monkeypatch):
     assert "--token (TIERWATCH_TOKEN)" in result.output
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (
+            ["--metrics-host-label", "host-name"],
+            "--metrics-host-label (TIERWATCH_METRICS_HOST_LABEL)",
+        ),
+        (["--metrics-model-label", "gpu"], "a label /metrics sets itself"),
+        (["--metrics-listen", "127.0.0.1:70000"], "--metrics-listen (TIERWATCH_METRICS_LISTEN)"),
+    ],
+)
+def test_run_refuses_bad_metrics_settings(args, needle):
+    result = runner.invoke(
+        app, ["run", "--node", "n1", "--server", "http://127.0.0.1:9", "--token", TOKEN, *args]
+    )
+    assert result.exit_code == EXIT_USAGE
+    assert result.output.startswith("error: metrics_")
+    assert needle in result.output
+
+
 def test_cli_import_is_light():
     code = (
         "import sys, tierwatch.agent.cli; "

@@ -8,13 +8,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from agent_helpers import TOKEN, parse_series
 
 from tierwatch.agent.collectors.dcgm_exporter import DcgmExporterCollector, parse_exposition
+from tierwatch.agent.config import AgentSettings
 from tierwatch.agent.protocol import (
     THROTTLE_HW_SLOWDOWN,
     THROTTLE_HW_THERMAL_SLOWDOWN,
     XidEvent,
 )
+from tierwatch.agent.runtime import AgentRuntime
 
 FIXTURE = (Path(__file__).parent / "fixtures" / "dcgm_exporter_metrics.txt").read_text()
 
@@ -160,3 +163,34 @@ def test_exporter_down_repeats_old_samples(exporter):
         assert [e.kind for e in collector.drain_events()] == ["exporter_recovered"]
     finally:
         collector.shutdown()
+
+
+def test_agent_metrics_do_not_reexport_the_exporters_fields(exporter, receiver, tmp_path):
+    """The node's Prometheus scrapes this exporter itself: the agent adds tierwatch_* only."""
+    settings = AgentSettings(
+        node="node-a",
+        server=receiver.url,
+        token=TOKEN,
+        spool_dir=tmp_path / "spool",
+        state_dir=tmp_path / "state",
+        memory_dir=tmp_path / "memory",
+        collector="dcgm-exporter",
+        dcgm_exporter_url=exporter.url,
+    )
+    runtime = AgentRuntime(settings, flush_timeout_s=1.0)
+    runtime.start(serve_api=False)
+    try:
+        runtime.tick()
+        exporter.text = _set_value(FIXTURE, 'DCGM_FI_DEV_XID_ERRORS{gpu="0"', "48")
+        runtime.tick()  # the collector sees XID 48 appear
+        text = runtime.render_metrics().decode()
+    finally:
+        runtime.shutdown()
+    series = parse_series(text)
+    names = {name for name, _, _ in series}
+    assert not [name for name in names if name.startswith("DCGM_")]
+    assert {"tierwatch_agent_info", "tierwatch_gpu_telemetry_stale"} <= names
+    stale = {lb["gpu"]: v for n, lb, v in series if n == "tierwatch_gpu_telemetry_stale"}
+    assert stale == {"0": 0.0, "1": 0.0}
+    xids = [(lb["gpu"], lb["xid"], v) for n, lb, v in series if n == "tierwatch_xid_events_total"]
+    assert xids == [("0", "48", 1.0)]

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import threading
 
+import httpx
 import pytest
-from agent_helpers import AUTHORITY, NODE_AUTH, TOKEN, FakeGpu, make_fake_pynvml, wait_until
+from agent_helpers import (
+    AUTHORITY,
+    NODE_AUTH,
+    TOKEN,
+    FakeGpu,
+    make_fake_pynvml,
+    parse_series,
+    wait_until,
+)
 from fastapi.testclient import TestClient
 
 from tierwatch.agent.collectors.nvml import NvmlCollector
@@ -208,3 +217,48 @@ def test_run_loop_reports_each_interval_and_flushes_on_stop(receiver, tmp_path):
     assert all(len(b.samples) == 2 for b in batches)
     assert all(b.latency[0].job_id == "job-1" for b in batches)
     assert runtime.reporter.status().spool_depth == 0
+
+
+@pytest.mark.parametrize("client_host", ["127.0.0.1", "10.1.2.3"])
+def test_metrics_need_no_credential_and_never_call_the_collector(
+    sim_runtime, monkeypatch, client_host
+):
+    sim_runtime.tick()
+    sim_runtime.collector.inject("xid", gpu=2, value=79)  # counted by the runtime's on_xid
+    calls = []
+    collect = sim_runtime.collector.collect
+    monkeypatch.setattr(sim_runtime.collector, "collect", lambda: calls.append(1) or collect())
+    with TestClient(create_app(sim_runtime), client=(client_host, 5000)) as client:
+        first = client.get("/metrics")
+        second = client.get("/metrics")
+    assert first.status_code == 200, first.text
+    assert first.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert first.text == second.text  # the same snapshot, until the next tick
+    assert calls == []
+    series = parse_series(first.text)
+    temps = [labels for name, labels, _ in series if name == "DCGM_FI_DEV_GPU_TEMP"]
+    assert [labels["gpu"] for labels in temps] == ["0", "1", "2", "3"]
+    assert {labels["Hostname"] for labels in temps} == {"node-a"}
+    xids = [(lb["gpu"], lb["xid"], v) for n, lb, v in series if n == "tierwatch_xid_events_total"]
+    assert xids == [("2", "79", 1.0)]
+
+
+def test_metrics_listener_serves_metrics_and_nothing_else(receiver, tmp_path):
+    settings = _settings(receiver, tmp_path, interval=0.1, metrics_listen="127.0.0.1:0")
+    runtime = AgentRuntime(
+        settings, collector=SimulatedCollector("node-a", gpus=2, seed=1), flush_timeout_s=1.0
+    )
+    runtime.start(serve_api=False)
+    try:
+        runtime.tick()
+        url = f"http://127.0.0.1:{runtime.metrics_port}"
+        assert runtime.status()["metrics_listen"] == f"127.0.0.1:{runtime.metrics_port}"
+        resp = httpx.get(f"{url}/metrics", timeout=5)
+        assert resp.status_code == 200
+        assert "DCGM_FI_DEV_GPU_TEMP{" in resp.text
+        assert httpx.get(f"{url}/v1/status", timeout=5).status_code == 404
+        assert httpx.post(f"{url}/v1/inject", json={"fault": "xid"}, timeout=5).status_code == 404
+        assert httpx.get(f"{url}/openapi.json", timeout=5).status_code == 404
+    finally:
+        runtime.shutdown()
+    assert runtime.metrics_port is None

@@ -199,3 +199,93 @@ def test_auto_picks_nvml_when_it_loads():
     collector = make_collector(AgentSettings(node="n1", collector="auto"), nvml=nv)
     assert collector.name == "nvml"
     assert not collector.simulated
+
+
+# -- extra readings (agent/readings.py, for the agent's /metrics) --------------------------
+def test_extra_readings_with_units(started):
+    collector, _, _, _ = started
+    collector.collect()
+    extras = collector.extras()
+    assert sorted(extras) == [0, 1]
+    e0 = extras[0]
+    assert (e0.pci_bus_id, e0.driver_version) == ("00000000:18:00.0", "550.90.07")
+    assert (e0.sm_clock_mhz, e0.mem_clock_mhz) == (1980.0, 2619.0)
+    assert e0.memory_temp_c == 52.0  # field value NVML_FI_DEV_MEMORY_TEMP
+    assert e0.total_energy_mj == 123_456_789
+    assert (e0.enc_util_pct, e0.dec_util_pct, e0.mem_copy_util_pct) == (0.0, 0.0, 10.0)
+    # nvmlDeviceGetMemoryInfo version 2: used without the 512 MiB reserved
+    assert (e0.fb_used_mib, e0.fb_free_mib, e0.fb_reserved_mib) == (40448.0, 40960.0, 512.0)
+    # DCGM-only readings: NVML has none
+    assert e0.nvlink_bandwidth_total is None
+    assert e0.prof_pipe_tensor_active_ratio is None
+    assert e0.mig == []
+    assert extras[1].pci_bus_id == "00000000:19:00.0"
+
+
+def test_unsupported_extra_readings_are_none_quietly():
+    gpu = FakeGpu(
+        index=0,
+        memory_temp=None,
+        unsupported={
+            "nvmlDeviceGetClockInfo",
+            "nvmlDeviceGetTotalEnergyConsumption",
+            "nvmlDeviceGetEncoderUtilization",
+            "nvmlDeviceGetPciInfo",
+            "nvmlDeviceGetMigMode",
+        },
+    )
+    nv = make_fake_pynvml([gpu], driver_version=None)
+    del nv.nvmlDeviceGetDecoderUtilization  # an older nvidia-ml-py without the function
+    del nv.nvmlMemory_v2  # ... and without nvmlDeviceGetMemoryInfo version 2
+    collector = NvmlCollector(nvml=nv, event_wait_ms=50)
+    collector.start(lambda e: None)
+    try:
+        sample = collector.collect()[0]
+        extras = collector.extras()[0]
+    finally:
+        collector.shutdown()
+    assert sample.temperature_c == 45  # the sample is untouched
+    assert extras.model_dump(exclude_none=True) == {
+        "index": 0,
+        "mem_copy_util_pct": 10.0,
+        "fb_free_mib": 61440.0,  # version 1's free
+        "mig": [],
+    }
+    assert collector.drain_events() == []
+
+
+def test_mig_instances_are_read_from_mig_device_handles():
+    gib = 1024**3
+    gpu = FakeGpu(
+        index=0,
+        name="NVIDIA A100-SXM4-80GB",
+        mig=[(1, "3g.40gb", 30 * gib, 40 * gib), (2, "3g.40gb", 1 * gib, 40 * gib)],
+    )
+    collector = NvmlCollector(nvml=make_fake_pynvml([gpu]), event_wait_ms=50)
+    collector.start(lambda e: None)
+    try:
+        collector.collect()
+        mig = collector.extras()[0].mig
+    finally:
+        collector.shutdown()
+    assert [(m.gpu_instance_id, m.profile, m.fb_used_mib, m.fb_free_mib) for m in mig] == [
+        (1, "3g.40gb", 30720.0, 10240.0),
+        (2, "3g.40gb", 1024.0, 39936.0),
+    ]
+    assert collector.drain_events() == []  # the empty MIG slots answer NotFound, quietly
+
+
+def test_mig_profile_from_the_devices_name():
+    from tierwatch.agent.collectors.nvml import mig_profile
+
+    assert mig_profile("NVIDIA A100-SXM4-40GB MIG 1g.5gb") == "1g.5gb"
+    assert mig_profile("NVIDIA H100 80GB HBM3 MIG 1g.10gb+me") == "1g.10gb+me"
+    assert mig_profile("NVIDIA H100 80GB HBM3") is None
+
+
+def test_a_lost_gpu_has_no_extra_readings(started):
+    collector, _, gpus, _ = started
+    collector.collect()
+    gpus[0].lost = True
+    collector.collect()
+    assert sorted(collector.extras()) == [1]

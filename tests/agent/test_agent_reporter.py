@@ -227,3 +227,21 @@ def test_spool_never_drops_the_batch_in_flight(tmp_path):
     spool.set_in_flight(spool.oldest())
     assert spool.put(b"{}", "e", 3) == 1
     assert [i.seq for i in spool.items()] == [1, 3]
+
+
+def test_retry_after_is_waited_at_least_and_spread_over_half_again():
+    from tierwatch.agent.reporter import retry_wait_s
+
+    assert retry_wait_s(0.7, None, 30.0) == 0.7
+    assert retry_wait_s(0.7, 4.0, 30.0, rand=lambda: 0.0) == 4.0
+    assert retry_wait_s(0.7, 4.0, 30.0, rand=lambda: 0.999) == 4.0 * (1 + 0.5 * 0.999)
+    assert retry_wait_s(9.0, 4.0, 30.0, rand=lambda: 0.0) == 9.0  # the longer backoff wins
+    assert retry_wait_s(0.7, 120.0, 30.0, rand=lambda: 0.5) == 30.0  # capped
+    # many agents shed at once come back spread out, not in one instant
+    import random
+
+    rng = random.Random(1)
+    waits = sorted(retry_wait_s(0.5, 2.0, 30.0, rand=rng.random) for _ in range(1000))
+    assert waits[0] >= 2.0
+    assert waits[-1] <= 3.0
+    assert waits[-1] - waits[0] > 0.9

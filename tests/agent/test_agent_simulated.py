@@ -162,3 +162,57 @@ def test_every_fault_is_accepted(sim):
 
 def test_every_fault_has_one_effect():
     assert set(SimulatedCollector._EFFECTS) == set(FAULTS)
+
+
+# -- extra readings (agent/readings.py) -----------------------------------------------------
+def test_extra_readings_are_plausible():
+    sim = SimulatedCollector("node-a", gpus=8, seed=1)
+    energy = {}
+    for _ in range(20):
+        samples = sim.collect()
+        extras = sim.extras()
+        assert sorted(extras) == list(range(8))
+        for s in samples:
+            e = extras[s.index]
+            assert 1000 <= e.sm_clock_mhz <= 1980
+            assert e.mem_clock_mhz == 2619
+            assert e.memory_temp_c > s.temperature_c
+            assert e.total_energy_mj > energy.get(s.index, 0)  # a counter
+            energy[s.index] = e.total_energy_mj
+            assert e.fb_used_mib + e.fb_free_mib + e.fb_reserved_mib == pytest.approx(
+                s.memory_total_mib
+            )
+            assert 0 <= e.prof_pipe_tensor_active_ratio <= 1
+            assert e.prof_pcie_rx_bps > 0
+            assert e.driver_version
+            assert e.mig == []
+    assert extras[0].pci_bus_id == "00000000:18:00.0"
+    assert len({e.pci_bus_id for e in extras.values()}) == 8
+
+
+def test_extras_leave_the_samples_sequence_as_it_was():
+    """The extras draw from their own generator: MIG or not, the samples are the same."""
+    a = SimulatedCollector("node-a", gpus=2, seed=42)
+    b = SimulatedCollector("node-a", gpus=2, seed=42, mig={0: ["3g.40gb"]})
+    assert [_values(a.collect()) for _ in range(3)] == [_values(b.collect()) for _ in range(3)]
+
+
+def test_mig_instances_and_frozen_gpus():
+    sim = SimulatedCollector("node-a", gpus=2, seed=1, mig={1: ["3g.40gb", "2g.20gb"]})
+    sim.collect()
+    mig = sim.extras()[1].mig
+    assert [(m.gpu_instance_id, m.profile) for m in mig] == [(1, "3g.40gb"), (2, "2g.20gb")]
+    assert mig[0].fb_used_mib + mig[0].fb_free_mib == 40 * 1024
+    assert sim.extras()[0].mig == []
+    sim.inject("freeze", gpu=1)
+    sim.collect()
+    assert sorted(sim.extras()) == [0]  # the frozen GPU's sample is stale: no extras
+
+
+@pytest.mark.parametrize(
+    ("mig", "needle"),
+    [({2: ["1g.10gb"]}, "out of range"), ({0: ["big"]}, "not <n>g.<m>gb")],
+)
+def test_bad_mig_layout_is_refused(mig, needle):
+    with pytest.raises(ValueError, match=needle):
+        SimulatedCollector("node-a", gpus=2, seed=1, mig=mig)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 from sqlalchemy import func, select
 from support import auth, make_batch, post_batch, register_job
 
@@ -274,3 +275,46 @@ def test_node_list_fast_path_matches_the_schema(client, make_token, session, set
     assert only["counts"]["healthy"] == 0
     wild = client.get("/api/v1/nodes?name=%25", headers=auth(viewer)).json()
     assert wild["nodes"] == []  # a LIKE wildcard in the filter is matched literally
+
+
+def test_node_list_pages_with_a_cursor_and_keeps_its_filters(client, make_token):
+    viewer = make_token("viewer")
+    names = [f"r{i:02d}" for i in range(7)] + ["s00"]
+    for i, name in enumerate(names):
+        temp = 95.0 if i % 2 else 50.0  # odd ones unhealthy (over the temperature limit)
+        post_batch(client, make_token("agent", name), make_batch(name, 1, temperature_c=temp))
+
+    def pages(query: str) -> list[list[str]]:
+        out, cursor = [], None
+        while True:
+            url = f"/api/v1/nodes?{query}" + (f"&cursor={cursor}" if cursor else "")
+            body = client.get(url, headers=auth(viewer)).json()
+            out.append([n["name"] for n in body["nodes"]])
+            assert body["counts"]["healthy"] + body["counts"]["unhealthy"] == (
+                7 if "name=r" in query else 8
+            )  # counts ignore the paging and the state filter
+            cursor = body["next_cursor"]
+            if cursor is None:
+                return out
+
+    assert pages("limit=3") == [names[0:3], names[3:6], names[6:8]]
+    assert pages("limit=2&name=r&state=unhealthy") == [["r01", "r03"], ["r05"]]
+    assert pages("limit=4") == [names[0:4], names[4:8]]  # the last page says it is last
+    everything = client.get("/api/v1/nodes", headers=auth(viewer)).json()
+    assert [n["name"] for n in everything["nodes"]] == names  # under the default page size
+    assert everything["next_cursor"] is None
+
+
+@pytest.mark.parametrize("cursor", ["%%%", "bm9kZSBuYW1lIHdpdGggc3BhY2Vz", "_w", "x" * 257])
+def test_a_cursor_the_api_did_not_give_out_is_refused(client, make_token, cursor):
+    viewer = make_token("viewer")
+    resp = client.get(f"/api/v1/nodes?cursor={cursor}", headers=auth(viewer))
+    assert resp.status_code == 422
+    if len(cursor) <= 256:
+        assert "start again without it" in resp.text
+
+
+def test_node_page_limit_is_bounded(client, make_token):
+    viewer = make_token("viewer")
+    assert client.get("/api/v1/nodes?limit=0", headers=auth(viewer)).status_code == 422
+    assert client.get("/api/v1/nodes?limit=5001", headers=auth(viewer)).status_code == 422

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import queue
+import re
 import threading
 import types
 from collections.abc import Callable
@@ -82,6 +83,26 @@ class FakeGpu:
     nvlink_links: int = 0  # links 0..n-1 are supported
     unsupported: set[str] = field(default_factory=set)  # function names -> NotSupported
     lost: bool = False
+    # the extra readings (agent/readings.py), in NVML's units
+    sm_clock: int = 1980  # MHz
+    mem_clock: int = 2619  # MHz
+    memory_temp: int | None = 52  # °C (field NVML_FI_DEV_MEMORY_TEMP); None: not supported
+    energy_mj: int = 123_456_789
+    enc_util: int = 0
+    dec_util: int = 0
+    mem_util: int = 10
+    mem_reserved: int = 512 * 1024**2  # part of mem_used (version 1 of nvmlDeviceGetMemoryInfo)
+    pci_bus_id: str = ""  # default 00000000:<0x18 + index>:00.0
+    # MIG instances (gpu instance id, profile, used bytes, total bytes); any: MIG mode on
+    mig: list[tuple[int, str, int, int]] = field(default_factory=list)
+
+
+class FakeMigHandle:
+    """A MIG device handle of one stand-in GPU (slot ``slot`` of its MIG devices)."""
+
+    def __init__(self, gpu: FakeGpu, slot: int) -> None:
+        self.gpu = gpu
+        self.slot = slot
 
 
 class FakeHandle:
@@ -108,6 +129,7 @@ def make_fake_pynvml(
     *,
     init_error: str | None = None,
     clocks_event_reasons: bool = True,
+    driver_version: str | None = "550.90.07",
 ) -> types.ModuleType:
     """Build a stand-in ``pynvml`` module over ``gpus``.
 
@@ -116,11 +138,12 @@ def make_fake_pynvml(
         init_error: Name of an NVMLError_* class that ``nvmlInit`` raises (no NVML).
         clocks_event_reasons: Whether ``nvmlDeviceGetCurrentClocksEventReasons`` exists
             (older nvidia-ml-py has only ...ThrottleReasons).
+        driver_version: What ``nvmlSystemGetDriverVersion`` answers (None: not supported).
     """
     real = importlib.import_module("pynvml")
     mod = types.ModuleType("pynvml")
     for name in dir(real):
-        if name.startswith(("NVML_", "NVMLError", "nvmlEventType", "nvmlClocks")):
+        if name.startswith(("NVML_", "NVMLError", "nvmlEventType", "nvmlClocks", "nvmlMemory_v")):
             setattr(mod, name, getattr(real, name))
     handles = [FakeHandle(g.index) for g in gpus]
     by_handle = {id(h): g for h, g in zip(handles, gpus, strict=True)}
@@ -179,7 +202,74 @@ def make_fake_pynvml(
 
     @api
     def nvmlDeviceGetName(gpu):
+        if isinstance(gpu, FakeMigHandle):  # NVML names a MIG device "<model> MIG <profile>"
+            return f"{gpu.gpu.name} MIG {gpu.gpu.mig[gpu.slot][1]}"
         return gpu.name
+
+    @api
+    def nvmlSystemGetDriverVersion():
+        if driver_version is None:
+            raise real.NVMLError_NotSupported()
+        return driver_version
+
+    @api
+    def nvmlDeviceGetPciInfo(gpu):
+        bus_id = gpu.pci_bus_id or f"00000000:{0x18 + gpu.index:02X}:00.0"
+        return types.SimpleNamespace(busId=bus_id.encode(), busIdLegacy=bus_id[4:].encode())
+
+    @api
+    def nvmlDeviceGetClockInfo(gpu, clock_type):
+        if clock_type == real.NVML_CLOCK_SM:
+            return gpu.sm_clock
+        if clock_type == real.NVML_CLOCK_MEM:
+            return gpu.mem_clock
+        raise real.NVMLError_InvalidArgument()
+
+    @api
+    def nvmlDeviceGetTotalEnergyConsumption(gpu):
+        return gpu.energy_mj
+
+    @api
+    def nvmlDeviceGetEncoderUtilization(gpu):
+        return [gpu.enc_util, 167_000]  # [%, sampling period in µs]
+
+    @api
+    def nvmlDeviceGetDecoderUtilization(gpu):
+        return [gpu.dec_util, 167_000]
+
+    @api
+    def nvmlDeviceGetFieldValues(gpu, field_ids):
+        out = []
+        for field_id in field_ids:
+            known = field_id == real.NVML_FI_DEV_MEMORY_TEMP and gpu.memory_temp is not None
+            out.append(
+                types.SimpleNamespace(
+                    fieldId=field_id,
+                    nvmlReturn=real.NVML_SUCCESS if known else real.NVML_ERROR_NOT_SUPPORTED,
+                    valueType=real.NVML_VALUE_TYPE_UNSIGNED_INT,
+                    value=types.SimpleNamespace(uiVal=gpu.memory_temp if known else 0),
+                )
+            )
+        return out
+
+    @api
+    def nvmlDeviceGetMigMode(gpu):
+        mode = real.NVML_DEVICE_MIG_ENABLE if gpu.mig else real.NVML_DEVICE_MIG_DISABLE
+        return [mode, mode]
+
+    @api
+    def nvmlDeviceGetMaxMigDeviceCount(gpu):
+        return 7
+
+    @api
+    def nvmlDeviceGetMigDeviceHandleByIndex(gpu, slot):
+        if slot >= len(gpu.mig):
+            raise real.NVMLError_NotFound()
+        return FakeMigHandle(gpu, slot)
+
+    @api
+    def nvmlDeviceGetGpuInstanceId(mig):
+        return mig.gpu.mig[mig.slot][0]
 
     @api
     def nvmlDeviceGetTemperature(gpu, sensor):
@@ -204,13 +294,25 @@ def make_fake_pynvml(
 
     @api
     def nvmlDeviceGetUtilizationRates(gpu):
-        return types.SimpleNamespace(gpu=gpu.util, memory=10)
+        return types.SimpleNamespace(gpu=gpu.util, memory=gpu.mem_util)
 
     @api
     def nvmlDeviceGetMemoryInfo(gpu, version=None):
-        return types.SimpleNamespace(
-            total=gpu.mem_total, used=gpu.mem_used, free=gpu.mem_total - gpu.mem_used
-        )
+        if isinstance(gpu, FakeMigHandle):
+            _, _, used, total = gpu.gpu.mig[gpu.slot]
+            return types.SimpleNamespace(total=total, used=used, free=total - used)
+        free = gpu.mem_total - gpu.mem_used
+        if version:  # version 2: "used" without the reserved memory
+            assert version == real.nvmlMemory_v2
+            used = gpu.mem_used - gpu.mem_reserved
+            return types.SimpleNamespace(
+                version=version,
+                total=gpu.mem_total,
+                reserved=gpu.mem_reserved,
+                free=free,
+                used=used,
+            )
+        return types.SimpleNamespace(total=gpu.mem_total, used=gpu.mem_used, free=free)
 
     @api
     def nvmlDeviceGetTotalEccErrors(gpu, error_type, counter_type):
@@ -421,3 +523,27 @@ class Receiver:
         self.server.shutdown()
         self.server.server_close()
         self._thread.join(5)
+
+
+# ---------------------------------------------------------------------------------------
+# Prometheus text
+# ---------------------------------------------------------------------------------------
+_SERIES_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
+_LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_series(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """The sample lines of a Prometheus text exposition as ``(name, labels, value)``, names
+    exactly as written (prometheus_client's parser renames counter samples ``<name>_total``).
+    """
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SERIES_RE.match(line)
+        assert m, f"not a sample line: {line!r}"
+        labels = {
+            k: v.replace('\\"', '"').replace("\\\\", "\\") for k, v in _LABEL_RE.findall(m[2] or "")
+        }
+        out.append((m[1], labels, float(m[3])))
+    return out

@@ -9,7 +9,13 @@ from sqlalchemy import func, select, text
 from support import make_batch
 
 from tierwatch.server.fleet.models import GpuSampleRow, Node, ReportReceipt
-from tierwatch.server.ingest.writer import IngestUnavailable, IngestWriter
+from tierwatch.server.ingest.writer import (
+    RETRY_AFTER_MAX_S,
+    IngestBusy,
+    IngestUnavailable,
+    IngestWriter,
+    retry_after_s,
+)
 
 
 def run_writer(app, settings, scenario, **kwargs):
@@ -112,3 +118,47 @@ def test_submit_after_stop_is_refused(app, settings):
             await writer.submit(make_batch("n1", 1))
 
     asyncio.run(main())
+
+
+def test_a_full_queue_sheds_reports_without_storing_them(app, settings, session):
+    """12 reports at once into a writer that holds 5: 5 stored, 7 shed with a wait."""
+
+    async def scenario(writer):
+        return await asyncio.gather(
+            *(writer.submit(make_batch(f"n{i:02d}", 1)) for i in range(12)),
+            return_exceptions=True,
+        )
+
+    results, writer = run_writer(app, settings, scenario, max_queue=5)
+    stored = [r for r in results if not isinstance(r, BaseException)]
+    shed = [r for r in results if isinstance(r, BaseException)]
+    assert [a.stored for a in stored] == [True] * 5
+    assert len(shed) == 7
+    assert all(isinstance(e, IngestBusy) for e in shed)
+    assert all(e.retry_after_s >= 1 for e in shed)
+    assert "TIERWATCH_INGEST_MAX_QUEUE" in str(shed[0])
+    assert writer.shed == 7
+    names = set(session.scalars(select(Node.name)))
+    assert names == {f"n{i:02d}" for i in range(5)}  # the first five, nothing of the rest
+
+
+def test_the_queue_takes_reports_again_once_it_drains(app, settings, session):
+    async def scenario(writer):
+        first = await asyncio.gather(
+            *(writer.submit(make_batch(f"a{i}", 1)) for i in range(3)), return_exceptions=True
+        )
+        later = await writer.submit(make_batch("b0", 1))
+        return first, later
+
+    (first, later), writer = run_writer(app, settings, scenario, max_queue=2)
+    assert sum(isinstance(r, IngestBusy) for r in first) == 1
+    assert later.stored
+    assert writer.shed == 1
+
+
+@pytest.mark.parametrize(
+    ("backlog", "per_report_s", "expected"),
+    [(0, 0.01, 1), (10, 0.01, 1), (500, 0.01, 5), (501, 0.01, 6), (10**6, 0.01, RETRY_AFTER_MAX_S)],
+)
+def test_retry_after_is_the_time_the_backlog_needs(backlog, per_report_s, expected):
+    assert retry_after_s(backlog, per_report_s) == expected

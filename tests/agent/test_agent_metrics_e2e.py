@@ -1,0 +1,326 @@
+"""The agent's /metrics with real processes: ``tierwatch-agent run`` (simulated collector) on
+loopback, its separate metrics listener scraped over HTTP, promtool on that scrape, and a real
+Prometheus that scrapes several agents and answers the stock Grafana dashboard's queries."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from agent_helpers import Receiver, parse_series, wait_until
+from executables import require_executable
+from procs import BIN, Proc, base_env, free_port
+
+from tierwatch.agent.exporter import DCGM_FIELDS, XID_ERRORS, inherited_lint
+
+pytestmark = pytest.mark.e2e
+
+GPUS = 2
+
+
+@dataclass
+class MetricsAgent:
+    """A ``tierwatch-agent run`` process with ``--metrics-listen`` on its own port."""
+
+    node: str
+    proc: Proc
+    api_port: int
+    metrics_port: int
+
+    @property
+    def target(self) -> str:
+        """The scrape target (Prometheus' ``instance`` label)."""
+        return f"127.0.0.1:{self.metrics_port}"
+
+    def scrape(self) -> str:
+        resp = httpx.get(f"http://{self.target}/metrics", timeout=5)
+        assert resp.status_code == 200, resp.text
+        return resp.text
+
+    def gpus_live(self) -> bool:
+        if not self.proc.running:
+            raise AssertionError(f"agent {self.node} exited:\n{self.proc.log_tail()}")
+        temps = [n for n, _, _ in parse_series(self.scrape()) if n == "DCGM_FI_DEV_GPU_TEMP"]
+        return len(temps) == GPUS
+
+
+@pytest.fixture
+def start_agents(receiver: Receiver, tmp_path: Path) -> Iterator[Callable[..., list]]:
+    """``start_agents(n, *extra_args) -> [MetricsAgent]``: n agents, started at once, each
+    answering /metrics with all its GPUs; stopped after the test."""
+    agents: list[MetricsAgent] = []
+
+    def start(count: int, *extra: str) -> list[MetricsAgent]:
+        started = []
+        for i in range(count):
+            node = f"node-{chr(ord('a') + i)}"
+            d = tmp_path / node
+            d.mkdir()
+            api_port, metrics_port = free_port(), free_port()
+            args = [
+                str(BIN / "tierwatch-agent"),
+                "run",
+                "--node",
+                node,
+                "--server",
+                receiver.url,
+                "--token",
+                receiver.token_for(node),
+                "--collector",
+                "simulated",
+                "--sim-gpus",
+                str(GPUS),
+                "--sim-seed",
+                str(i),
+                "--interval",
+                "0.5",
+                "--listen",
+                f"127.0.0.1:{api_port}",
+                "--metrics-listen",
+                f"127.0.0.1:{metrics_port}",
+                "--spool-dir",
+                str(d / "spool"),
+                "--state-dir",
+                str(d / "state"),
+                "--memory-dir",
+                str(d / "memory"),
+                *extra,
+            ]
+            proc = Proc(node, args, base_env(), d / "agent.log").start()
+            agent = MetricsAgent(node, proc, api_port, metrics_port)
+            agents.append(agent)
+            started.append(agent)
+        for agent in started:
+            wait_until(agent.gpus_live, timeout=30, what=f"{agent.node}'s /metrics")
+        return started
+
+    yield start
+    for agent in agents:
+        agent.proc.stop()
+
+
+def test_metrics_listener_of_a_real_agent(start_agents):
+    [agent] = start_agents(1, "--metrics-host-label", "hostname")
+    series = parse_series(agent.scrape())
+    temps = {lb["gpu"]: lb for n, lb, _ in series if n == "DCGM_FI_DEV_GPU_TEMP"}
+    assert sorted(temps) == ["0", "1"]
+    assert temps["1"] == {
+        "gpu": "1",
+        "UUID": temps["1"]["UUID"],
+        "pci_bus_id": "00000000:2A:00.0",
+        "device": "nvidia1",
+        "modelName": "NVIDIA H100 80GB HBM3 (simulated)",
+        "hostname": "node-a",
+        "DCGM_FI_DRIVER_VERSION": "550.90.07",
+    }
+    assert temps["1"]["UUID"].startswith("GPU-")
+    # the listener serves /metrics only: the control API stays on the loopback --listen
+    base = f"http://{agent.target}"
+    assert httpx.post(f"{base}/v1/inject", json={"fault": "xid"}, timeout=5).status_code == 404
+    assert httpx.get(f"{base}/v1/status", timeout=5).status_code == 404
+    # the local API serves it as well, without a credential
+    local = httpx.get(f"http://127.0.0.1:{agent.api_port}/metrics", timeout=5)
+    assert local.status_code == 200
+    assert "DCGM_FI_DEV_GPU_TEMP{" in local.text
+    status = httpx.get(f"http://127.0.0.1:{agent.api_port}/v1/status", timeout=5).json()
+    assert status["metrics_listen"] == agent.target
+
+    # every XID counted; a frozen GPU's telemetry is not exported as live
+    for _ in range(2):
+        inject(agent, "xid", "79", "--gpu", "1")
+    inject(agent, "freeze", "--gpu", "0")
+
+    def frozen_and_counted() -> list:
+        s = parse_series(agent.scrape())
+        gpus = {lb["gpu"] for n, lb, _ in s if n == "DCGM_FI_DEV_GPU_TEMP"}
+        stale = {lb["gpu"]: v for n, lb, v in s if n == "tierwatch_gpu_telemetry_stale"}
+        xids = [(lb["gpu"], lb["xid"], v) for n, lb, v in s if n == "tierwatch_xid_events_total"]
+        return s if gpus == {"1"} and stale == {"0": 1.0, "1": 0.0} and xids else []
+
+    s = wait_until(frozen_and_counted, timeout=15, what="GPU 0 stale and XIDs counted")
+    assert [(lb["gpu"], lb["xid"], v) for n, lb, v in s if n == "tierwatch_xid_events_total"] == [
+        ("1", "79", 2.0)
+    ]
+    assert [v for n, lb, v in s if n == "DCGM_FI_DEV_XID_ERRORS"] == [79.0]  # GPU 1 only
+    assert agent.proc.stop(signal.SIGTERM) == 0
+
+
+def inject(agent: MetricsAgent, *fault: str) -> None:
+    """``tierwatch-agent inject`` into the agent's local API with its agent token."""
+    token = agent.proc.args[agent.proc.args.index("--token") + 1]
+    subprocess.run(
+        [str(BIN / "tierwatch-agent"), "inject", "--agent", f"http://127.0.0.1:{agent.api_port}"]
+        + list(fault),
+        env=base_env(TIERWATCH_TOKEN=token),
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+
+
+#: promtool's findings on dcgm-exporter's names that the agent keeps on purpose (its
+#: counters without "_total", and a name with its type in it), besides the camelCase
+#: ``modelName`` label of every DCGM_FI_* family.
+INHERITED = {
+    'DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter metrics should have "_total" suffix',
+    'DCGM_FI_DEV_PCIE_REPLAY_COUNTER counter metrics should have "_total" suffix',
+    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER metric name should not include type 'counter'",
+    'DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL counter metrics should have "_total" suffix',
+    'DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS counter metrics should have "_total" suffix',
+    'DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS counter metrics should have "_total" suffix',
+}
+
+
+def test_promtool_findings_on_a_real_scrape_are_the_inherited_ones(start_agents):
+    promtool = require_executable("promtool", "prometheus")
+    [agent] = start_agents(1)
+    inject(agent, "xid", "48", "--gpu", "0")  # a tierwatch_xid_events_total line as well
+
+    def with_xid_counter() -> str:
+        text = agent.scrape()
+        return text if "tierwatch_xid_events_total{" in text else ""
+
+    text = wait_until(with_xid_counter, timeout=10, what="the XID counter")
+    out = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
+    found = {line.strip() for line in (out.stdout + out.stderr).splitlines() if line.strip()}
+    assert out.returncode == 3, out.stdout + out.stderr  # lint findings, not a parse error (1)
+    families = {name for name, _, _ in parse_series(text) if name.startswith("DCGM_FI")}
+    # the simulator reads every field: every DCGM_FI_* family is in the scrape
+    assert families == {f.name for f in (*DCGM_FIELDS, XID_ERRORS)}
+    camel = {f"{n} label names should be written in 'snake_case' not 'camelCase'" for n in families}
+    assert found == INHERITED | camel
+    assert not [line for line in found if "tierwatch" in line]
+    # the rule the exporter documents gives the same set
+    kinds = {f.name: f.kind for f in (*DCGM_FIELDS, XID_ERRORS)}
+    assert found == set().union(*(inherited_lint(n, kinds[n], "modelName") for n in families))
+
+
+# -- a real Prometheus ----------------------------------------------------------------------
+def _gpu_filter(query: str, instances: list[str], gpus: list[str]) -> str:
+    """A dashboard query with Grafana's ``$instance`` / ``$gpu`` set to "All" of the
+    variables' values (Grafana writes a multi-value regex ``(a|b)``; the targets' dots are
+    left unescaped, as they match themselves)."""
+    alt = "(" + "|".join(instances) + ")"
+    return query.replace("$instance", alt).replace("$gpu", "(" + "|".join(gpus) + ")")
+
+
+#: The stock dcgm-exporter dashboard's panel queries (grafana/dcgm-exporter-dashboard.json).
+DASHBOARD_PANELS = {
+    'DCGM_FI_DEV_GPU_TEMP{instance=~"$instance", gpu=~"$gpu"}': "per_gpu",
+    'avg(DCGM_FI_DEV_GPU_TEMP{instance=~"$instance", gpu=~"$gpu"})': "one",
+    'DCGM_FI_DEV_POWER_USAGE{instance=~"$instance", gpu=~"$gpu"}': "per_gpu",
+    'sum(DCGM_FI_DEV_POWER_USAGE{instance=~"$instance", gpu=~"$gpu"})': "one",
+    'DCGM_FI_DEV_SM_CLOCK{instance=~"$instance", gpu=~"$gpu"} * 1000000': "per_gpu",
+    'DCGM_FI_DEV_GPU_UTIL{instance=~"$instance", gpu=~"$gpu"}': "per_gpu",
+    'DCGM_FI_DEV_FB_USED{instance=~"$instance", gpu=~"$gpu"}': "per_gpu",
+    'DCGM_FI_PROF_PIPE_TENSOR_ACTIVE{instance=~"$instance", gpu=~"$gpu"}': "per_gpu",
+}
+
+
+@dataclass
+class Prometheus:
+    url: str
+    proc: Proc
+
+    def query(self, expr: str) -> list[dict]:
+        resp = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
+        body = resp.json()
+        assert resp.status_code == 200, body
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def label_values(self, label: str, match: str) -> set[str]:
+        resp = httpx.get(
+            f"{self.url}/api/v1/label/{label}/values", params={"match[]": match}, timeout=10
+        )
+        assert resp.status_code == 200, resp.text
+        return set(resp.json()["data"])
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[Callable[[list[str]], Prometheus]]:
+    """``prometheus(targets)``: Debian's Prometheus on 127.0.0.1 (ephemeral port, own TSDB
+    folder) scraping ``targets`` every second; stopped after the test."""
+    exe = require_executable("prometheus", "prometheus")
+    procs: list[Proc] = []
+
+    def start(targets: list[str]) -> Prometheus:
+        d = tmp_path / "prometheus"
+        d.mkdir()
+        config = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+            "scrape_configs": [
+                {"job_name": "gpu", "static_configs": [{"targets": targets}]},
+            ],
+        }
+        (d / "prometheus.yml").write_text(yaml.safe_dump(config))
+        port = free_port()
+        proc = Proc(
+            "prometheus",
+            [
+                exe,
+                f"--config.file={d / 'prometheus.yml'}",
+                f"--storage.tsdb.path={d / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            base_env(),
+            d / "prometheus.log",
+        ).start()
+        procs.append(proc)
+        prom = Prometheus(f"http://127.0.0.1:{port}", proc)
+
+        def ready() -> bool:
+            if not proc.running:
+                raise AssertionError(f"prometheus exited:\n{proc.log_tail()}")
+            return httpx.get(f"{prom.url}/-/ready", timeout=1).status_code == 200
+
+        wait_until(ready, timeout=30, what=f"Prometheus ready\n{proc.log_tail()}")
+        return prom
+
+    yield start
+    for proc in procs:
+        proc.stop()
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_each_agent_and_the_stock_dashboard_works(start_agents, prometheus):
+    agents = start_agents(3)
+    targets = sorted(a.target for a in agents)
+    prom = prometheus(targets)
+    wait_until(
+        lambda: (
+            len(prom.query('DCGM_FI_PROF_PIPE_TENSOR_ACTIVE{job="gpu"}')) == 3 * GPUS
+            and all(r["value"][1] == "1" for r in prom.query('up{job="gpu"}'))
+            and len(prom.query('up{job="gpu"}')) == 3
+        ),
+        timeout=30,
+        what="Prometheus scraping the 3 agents",
+    )
+    # the dashboard's variables
+    assert sorted(prom.label_values("instance", "DCGM_FI_DEV_GPU_TEMP")) == targets
+    gpus = sorted(prom.label_values("gpu", "DCGM_FI_DEV_GPU_TEMP"))
+    assert gpus == [str(i) for i in range(GPUS)]
+    # its panels: one series per node and GPU
+    pairs = {(a.target, str(g)) for a in agents for g in range(GPUS)}
+    for panel, shape in DASHBOARD_PANELS.items():
+        result = prom.query(_gpu_filter(panel, targets, gpus))
+        if shape == "one":
+            assert len(result) == 1, (panel, result)
+            continue
+        got = [(r["metric"]["instance"], r["metric"]["gpu"]) for r in result]
+        assert len(got) == len(pairs), (panel, got)
+        assert set(got) == pairs, (panel, got)
+        hosts = {r["metric"]["instance"]: r["metric"]["Hostname"] for r in result}
+        assert hosts == {a.target: a.node for a in agents}, panel
+    sm_clock = 'DCGM_FI_DEV_SM_CLOCK{instance=~"$instance", gpu=~"$gpu"} * 1000000'
+    sm_hz = prom.query(_gpu_filter(sm_clock, targets, gpus))
+    assert all(float(r["value"][1]) >= 1e9 for r in sm_hz)  # MHz × 10⁶ = Hz
