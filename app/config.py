@@ -58,6 +58,8 @@ class Settings(BaseSettings):
             sheds more with 503 and a ``Retry-After`` sized to the backlog (docs/operations.md,
             "Ingest back-pressure"); the agents keep shed reports in their spools and retry.
         metrics_require_token: require a bearer token for ``GET /metrics``.
+        metrics_gpu_series: also re-export every live GPU's dcgm-exporter gauges on the
+            server's ``/metrics`` (off: the agents' own ``/metrics`` serve them per node).
         max_clock_skew_s: reports with a time further than this ahead of the server's
             clock are refused (seconds): a future reading would pin a GPU's latest value.
         token_cache_s: how long a process remembers a valid token (seconds); a revoked
@@ -107,6 +109,7 @@ class Settings(BaseSettings):
     ingest_max_queue: Annotated[int, Field(ge=1)] = 2000
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     metrics_require_token: bool = False
+    metrics_gpu_series: bool = False
     token_cache_s: Annotated[float, Field(ge=0)] = 30.0
     max_clock_skew_s: Annotated[float, Field(gt=0)] = 300.0
     dashboard_refresh_s: Annotated[float, Field(gt=0)] = 1.5

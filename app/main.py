@@ -201,7 +201,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessionmaker = make_sessionmaker(engine)
-    app.state.metrics_registry = make_registry(app.state.sessionmaker, settings.health)
+    app.state.metrics_registry = make_registry(
+        app.state.sessionmaker, settings.health, gpu_series=settings.metrics_gpu_series
+    )
     # The writer stores one group at a time: one connection of its own, no pre-ping round
     # trip per group (a connection that broke fails that group, is discarded, and the
     # group's reports are retried one by one on a fresh one).

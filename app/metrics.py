@@ -1,9 +1,19 @@
 """``GET /metrics``: Prometheus exposition of the latest-value tables.
 
-GPU gauges use dcgm-exporter's metric names and its ``Hostname``, ``gpu`` and ``UUID``
-labels, so existing Grafana dashboards work unchanged. They are exposed as gauges: a
-prometheus-client Counter would append ``_total`` and break the names. Collection is a pure
-read done on demand (a custom collector), never a background copy.
+The server exports the ``tierwatch_*`` state series (node state, isolation, maintenance,
+XID counts, checkpoint tiers and lag, the command queue, the policy breaker). GPU series are
+the agents' to export: each agent serves dcgm-exporter's format on its own ``/metrics``
+(``tierwatch.agent.exporter``), so Prometheus scrapes every node as it scrapes
+dcgm-exporter. Re-exporting every GPU here is opt-in (``TIERWATCH_METRICS_GPU_SERIES=1``):
+it puts every node behind one ``instance`` label (docs/operations.md says how to relabel)
+and costs a scrape time proportional to the fleet.
+
+Re-exported GPU gauges use dcgm-exporter's metric names and its ``Hostname``, ``gpu`` and
+``UUID`` labels. They are exposed as gauges: a prometheus-client Counter would append
+``_total`` and break the names. Only live values are exported: nothing of an unreachable
+node, nor of a GPU whose newest sample is stale (``rules.rule_stale_telemetry``'s limit), so
+a dead node's last readings never pass for current ones. Collection is a pure read done on
+demand (a custom collector), never a background copy.
 """
 
 from __future__ import annotations
@@ -98,22 +108,34 @@ GPU_LABELS = ["gpu", "UUID", "Hostname"]
 class FleetCollector(Collector):
     """Yields metric families from the database on each scrape."""
 
-    def __init__(self, factory: sessionmaker[Session], th: rules.HealthThresholds) -> None:
+    def __init__(
+        self, factory: sessionmaker[Session], th: rules.HealthThresholds, gpu_series: bool
+    ) -> None:
         self._factory = factory
         self._th = th
+        self._gpu_series = gpu_series
 
     def collect(self) -> Iterator[Metric]:
         with self._factory() as session:
-            yield from collect_fleet(session, self._th)
+            yield from collect_fleet(session, self._th, gpu_series=self._gpu_series)
             yield from collect_checkpoints(session)
             yield from collect_actions(session)
 
 
-def collect_fleet(session: Session, th: rules.HealthThresholds) -> Iterator[Metric]:
-    """All fleet metric families from the latest-value tables (pure read)."""
+def collect_fleet(
+    session: Session, th: rules.HealthThresholds, *, gpu_series: bool = False
+) -> Iterator[Metric]:
+    """All fleet metric families from the latest-value tables (pure read).
+
+    Args:
+        gpu_series: also re-export each live GPU's dcgm-exporter gauges (see the module's
+            docstring for what counts as live).
+    """
     now = utcnow()
     nodes = {n.id: n for n in session.scalars(select(Node))}
-    gpus = list(session.scalars(select(Gpu).order_by(Gpu.node_id, Gpu.index)))
+    gpus = (
+        list(session.scalars(select(Gpu).order_by(Gpu.node_id, Gpu.index))) if gpu_series else []
+    )
     families = {
         name: GaugeMetricFamily(name, help_, labels=GPU_LABELS) for name, _, help_ in DCGM_GAUGES
     }
@@ -136,7 +158,7 @@ def collect_fleet(session: Session, th: rules.HealthThresholds) -> Iterator[Metr
             last_xid[key] = (c.last_ts, c.xid)
     for g in gpus:
         node = nodes.get(g.node_id)
-        if node is None or g.ts is None:
+        if node is None or not _live(node, g.ts, now, th):
             continue
         labels = [str(g.index), g.uuid, node.name]
         for name, column, _ in DCGM_GAUGES:
@@ -144,8 +166,9 @@ def collect_fleet(session: Session, th: rules.HealthThresholds) -> Iterator[Metr
             if value is not None:
                 families[name].add_metric(labels, float(value))
         xid_last.add_metric(labels, float(last_xid.get((g.node_id, g.index), (None, 0))[1]))
-    yield from families.values()
-    yield xid_last
+    if gpu_series:
+        yield from families.values()
+        yield xid_last
     yield counts
     state = GaugeMetricFamily(
         "tierwatch_node_state",
@@ -175,6 +198,16 @@ def collect_fleet(session: Session, th: rules.HealthThresholds) -> Iterator[Metr
         "1 while a cluster-wide maintenance window is active.",
         value=0.0 if windows.cluster is None else 1.0,
     )
+
+
+def _live(node: Node, gpu_ts: Any, now: Any, th: rules.HealthThresholds) -> bool:
+    """Whether a GPU's latest values are current: its node is reachable and the sample is
+    younger than the stale-telemetry limit (``th.stale_intervals`` report intervals)."""
+    if gpu_ts is None or effective_state(node, now, th)[1]:
+        return False
+    if gpu_ts.tzinfo is None:  # SQLite hands back naive UTC
+        gpu_ts = gpu_ts.replace(tzinfo=now.tzinfo)
+    return (now - gpu_ts).total_seconds() < th.stale_intervals * node.interval_s
 
 
 def collect_checkpoints(session: Session) -> Iterator[Metric]:
@@ -257,8 +290,14 @@ def collect_actions(session: Session) -> Iterator[Metric]:
     )
 
 
-def make_registry(factory: sessionmaker[Session], th: rules.HealthThresholds) -> CollectorRegistry:
-    """A registry holding only the fleet (and checkpoint) collector (no process metrics)."""
+def make_registry(
+    factory: sessionmaker[Session], th: rules.HealthThresholds, *, gpu_series: bool = False
+) -> CollectorRegistry:
+    """A registry holding only the fleet (and checkpoint) collector (no process metrics).
+
+    Args:
+        gpu_series: re-export live GPUs' dcgm-exporter gauges (``TIERWATCH_METRICS_GPU_SERIES``).
+    """
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(FleetCollector(factory, th))
+    registry.register(FleetCollector(factory, th, gpu_series))
     return registry

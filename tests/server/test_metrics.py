@@ -4,13 +4,78 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from datetime import timedelta
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import update
 from support import make_batch, post_batch
 
+from tierwatch.agent.protocol import utcnow
+from tierwatch.server.fleet.models import Node
 
-def test_metrics_use_dcgm_exporter_names_and_labels(client, make_token):
+
+@pytest.fixture
+def gpu_client(settings):
+    """A client of an app that re-exports GPU series (``TIERWATCH_METRICS_GPU_SERIES=1``)."""
+    from fastapi.testclient import TestClient
+
+    from tierwatch.server.main import create_app
+
+    with TestClient(create_app(settings.model_copy(update={"metrics_gpu_series": True}))) as c:
+        yield c
+
+
+def _families(text: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_by_default_the_server_exports_state_not_gpu_series(client, make_token):
+    """GPU series are the agents' /metrics; the server keeps the tierwatch_* state series."""
+    post_batch(client, make_token("agent", "n1"), make_batch("n1", 1, xids=[(1, 79)]))
+    families = _families(client.get("/metrics").text)
+    assert not [name for name in families if name.startswith("DCGM_FI")]
+    assert "tierwatch_node_state" in families
+    [count] = families["tierwatch_xid_events"].samples
+    assert count.labels == {"Hostname": "n1", "gpu": "1", "xid": "79"}
+
+
+def test_re_exported_gpu_series_leave_out_dead_nodes_and_stale_gpus(
+    gpu_client, make_token, session
+):
+    """An unreachable node's and a stale GPU's last values are not exported as live."""
+    client = gpu_client
+    # n-dead's report was fresh, but it last reported a minute ago (interval 5 s:
+    # unreachable after 15 s)
+    post_batch(client, make_token("agent", "n-dead"), make_batch("n-dead", 1))
+    session.execute(
+        update(Node).where(Node.name == "n-dead").values(last_seen=utcnow() - timedelta(minutes=1))
+    )
+    session.commit()
+    # n-live reports now, but GPU 1's newest reading is a minute old (stale after 15 s)
+    agent = make_token("agent", "n-live")
+    post_batch(client, agent, make_batch("n-live", 1, offset_s=-60))
+    fresh = make_batch("n-live", 2)
+    post_batch(client, agent, fresh.model_copy(update={"samples": fresh.samples[:1]}))
+    families = _families(client.get("/metrics").text)
+    temps = {
+        (s.labels["Hostname"], s.labels["gpu"]) for s in families["DCGM_FI_DEV_GPU_TEMP"].samples
+    }
+    assert temps == {("n-live", "0")}
+    xid = {
+        (s.labels["Hostname"], s.labels["gpu"]) for s in families["DCGM_FI_DEV_XID_ERRORS"].samples
+    }
+    assert xid == {("n-live", "0")}
+    state = {
+        s.labels["Hostname"]: s.labels["state"]
+        for s in families["tierwatch_node_state"].samples
+        if s.value == 1.0
+    }
+    assert state["n-dead"] == "unreachable"  # the state series still tells the story
+
+
+def test_metrics_use_dcgm_exporter_names_and_labels(gpu_client, make_token):
+    client = gpu_client
     agent = make_token("agent", "n1")
     post_batch(client, agent, make_batch("n1", 1, gpus=2, temperature_c=61.0, power_w=350.5))
     post_batch(
@@ -73,7 +138,14 @@ def test_required_metrics_token_is_not_an_agent_token(settings, make_token):
     shutil.which("promtool") is None,
     reason="promtool absent (.ci/run installs the Debian prometheus package)",
 )
-def test_metrics_pass_promtool(client, make_token):
+@pytest.mark.parametrize("gpu_series", [False, True])
+def test_metrics_pass_promtool(settings, make_token, gpu_series):
+    from fastapi.testclient import TestClient
+
+    from tierwatch.server.main import create_app
+
+    app = create_app(settings.model_copy(update={"metrics_gpu_series": gpu_series}))
+    client = TestClient(app)
     agent = make_token("agent", "n1")
     post_batch(client, agent, make_batch("n1", 1, gpus=8, xids=[(3, 79)]))
     text = client.get("/metrics").text
