@@ -133,9 +133,7 @@ def collect_fleet(
     """
     now = utcnow()
     nodes = {n.id: n for n in session.scalars(select(Node))}
-    gpus = (
-        list(session.scalars(select(Gpu).order_by(Gpu.node_id, Gpu.index))) if gpu_series else []
-    )
+    gpus = list(session.scalars(select(Gpu).order_by(Gpu.node_id, Gpu.index))) if gpu_series else []
     families = {
         name: GaugeMetricFamily(name, help_, labels=GPU_LABELS) for name, _, help_ in DCGM_GAUGES
     }
