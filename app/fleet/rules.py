@@ -18,8 +18,8 @@ and exclusive where it says "over" (rates, straggler factor).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-import statistics
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -835,6 +835,13 @@ def straggler_ranks(
         first, ``factor``, ``consecutive``, ``ranks``), for the stragglers only.
     """
     k = th.straggler_consecutive
+    # Each position's values, sorted once: the median of the others is then read off the
+    # sorted list with the rank's own value left out, O(log n) per rank and position, so the
+    # whole check is O(k × n log n) for n ranks (it was O(k × n²): a list of the others
+    # per rank and position).
+    by_position = {
+        j: sorted(v[-j] for v in series.values() if len(v) >= j) for j in range(1, k + 1)
+    }
     result: dict[int, dict[str, Any]] = {}
     for rank, values in series.items():
         if len(values) < k:
@@ -842,12 +849,9 @@ def straggler_ranks(
         latencies: list[float] = []
         medians: list[float] = []
         for j in range(k, 0, -1):  # oldest of the last k first
-            others = [v[-j] for r, v in series.items() if r != rank and len(v) >= j]
-            if not others:
-                break
-            median = statistics.median(others)
             value = values[-j]
-            if median <= 0 or not value > th.straggler_factor * median:
+            median = _median_without(by_position[j], value)
+            if median is None or median <= 0 or not value > th.straggler_factor * median:
                 break
             latencies.append(value)
             medians.append(median)
@@ -860,6 +864,22 @@ def straggler_ranks(
                 "ranks": len(series),
             }
     return result
+
+
+def _median_without(ordered: list[float], value: float) -> float | None:
+    """The median of ``ordered`` (sorted, holding ``value``) with one ``value`` left out;
+    None when nothing is left. Equal to ``statistics.median`` of the remaining values."""
+    i = bisect.bisect_left(ordered, value)
+    m = len(ordered) - 1
+    if m <= 0:
+        return None
+
+    def at(r: int) -> float:  # the r-th smallest of the remaining values
+        return ordered[r] if r < i else ordered[r + 1]
+
+    if m % 2:
+        return at(m // 2)
+    return (at(m // 2 - 1) + at(m // 2)) / 2
 
 
 def rule_straggler(rank: int, job_id: str, evidence: dict[str, Any], at: datetime) -> Finding:

@@ -187,6 +187,50 @@ def test_straggler_rank_is_degraded(client, make_token):
     assert reason["rule"] == "straggler"
 
 
+def test_a_group_of_many_nodes_evaluates_each_job_once(client, make_token, app, settings):
+    """8 nodes' reports of one job in one group per step: the job's samples are read once per
+    group, and the straggler reason lands on the node of the slow rank only."""
+    from sqlalchemy import event
+
+    from tierwatch.server.fleet.ingest import ingest_reports
+
+    names = [f"g{i}" for i in range(8)]
+    register_job(client, "big", names, layout=names)  # rank i on node g<i>
+    reads = []
+
+    def count(conn, cursor, statement, *args):  # noqa: ANN001 - SQLAlchemy's event signature
+        if "FROM latency_samples" in statement and statement.lstrip().startswith("SELECT"):
+            reads.append(statement)
+
+    event.listen(app.state.engine, "before_cursor_execute", count)
+    try:
+        for step in range(3):
+            group = []
+            for i, name in enumerate(names):
+                batch = make_batch(name, step + 1, offset_s=step)
+                latency = 40.0 if name == "g5" else 2.0 + 0.1 * i
+                batch.latency = [
+                    LatencySample(
+                        job_id="big", rank=i, world_size=8, ts=batch.sent_at, latency_ms=latency
+                    )
+                ]
+                group.append(batch)
+            with app.state.sessionmaker() as s:
+                ingest_reports(s, batches=group, settings=settings, now=utcnow())
+    finally:
+        event.remove(app.state.engine, "before_cursor_execute", count)
+    assert len(reads) == 3  # one per group, not one per report (24)
+    viewer = make_token("viewer")
+    states = {
+        n["name"]: n["state"]
+        for n in client.get("/api/v1/nodes", headers=auth(viewer)).json()["nodes"]
+    }
+    assert {n for n, st in states.items() if st != "healthy"} == {"g5"}
+    [reason] = node_json(client, viewer, "g5")["reasons"]
+    assert reason["rule"] == "straggler"
+    assert reason["evidence"]["rank"] == 5
+
+
 def test_unreachable_after_three_missed_intervals(client, make_token, session):
     agent, viewer = make_token("agent", "n1"), make_token("viewer")
     post_batch(client, agent, make_batch("n1", 1, interval_s=5))

@@ -8,6 +8,8 @@ from typing import Any
 
 import pydantic
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierwatch.agent.protocol import (
     THROTTLE_GPU_IDLE,
@@ -859,3 +861,53 @@ def test_xid_evidence_keeps_only_the_newest_occurrences() -> None:
     assert finding.evidence["count"] == 500
     assert len(finding.evidence["occurrences"]) == MAX_EVIDENCE_OCCURRENCES
     assert finding.evidence["occurrences"][-1] == burst[-1].ts.isoformat()
+
+
+def _straggler_ranks_by_definition(series, th):
+    """The rule as docs/design.md states it, computed the slow way (each rank's others)."""
+    import statistics
+
+    k = th.straggler_consecutive
+    out = set()
+    for rank, values in series.items():
+        if len(values) < k:
+            continue
+        for j in range(k, 0, -1):
+            others = [v[-j] for r, v in series.items() if r != rank and len(v) >= j]
+            if not others:
+                break
+            median = statistics.median(others)
+            if median <= 0 or not values[-j] > th.straggler_factor * median:
+                break
+        else:
+            out.add(rank)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        st.integers(0, 40),
+        st.lists(
+            st.sampled_from([0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 5.0, 8.0]),
+            min_size=0,
+            max_size=5,
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    st.sampled_from([1.2, 1.5, 3.0]),
+)
+def test_straggler_ranks_match_the_definition(series, factor) -> None:
+    """The sorted-once median (O(k n log n)) flags exactly the ranks the definition does,
+    ties, zeros, short series and 1-rank jobs included."""
+    th = HealthThresholds(straggler_factor=factor, straggler_consecutive=2)
+    fast = rules.straggler_ranks(series, th)
+    assert set(fast) == _straggler_ranks_by_definition(series, th)
+    for rank, ev in fast.items():  # and the medians it reports are the definition's
+        import statistics
+
+        k = th.straggler_consecutive
+        for n, j in enumerate(range(k, 0, -1)):
+            others = [v[-j] for r, v in series.items() if r != rank and len(v) >= j]
+            assert ev["median_ms"][n] == statistics.median(others)
