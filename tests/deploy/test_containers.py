@@ -677,6 +677,9 @@ def test_kubernetes_agent_daemonset():
     assert not problems, "\n".join(problems)
     args = agent["args"]
     assert _opt(args, "--collector") == "nvml"
+    # Prometheus scrapes each node's agent (dcgm-exporter's format) on a port of its own
+    ports = {p["name"]: p["containerPort"] for p in agent["ports"]}
+    assert _opt(args, "--metrics-listen") == f"0.0.0.0:{ports['metrics']}"
     memory_dir = _opt(args, "--memory-dir")
     mounts = {m["mountPath"]: m["name"] for m in agent["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
