@@ -1362,10 +1362,11 @@ def verdict_lines(m: dict[str, Any]) -> list[str]:
             "pool timeouts below)."
         )
     lines.append(
-        f"CPU bound: the server is one process (one event loop plus a thread pool under the "
-        f"GIL), so at {cpu:.2f} ms of server CPU per report (measured one at a time on the "
-        f"quiet server) it tops out near {1000 / cpu:.0f} reports/s "
-        f"({1000 / cpu * GPUS_PER_NODE:.0f} samples/s) however many cores it has, "
+        f"CPU bound: the server runs {WORKERS} worker process(es) (each one event loop plus a "
+        f"thread pool under the GIL) on {os.cpu_count()} cores shared with PostgreSQL and the "
+        f"load, so at {cpu:.2f} ms of server CPU per report (measured one at a time on the "
+        f"quiet server) one worker tops out near {1000 / cpu:.0f} reports/s "
+        f"({1000 / cpu * GPUS_PER_NODE:.0f} samples/s), "
         f"{RATE * cpu / 1000:.1f} cores' worth of work at the offered {RATE:.0f} reports/s"
         + (
             f"; under this run's concurrency it spent {m['ingest_cpu_ms_per_report']:.2f} ms "
