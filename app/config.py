@@ -58,6 +58,8 @@ class Settings(BaseSettings):
             sheds more with 503 and a ``Retry-After`` sized to the backlog (docs/operations.md,
             "Ingest back-pressure"); the agents keep shed reports in their spools and retry.
         metrics_require_token: require a bearer token for ``GET /metrics``.
+        metrics_cache_s: a ``/metrics`` rendering is served this long to every scraper
+            (seconds; 0: render each scrape).
         metrics_gpu_series: also re-export every live GPU's dcgm-exporter gauges on the
             server's ``/metrics`` (off: the agents' own ``/metrics`` serve them per node).
         max_clock_skew_s: reports with a time further than this ahead of the server's
@@ -110,6 +112,7 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     metrics_require_token: bool = False
     metrics_gpu_series: bool = False
+    metrics_cache_s: Annotated[float, Field(ge=0, le=300)] = 5.0
     token_cache_s: Annotated[float, Field(ge=0)] = 30.0
     max_clock_skew_s: Annotated[float, Field(gt=0)] = 300.0
     dashboard_refresh_s: Annotated[float, Field(gt=0)] = 1.5

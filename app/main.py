@@ -13,7 +13,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.middleware.gzip import GZipMiddleware
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -36,7 +36,7 @@ from tierwatch.server.fleet import api as fleet_api
 from tierwatch.server.fleet import views as fleet_views
 from tierwatch.server.ingest import api as ingest_api
 from tierwatch.server.ingest.writer import IngestWriter, WriterMetrics
-from tierwatch.server.metrics import make_registry
+from tierwatch.server.metrics import ScrapeCache, make_registry
 from tierwatch.server.resources import resource_dir
 from tierwatch.server.security import (
     LoginLimiter,
@@ -213,6 +213,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # tierwatch_ingest_refused_total: report items refused for their job (checkpoints.scoping)
     app.state.metrics_registry.register(app.state.ingest_writer.refusals)
     app.state.metrics_registry.register(WriterMetrics(app.state.ingest_writer))
+    app.state.metrics_cache = ScrapeCache(app.state.metrics_registry, settings.metrics_cache_s)
     app.state.token_resolver = TokenResolver(engine, settings.token_cache_s)
     app.state.background = BackgroundWork(
         app.state.sessionmaker,
@@ -277,6 +278,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 return PlainTextResponse("authentication required", status_code=401)
             if not principal.has_role("viewer"):
                 return PlainTextResponse(role_refusal(principal.role, "viewer"), status_code=403)
-        return Response(generate_latest(app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(app.state.metrics_cache.get(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -18,9 +18,12 @@ demand (a custom collector), never a background copy.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 from sqlalchemy import select
@@ -299,3 +302,43 @@ def make_registry(
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FleetCollector(factory, th, gpu_series))
     return registry
+
+
+class ScrapeCache:
+    """One exposition of a registry, reused for ``ttl_s`` seconds (single flight).
+
+    A scrape reads every node, job and command; Prometheus servers run in pairs for high
+    availability, and other scrapers come and go. Each replica renders at most once per
+    ``ttl_s``, whoever asks; scrapes that arrive while it renders wait for that rendering
+    instead of starting their own. The series are at most ``ttl_s`` old, less than a
+    Prometheus scrape interval (15 s by default).
+
+    Args:
+        registry: what to expose.
+        ttl_s: how long one rendering is served (seconds; 0: render every scrape).
+        clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._registry = registry
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._body: bytes | None = None
+        self._at = 0.0
+        self.renders = 0
+
+    def get(self) -> bytes:
+        """The exposition text (UTF-8), rendered anew when the cached one is too old."""
+        with self._lock:
+            now = self._clock()
+            if self._body is None or self._ttl_s <= 0 or now - self._at >= self._ttl_s:
+                self._body = generate_latest(self._registry)
+                self._at = self._clock()
+                self.renders += 1
+            return self._body

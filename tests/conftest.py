@@ -151,8 +151,9 @@ def db_url(database_url: str) -> str:
 
 @pytest.fixture
 def settings(db_url: str) -> Settings:
-    """Dev-mode settings on the test database, pruner off."""
-    return Settings(database_url=db_url, dev=True, prune_interval_s=0)
+    """Dev-mode settings on the test database, pruner off, /metrics rendered every scrape
+    (tests scrape right after a change; tests/server/test_metrics.py covers the cache)."""
+    return Settings(database_url=db_url, dev=True, prune_interval_s=0, metrics_cache_s=0)
 
 
 @pytest.fixture

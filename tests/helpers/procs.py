@@ -179,6 +179,8 @@ def make_server(workdir: Path, database_url: str, port: int | None = None, **env
             # http (tests/web/test_sessions.py covers the Secure flag in-process).
             TIERWATCH_SESSION_COOKIE_SECURE="0",
             TIERWATCH_PRUNE_INTERVAL_S="0",
+            # tests scrape right after a change; the cache has its own test
+            TIERWATCH_METRICS_CACHE_S="0",
             **env,
         ),
         workdir / "server.log",

@@ -153,3 +153,48 @@ def test_metrics_pass_promtool(settings, make_token, gpu_series):
         ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_one_rendering_is_served_for_its_ttl():
+    """Scrapes within the TTL get the same rendering; after it, a new one."""
+    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.registry import CollectorRegistry
+
+    from tierwatch.server.metrics import ScrapeCache
+
+    value = [1.0]
+
+    class One:
+        def collect(self):
+            yield GaugeMetricFamily("tierwatch_test_value", "A test value.", value=value[0])
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(One())
+    clock = [100.0]
+    cache = ScrapeCache(registry, ttl_s=5.0, clock=lambda: clock[0])
+    assert b"tierwatch_test_value 1.0" in cache.get()
+    value[0] = 2.0
+    clock[0] += 4.9
+    assert b"tierwatch_test_value 1.0" in cache.get()  # still the first rendering
+    clock[0] += 0.1
+    assert b"tierwatch_test_value 2.0" in cache.get()
+    assert cache.renders == 2
+    off = ScrapeCache(registry, ttl_s=0, clock=lambda: clock[0])
+    off.get()
+    off.get()
+    assert off.renders == 2
+
+
+def test_the_app_serves_its_cached_rendering(settings, make_token):
+    """With the default TTL, a change shows at the next rendering, not at the next scrape."""
+    from fastapi.testclient import TestClient
+
+    from tierwatch.server.main import create_app
+
+    app = create_app(settings.model_copy(update={"metrics_cache_s": 300}))
+    with TestClient(app) as c:
+        first = c.get("/metrics").text
+        assert 'tierwatch_node_isolated{Hostname="n1"}' not in first
+        post_batch(c, make_token("agent", "n1"), make_batch("n1", 1))
+        assert c.get("/metrics").text == first
+        assert app.state.metrics_cache.renders == 1
