@@ -74,6 +74,14 @@ def run(
     interval: Annotated[
         float | None, typer.Option(help="Seconds between reports (default 5) [TIERWATCH_INTERVAL].")
     ] = None,
+    full_sample_every: Annotated[
+        int | None,
+        typer.Option(
+            help="Send every GPU's sample at least every N reports; the reports between carry "
+            "samples only when a health reading changed (default 6; 1: every report) "
+            "[TIERWATCH_FULL_SAMPLE_EVERY].",
+        ),
+    ] = None,
     listen: Annotated[
         str | None,
         typer.Option(help="Local API address (default 127.0.0.1:9470) [TIERWATCH_LISTEN]."),
@@ -255,6 +263,7 @@ def run(
             "token_file": token_file,
             "collector": collector,
             "interval": interval,
+            "full_sample_every": full_sample_every,
             "listen": listen,
             "metrics_listen": metrics_listen,
             "metrics_host_label": metrics_host_label,

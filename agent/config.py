@@ -293,6 +293,9 @@ class AgentSettings(BaseSettings):
         collector: ``auto`` (NVML when it loads, else simulated), ``nvml``, ``dcgm-exporter``
             or ``simulated``.
         interval: Seconds between two reports.
+        full_sample_every: Every GPU's sample goes out at least every this many reports; the
+            reports between carry samples only when a health reading changed
+            (:mod:`tierwatch.agent.sampling`; 1: every report).
         listen: Address of the agent's local HTTP API (loopback by default).
         metrics_listen: Address of a second listener that serves only ``GET /metrics``
             (``HOST:PORT``; a bare host listens on port 9471), so Prometheus can scrape the
@@ -366,6 +369,7 @@ class AgentSettings(BaseSettings):
     token_file: Path | None = None
     collector: CollectorName = "auto"
     interval: float = Field(5.0, gt=0, le=3600)
+    full_sample_every: int = Field(6, ge=1, le=720)
     listen: str = f"127.0.0.1:{DEFAULT_PORT}"
     metrics_listen: str | None = None
     # exporter.DEFAULT_HOST_LABEL / DEFAULT_MODEL_LABEL (tested); not imported, so that

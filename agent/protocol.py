@@ -38,6 +38,12 @@ THROTTLE_HW_THERMAL_SLOWDOWN = 0x40
 THROTTLE_HW_POWER_BRAKE_SLOWDOWN = 0x80
 THROTTLE_DISPLAY_CLOCK_SETTING = 0x100
 
+#: The hardware slowdown reasons: the ones the health rules act on (a power cap or idle clocks
+#: are how a healthy GPU runs).
+HW_THROTTLE_MASK = (
+    THROTTLE_HW_SLOWDOWN | THROTTLE_HW_THERMAL_SLOWDOWN | THROTTLE_HW_POWER_BRAKE_SLOWDOWN
+)
+
 THROTTLE_REASON_NAMES: dict[int, str] = {
     THROTTLE_GPU_IDLE: "gpu_idle",
     THROTTLE_APPLICATIONS_CLOCKS_SETTING: "applications_clocks_setting",
@@ -152,12 +158,22 @@ GPU_METRICS: tuple[str, ...] = tuple(GPU_METRIC_TYPES)
 
 
 class XidEvent(_Model):
-    """One XID error reported by the driver for one GPU. Every occurrence is its own event."""
+    """One XID error reported by the driver for one GPU. Every occurrence is its own event.
+
+    ``before_start`` marks a value that was already there when the agent started, not an
+    occurrence seen live: dcgm-exporter's ``DCGM_FI_DEV_XID_ERRORS`` gauge holds the last
+    XID of each GPU, so the collector's first scrape may find one from before the agent ran
+    (a restart on a node whose GPU already failed). ``ts`` is then when the agent read it;
+    when it occurred is unknown, and the same old value is reported again at every agent
+    start (the server tells it from a new occurrence, see ``fleet.rules.rule_xid_before_start``).
+    Optional, default False: batches of older agents are read as before.
+    """
 
     gpu: Annotated[int, Field(ge=0, le=255)]
     xid: Annotated[int, Field(ge=0, le=100000)]
     ts: AwareDatetime
     message: Annotated[Text, Field(max_length=2000)] = ""
+    before_start: bool = False
 
 
 class LatencySample(_Model):
@@ -275,6 +291,10 @@ class ReportBatch(_Model):
 
     ``gpus`` is the node's GPU inventory (sent in every batch; it is small). ``dropped_batches``
     counts batches the agent's spool discarded (oldest first) because it was full.
+    ``samples`` holds every GPU's reading, or none (a heartbeat): an agent sends them at least
+    every ``sample_every`` reports and in any report whose health readings changed
+    (:mod:`tierwatch.agent.sampling`), so a GPU's newest sample may be up to
+    ``sample_every × interval_s`` old while it is read fine.
     """
 
     protocol: Literal[1] = PROTOCOL_VERSION
@@ -286,6 +306,8 @@ class ReportBatch(_Model):
     collector: Annotated[Text, Field(max_length=32)] = ""
     simulated: bool = False
     interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
+    # full samples at least every this many reports (agent.sampling); 1 for older agents
+    sample_every: Annotated[int, Field(ge=1, le=720)] = 1
     gpus: Annotated[list[GpuInfo], Field(max_length=64)] = []
     samples: Annotated[list[GpuSample], Field(max_length=4096)] = []
     xids: Annotated[list[XidEvent], Field(max_length=4096)] = []

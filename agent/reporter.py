@@ -309,6 +309,7 @@ class Reporter:
         collector: str = "",
         simulated: bool = False,
         interval_s: float = 5.0,
+        sample_every: int = 1,
         on_commands: CommandCallback | None = None,
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
@@ -321,6 +322,7 @@ class Reporter:
         self.collector = collector
         self.simulated = simulated
         self.interval_s = interval_s
+        self.sample_every = sample_every
         self.spool = Spool(spool_dir, spool_max_batches)
         self._on_commands = on_commands
         self._backoff_initial = backoff_initial_s
@@ -423,6 +425,7 @@ class Reporter:
                 collector=self.collector,
                 simulated=self.simulated,
                 interval_s=self.interval_s,
+                sample_every=self.sample_every,
                 gpus=list(gpus),
                 samples=list(samples),
                 xids=list(xids),

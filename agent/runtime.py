@@ -62,6 +62,7 @@ from tierwatch.agent.protocol import (
     utcnow,
 )
 from tierwatch.agent.reporter import MAX_EVENTS_PER_BATCH, Reporter
+from tierwatch.agent.sampling import SampleGate
 from tierwatch.agent.urlsafe import redact_url
 
 if TYPE_CHECKING:
@@ -157,6 +158,7 @@ class AgentRuntime:
         settings.check_runnable()
         self.settings = settings
         self.collector = collector if collector is not None else make_collector(settings, nvml)
+        self.sample_gate = SampleGate(full_every=settings.full_sample_every)
         self.reporter = (
             reporter
             if reporter is not None
@@ -169,6 +171,7 @@ class AgentRuntime:
                 collector=self.collector.name,
                 simulated=self.collector.simulated,
                 interval_s=settings.interval,
+                sample_every=settings.full_sample_every,
                 on_commands=self.on_commands,
                 # Retry at least once per report interval, so after an outage a node is seen
                 # again within one interval, well before the 3-interval heartbeat window.
@@ -431,9 +434,11 @@ class AgentRuntime:
             ckpt_events = _take(self._ckpt_events, MAX_PER_BATCH)
             progress = _take(self._progress, MAX_PER_BATCH)
             restores = _take(self._restores, MAX_RESTORES_PER_BATCH)
+        # full samples every N reports, and any report whose health readings changed
+        sent = samples[:MAX_PER_BATCH] if self.sample_gate.admit(samples) else []
         self.reporter.report(
             gpus=inventory,
-            samples=samples[:MAX_PER_BATCH],
+            samples=sent,
             latency=latency,
             events=events,
             checkpoint_events=ckpt_events,
@@ -443,8 +448,14 @@ class AgentRuntime:
 
     def on_xid(self, event: XidEvent) -> None:
         """Count an XID for ``/metrics`` and push it (from any thread) to the server at once,
-        in its own batch."""
-        self.metrics.count_xid(event)
+        in its own batch.
+
+        A value found already set at start (``event.before_start``, dcgm-exporter) is pushed
+        but not counted: it is no occurrence seen by this agent, and counting it at every
+        start would inflate ``tierwatch_xid_events_total``.
+        """
+        if not event.before_start:
+            self.metrics.count_xid(event)
         try:
             self.reporter.push_now(
                 gpus=self.collector.inventory(), xids=[event], events=self._take_events()

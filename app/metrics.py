@@ -203,12 +203,13 @@ def collect_fleet(
 
 def _live(node: Node, gpu_ts: Any, now: Any, th: rules.HealthThresholds) -> bool:
     """Whether a GPU's latest values are current: its node is reachable and the sample is
-    younger than the stale-telemetry limit (``th.stale_intervals`` report intervals)."""
+    younger than the stale-telemetry limit (``th.stale_intervals`` × the node's sample period,
+    ``interval_s × sample_every``)."""
     if gpu_ts is None or effective_state(node, now, th)[1]:
         return False
     if gpu_ts.tzinfo is None:  # SQLite hands back naive UTC
         gpu_ts = gpu_ts.replace(tzinfo=now.tzinfo)
-    return (now - gpu_ts).total_seconds() < th.stale_intervals * node.interval_s
+    return (now - gpu_ts).total_seconds() < th.stale_intervals * node.interval_s * node.sample_every
 
 
 def collect_checkpoints(session: Session) -> Iterator[Metric]:

@@ -13,10 +13,15 @@ removed, case-insensitively.
 
 XID: ``DCGM_FI_DEV_XID_ERRORS`` holds the *last* XID value of each GPU. An
 :class:`~tierwatch.agent.protocol.XidEvent` is emitted when it changes to a nonzero value
-between two scrapes. Limits: the first scrape only sets the baseline (a nonzero value then is
-reported as an ``xid_seen_at_start`` agent event, since its time is unknown), and a repeat of
-the same code between two scrapes cannot be seen. Use the NVML collector when every XID must
-be counted.
+between two scrapes. The first scrape (:meth:`DcgmExporterCollector.start`) sets the baseline,
+and a nonzero value found then is reported as an ``XidEvent`` with ``before_start=True``
+(``ts`` is the scrape; when it occurred is unknown): the agent may have been restarted on a
+node whose GPU already hit a fatal XID. Which codes matter, and whether the operator already
+acknowledged that value, is the server's call (``fleet.rules.rule_xid_before_start``); the
+agent sends every nonzero value and never counts it as an occurrence in its ``/metrics``.
+Limit: a repeat of the same code between two scrapes cannot be seen. Use the NVML collector
+when every XID must be counted (NVML delivers only the XIDs that occur while it listens, so
+it has no pre-start value).
 
 Stale telemetry: when the scrape fails (or a GPU is missing from it), the GPU's last sample is
 returned unchanged with its old ``ts``, plus an ``exporter_unreachable`` event.
@@ -225,6 +230,10 @@ class DcgmExporterCollector(GpuCollector):
     def start(self, on_xid: XidCallback) -> None:
         """Scrape once to learn the inventory and the XID baseline.
 
+        A nonzero ``DCGM_FI_DEV_XID_ERRORS`` at this scrape is handed to ``on_xid`` as an
+        :class:`~tierwatch.agent.protocol.XidEvent` with ``before_start=True`` (module docs);
+        a zero or missing gauge reports nothing.
+
         Raises:
             CollectorError: the exporter cannot be scraped or lists no GPU.
         """
@@ -241,15 +250,20 @@ class DcgmExporterCollector(GpuCollector):
             )
             for g in sorted(gpus.values(), key=lambda g: g.index)
         ]
-        for g in gpus.values():
+        now = utcnow()
+        for g in sorted(gpus.values(), key=lambda g: g.index):
             if g.xid is not None:
                 self._last_xid[g.index] = g.xid
                 if g.xid:
-                    self.add_event(
-                        "xid_seen_at_start",
-                        f"dcgm-exporter shows last XID {g.xid} "
-                        "from before the agent started (time unknown)",
-                        gpu=g.index,
+                    self.emit_xid(
+                        XidEvent(
+                            gpu=g.index,
+                            xid=g.xid,
+                            ts=now,
+                            message=f"dcgm-exporter {_XID} showed {g.xid} at the agent's "
+                            "first scrape: seen before the agent started (time unknown)",
+                            before_start=True,
+                        )
                     )
 
     def inventory(self) -> list[GpuInfo]:

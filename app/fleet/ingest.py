@@ -26,7 +26,7 @@ from sqlalchemy import Row, bindparam, delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from tierwatch.agent.protocol import GpuSample, ReportAck, ReportBatch
+from tierwatch.agent.protocol import GpuSample, ReportAck, ReportBatch, XidEvent
 from tierwatch.server.actions import ingest as actions_ingest
 from tierwatch.server.actions import notify, queue
 from tierwatch.server.checkpoints import ingest as checkpoint_ingest
@@ -73,6 +73,7 @@ _UPDATE_GPU = (
         uuid=bindparam("b_uuid"),
         name=bindparam("b_name"),
         ts=bindparam("b_ts"),
+        acked_xid=bindparam("b_acked_xid"),
         **{f: bindparam(f"b_{f}") for f in METRIC_FIELDS},
     )
 )
@@ -273,6 +274,7 @@ _NODE_COLUMNS = (
     "collector",
     "agent_version",
     "interval_s",
+    "sample_every",
     "dropped_batches",
     "epoch",
     "last_seq",
@@ -334,6 +336,7 @@ def _apply_batches(
             ("collector", b.collector),
             ("agent_version", b.agent_version),
             ("interval_s", b.interval_s),
+            ("sample_every", b.sample_every),
             ("dropped_batches", b.dropped_batches),
         ):
             if getattr(node, k) != v:
@@ -353,11 +356,12 @@ def _apply_batches(
             evaluated[node.id] |= rules.GPU_SAMPLE_RULES
         if b.gpus or b.samples:
             for index, entry in node_gpus.items():
+                # samples come at least every sample_every reports (agent.sampling)
                 findings[node.id] += rules.rule_stale_telemetry(
-                    entry["sample"], index, b.sent_at, b.interval_s, th, b.sent_at
+                    entry["sample"], index, b.sent_at, b.interval_s * b.sample_every, th, b.sent_at
                 )
             evaluated[node.id].add(rules.RULE_STALE_TELEMETRY)
-        findings[node.id] += _ingest_xids(session, node.id, b, th)
+        findings[node.id] += _ingest_xids(session, node.id, b, node_gpus, th)
         if b.latency:
             _insert_latency(session, node.id, b)
             with_latency.append((node.id, b))
@@ -421,7 +425,8 @@ def _sync_inventories(
 
     Returns:
         node_id -> GPU index -> {"id", "uuid", "name", "sample": latest GpuSample or None,
-        "dirty": whether the latest-value row must be written}.
+        "acked_xid": the XID code last acknowledged on it (None: none), "dirty": whether the
+        latest-value row must be written}. A GPU whose UUID changed forgets ``acked_xid``.
     """
     node_ids = [nodes[b.node].id for b in batches]
     gpus: dict[int, dict[int, dict[str, Any]]] = {nid: {} for nid in node_ids}
@@ -432,6 +437,7 @@ def _sync_inventories(
             "uuid": r.uuid,
             "name": r.name,
             "sample": gpu_row_to_sample(r),
+            "acked_xid": r.acked_xid,
             "dirty": False,
         }
     new_rows = []
@@ -448,6 +454,8 @@ def _sync_inventories(
         for g in b.gpus:
             entry = gpus[node_id].get(g.index)
             if entry is not None and (entry["uuid"], entry["name"]) != (g.uuid, g.name):
+                if entry["uuid"] != g.uuid:
+                    entry["acked_xid"] = None  # another GPU: its acknowledgement is not ours
                 entry.update(uuid=g.uuid, name=g.name, dirty=True)
     if new_rows:
         session.execute(insert(GPUS), new_rows)
@@ -459,7 +467,14 @@ def _sync_inventories(
         ):
             gpus[node_id].setdefault(
                 index,
-                {"id": gpu_id, "uuid": uuid, "name": name, "sample": None, "dirty": False},
+                {
+                    "id": gpu_id,
+                    "uuid": uuid,
+                    "name": name,
+                    "sample": None,
+                    "acked_xid": None,
+                    "dirty": False,
+                },
             )
     return gpus
 
@@ -493,6 +508,7 @@ def _write_gpu_latest(session: Session, gpus: dict[int, dict[int, dict[str, Any]
             "b_uuid": e["uuid"],
             "b_name": e["name"],
             "b_ts": e["sample"].ts if e["sample"] else None,
+            "b_acked_xid": e["acked_xid"],
             **{f"b_{f}": getattr(e["sample"], f) if e["sample"] else None for f in METRIC_FIELDS},
         }
         for node_gpus in gpus.values()
@@ -518,37 +534,96 @@ def _upsert_counts(session: Session, rows: list[dict[str, Any]]) -> None:
     session.execute(stmt, rows)
 
 
+def _xid_event_row(
+    node_id: int, batch: ReportBatch, x: XidEvent, *, raised: bool | None = None
+) -> dict[str, Any]:
+    """The ``events`` row of one XID (kind ``xid``, ``data`` the catalog entry).
+
+    A pre-start value (``x.before_start``) is marked ``data.before_start``, with severity
+    ``unhealthy`` only when it raised a reason (``raised``), else ``info``.
+    """
+    info = lookup_xid(x.xid)
+    data: dict[str, Any] = (
+        {"mnemonic": info.mnemonic, "action": info.action, "fatal": info.fatal}
+        if info
+        else {"mnemonic": "UNKNOWN", "action": rules.ACTION_UNKNOWN_XID, "fatal": None}
+    )
+    if x.message:
+        data["driver_message"] = x.message
+    message = f"XID {x.xid} {data['mnemonic']} on GPU {x.gpu}"
+    if x.before_start:
+        data["before_start"] = True
+        severity = "unhealthy" if raised else "info"
+        message += ", seen before the agent started"
+    else:
+        severity = "unhealthy" if info and info.fatal else "degraded"
+    return {
+        "node_id": node_id,
+        "kind": "xid",
+        "gpu_index": x.gpu,
+        "code": x.xid,
+        "ts": x.ts,
+        "received_at": batch.sent_at,
+        "severity": severity,
+        "message": message,
+        "data": data,
+    }
+
+
 def _ingest_xids(
-    session: Session, node_id: int, batch: ReportBatch, th: rules.HealthThresholds
+    session: Session,
+    node_id: int,
+    batch: ReportBatch,
+    node_gpus: dict[int, dict[str, Any]],
+    th: rules.HealthThresholds,
 ) -> list[rules.Finding]:
+    """Store a batch's XIDs as events and classify them.
+
+    Live occurrences are counted (``xid_counts``), go through :func:`rules.rule_xid` and make
+    the GPU forget its acknowledged code (``gpus.acked_xid``: the gauge has moved on since).
+    Pre-start values (``before_start``) are stored as events only, never counted (the same
+    old value comes at every agent start), and go through :func:`rules.rule_xid_before_start`
+    against each GPU's ``acked_xid``.
+    """
     if not batch.xids:
         return []
+    live = [x for x in batch.xids if not x.before_start]
+    before = [x for x in batch.xids if x.before_start]
+    findings: list[rules.Finding] = []
+    events: list[dict[str, Any]] = []
+    if before:
+        acked = {i: e["acked_xid"] for i, e in node_gpus.items()}
+        found = rules.rule_xid_before_start(
+            [rules.XidRecord(gpu=x.gpu, xid=x.xid, ts=x.ts) for x in before], acked, th
+        )
+        raised = {(f.gpu, int(f.key)) for f in found}
+        events += [
+            _xid_event_row(node_id, batch, x, raised=(x.gpu, x.xid) in raised) for x in before
+        ]
+        findings += found
+    if live:
+        findings += _ingest_live_xids(session, node_id, live, th)
+        events += [_xid_event_row(node_id, batch, x) for x in live]
+        for x in live:
+            entry = node_gpus.get(x.gpu)
+            if entry is not None and entry["acked_xid"] is not None:
+                entry.update(acked_xid=None, dirty=True)
+    session.execute(insert(EVENTS), events)
+    return findings
+
+
+def _ingest_live_xids(
+    session: Session,
+    node_id: int,
+    live: list[XidEvent],
+    th: rules.HealthThresholds,
+) -> list[rules.Finding]:
+    """Count live XID occurrences and run :func:`rules.rule_xid` over them and the recent
+    stored ones (after the last acknowledgement; pre-start values do not count)."""
     new: list[rules.XidRecord] = []
-    events = []
     counts: Counter[tuple[int, int]] = Counter()
     last_ts: dict[tuple[int, int], datetime] = {}
-    for x in batch.xids:
-        info = lookup_xid(x.xid)
-        data: dict[str, Any] = (
-            {"mnemonic": info.mnemonic, "action": info.action, "fatal": info.fatal}
-            if info
-            else {"mnemonic": "UNKNOWN", "action": rules.ACTION_UNKNOWN_XID, "fatal": None}
-        )
-        if x.message:
-            data["driver_message"] = x.message
-        events.append(
-            {
-                "node_id": node_id,
-                "kind": "xid",
-                "gpu_index": x.gpu,
-                "code": x.xid,
-                "ts": x.ts,
-                "received_at": batch.sent_at,
-                "severity": "unhealthy" if info and info.fatal else "degraded",
-                "message": f"XID {x.xid} {data['mnemonic']} on GPU {x.gpu}",
-                "data": data,
-            }
-        )
+    for x in live:
         key = (x.gpu, x.xid)
         counts[key] += 1
         last_ts[key] = max(last_ts.get(key, x.ts), x.ts)
@@ -564,17 +639,18 @@ def _ingest_xids(
         ).all()
     )
     stored = session.execute(
-        select(EVENTS.c.gpu_index, EVENTS.c.code, EVENTS.c.ts).where(
+        select(EVENTS.c.gpu_index, EVENTS.c.code, EVENTS.c.ts, EVENTS.c.data).where(
             EVENTS.c.node_id == node_id, EVENTS.c.kind == "xid", EVENTS.c.ts >= window_start
         )
     ).all()
     recent = []
-    for gpu, code, ts in stored:
+    for gpu, code, ts, data in stored:
+        if data and data.get("before_start"):
+            continue  # a value read at an agent start, not an occurrence
         acked = acks.get(gpu) or acks.get(-1)
         if acked is not None and ts <= acked:
             continue
         recent.append(rules.XidRecord(gpu=gpu, xid=code, ts=ts))
-    session.execute(insert(EVENTS), events)
     _upsert_counts(
         session,
         [

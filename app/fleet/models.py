@@ -86,6 +86,8 @@ class Node(Base):
     collector: Mapped[str] = mapped_column(String(32), default="")
     agent_version: Mapped[str] = mapped_column(String(32), default="")
     interval_s: Mapped[float] = mapped_column(Float, default=5.0)
+    # GPU samples come at least every this many reports (ReportBatch.sample_every)
+    sample_every: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     first_seen: Mapped[datetime | None] = mapped_column(UTCDateTime)
     last_seen: Mapped[datetime | None] = mapped_column(UTCDateTime)
     state_since: Mapped[datetime | None] = mapped_column(UTCDateTime)
@@ -106,6 +108,10 @@ class Gpu(_Metrics, Base):
     uuid: Mapped[str] = mapped_column(String(96), default="")
     name: Mapped[str] = mapped_column(String(128), default="")
     ts: Mapped[datetime | None] = mapped_column(UTCDateTime)  # when the latest values were read
+    # The code of the newest XID reason an operator acknowledged on this GPU; forgotten at the
+    # GPU's next live XID or when another GPU (UUID) takes its index. A pre-start XID value
+    # equal to it is the one already acknowledged (rules.rule_xid_before_start).
+    acked_xid: Mapped[int | None] = mapped_column(Integer)
 
 
 class GpuSampleRow(_Metrics, Base):

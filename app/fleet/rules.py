@@ -29,8 +29,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from tierwatch.agent.protocol import (
+    HW_THROTTLE_MASK,
     THROTTLE_HW_POWER_BRAKE_SLOWDOWN,
-    THROTTLE_HW_SLOWDOWN,
     THROTTLE_HW_THERMAL_SLOWDOWN,
     GpuSample,
     throttle_reason_names,
@@ -46,6 +46,7 @@ RULE_ECC_UNCORRECTABLE = "ecc_uncorrectable"
 RULE_ROW_REMAP = "row_remap"
 RULE_XID = "xid"
 RULE_XID_REPEAT = "xid_repeat"
+RULE_XID_BEFORE_START = "xid_before_start"
 RULE_THROTTLING = "throttling"
 RULE_PCIE_REPLAY = "pcie_replay"
 RULE_NVLINK = "nvlink"
@@ -57,6 +58,7 @@ RULES: tuple[str, ...] = (
     RULE_ROW_REMAP,
     RULE_XID,
     RULE_XID_REPEAT,
+    RULE_XID_BEFORE_START,
     RULE_THROTTLING,
     RULE_PCIE_REPLAY,
     RULE_NVLINK,
@@ -78,6 +80,9 @@ XID_RULES: frozenset[str] = frozenset({RULE_XID, RULE_XID_REPEAT})
 # Rules whose findings come only from new events (XIDs, latency reports): no new event means
 # no finding, so their reasons expire by quiet period even when not evaluated.
 EVENT_RULES: frozenset[str] = frozenset({RULE_XID, RULE_XID_REPEAT, RULE_STRAGGLER})
+# Rules whose reasons stay until an operator acknowledges them (no quiet period): what they
+# report is never reported as gone (a pre-start XID value is only seen again, or not).
+ACK_ONLY_RULES: frozenset[str] = frozenset({RULE_XID_BEFORE_START})
 
 # Our own action codes (the XID rules pass on the catalog's codes, see xid_catalog).
 ACTION_REPLACE_GPU = "REPLACE_GPU"
@@ -501,11 +506,70 @@ def rule_xid(
     return findings
 
 
+def rule_xid_before_start(
+    values: list[XidRecord],
+    acked_xid: Mapping[int, int | None],
+    th: HealthThresholds,
+) -> list[Finding]:
+    """Classify XID values a collector found already set when the agent started.
+
+    Source: dcgm-exporter's ``DCGM_FI_DEV_XID_ERRORS`` (the last XID of each GPU; NVML has
+    no such value: it delivers only XIDs that occur while it listens), classified with
+    NVIDIA's XID catalog exactly as a live occurrence (:func:`rule_xid`, one occurrence).
+
+    A value raises a finding when a live occurrence of its code would make the GPU
+    unhealthy (catalog ``FATAL``): rule ``xid_before_start``, unhealthy, the catalog action,
+    key ``str(code)``, message "... seen before the agent started ...". Non-fatal, unknown
+    and zero values raise nothing (their time is unknown, so no repeat can be counted).
+
+    The same old value comes again at every agent start; a new occurrence of the same code
+    while no agent ran cannot be told from it (the gauge has no time). So a value equal to
+    the GPU's ``acked_xid`` (the code of the newest XID reason an operator acknowledged on
+    that GPU, forgotten at the GPU's next live XID) is the value already acknowledged and
+    raises nothing; any other fatal value raises. The reason has no quiet period
+    (:data:`ACK_ONLY_RULES`): it stays until acknowledged.
+
+    Args:
+        values: Pre-start values (``XidEvent.before_start``); ``ts`` is when they were read.
+        acked_xid: GPU index -> its acknowledged XID code (None or absent: none).
+        th: Thresholds (passed to the catalog verdict).
+
+    Returns:
+        Findings ordered by GPU, then XID code (one per pair; the newest read wins).
+    """
+    newest: dict[tuple[int, int], datetime] = {}
+    for rec in values:
+        if rec.xid == 0 or acked_xid.get(rec.gpu) == rec.xid:
+            continue
+        key = (rec.gpu, rec.xid)
+        newest[key] = max(newest.get(key, rec.ts), rec.ts)
+    findings: list[Finding] = []
+    for (gpu, code), ts in sorted(newest.items()):
+        verdict = _xid_verdict(gpu, code, 1, 1, th)
+        if verdict is None or verdict[1] != "unhealthy":
+            continue
+        _, severity, message, action = verdict
+        findings.append(
+            Finding(
+                rule=RULE_XID_BEFORE_START,
+                severity=severity,
+                gpu=gpu,
+                key=str(code),
+                message=(
+                    f"{message}, seen before the agent started (DCGM_FI_DEV_XID_ERRORS "
+                    f"showed {code} at the agent's first scrape; time unknown)"
+                ),
+                action=action,
+                evidence={"xid": code, "before_start": True, "read_at": ts.isoformat()},
+                at=ts,
+            )
+        )
+    return findings
+
+
 # --- throttling ---------------------------------------------------------------------------------
 
-_HW_THROTTLE_MASK = (
-    THROTTLE_HW_SLOWDOWN | THROTTLE_HW_THERMAL_SLOWDOWN | THROTTLE_HW_POWER_BRAKE_SLOWDOWN
-)
+_HW_THROTTLE_MASK = HW_THROTTLE_MASK
 
 
 def rule_throttling(cur: GpuSample, th: HealthThresholds | None = None) -> list[Finding]:
@@ -976,6 +1040,8 @@ def merge_reasons(
     - A previous reason of a rule not evaluated this time is carried over unchanged, except
       for the event rules (:data:`EVENT_RULES`: xid, xid_repeat, straggler), which expire
       by quiet period either way (no new event is the same as no finding).
+    - A reason of an acknowledge-only rule (:data:`ACK_ONLY_RULES`: xid_before_start) is
+      always carried over: it has no quiet period.
     Acknowledgement is the caller's: it deletes the reason.
 
     Args:
@@ -1018,6 +1084,7 @@ def merge_reasons(
         reason
         for ident, reason in merged.items()
         if ident in refreshed
+        or reason.rule in ACK_ONLY_RULES
         or (
             evaluated_rules is not None
             and reason.rule not in evaluated_rules

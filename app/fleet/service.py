@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Integer, cast, delete, func, select
+from sqlalchemy import Integer, cast, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from tierwatch.agent.protocol import NODE_NAME_PATTERN, throttle_reason_names
@@ -498,7 +498,10 @@ def acknowledge(
     """Acknowledge a node's reasons (all, or one rule and/or GPU): they are cleared now.
 
     Earlier XID occurrences stop counting toward repeat rules; a level condition that
-    still holds (e.g. a hot GPU) is found again on the next report.
+    still holds (e.g. a hot GPU) is found again on the next report. Each GPU keeps the code
+    of the newest XID reason cleared on it (``xid`` or ``xid_before_start``) as its
+    ``acked_xid``, so the same value found again at the next agent start
+    (``XidEvent.before_start``) is not raised again (:func:`rules.rule_xid_before_start`).
 
     Returns:
         The number of reasons cleared.
@@ -522,6 +525,10 @@ def acknowledge(
             )
         )
         session.delete(r)
+    for gpu_index, code in _acked_xids(rows).items():
+        session.execute(
+            update(Gpu).where(Gpu.node_id == node.id, Gpu.index == gpu_index).values(acked_xid=code)
+        )
     session.flush()
     remaining = [
         rules.Reason(**reason_fields(r))
@@ -541,6 +548,20 @@ def acknowledge(
     )
     set_state(session, node, rules.node_state(remaining, unreachable=False), remaining, now)
     return len(rows)
+
+
+def _acked_xids(rows: Sequence[ReasonRow]) -> dict[int, int]:
+    """GPU index -> code of the newest XID reason (by ``last_seen``) among ``rows``."""
+    newest: dict[int, ReasonRow] = {}
+    for r in rows:
+        if r.rule not in (rules.RULE_XID, rules.RULE_XID_BEFORE_START) or r.gpu_index < 0:
+            continue
+        if not r.key.isdigit():
+            continue
+        best = newest.get(r.gpu_index)
+        if best is None or r.last_seen > best.last_seen:
+            newest[r.gpu_index] = r
+    return {gpu: int(r.key) for gpu, r in newest.items()}
 
 
 def prune(

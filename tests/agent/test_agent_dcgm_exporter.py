@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from agent_helpers import TOKEN, parse_series
+from agent_helpers import TOKEN, parse_series, wait_until
 
 from tierwatch.agent.collectors.dcgm_exporter import DcgmExporterCollector, parse_exposition
 from tierwatch.agent.config import AgentSettings
@@ -16,6 +16,7 @@ from tierwatch.agent.protocol import (
     THROTTLE_HW_SLOWDOWN,
     THROTTLE_HW_THERMAL_SLOWDOWN,
     XidEvent,
+    utcnow,
 )
 from tierwatch.agent.runtime import AgentRuntime
 
@@ -132,17 +133,49 @@ def test_collector_scrapes_and_reports_xid_changes(exporter):
             (0, "NVIDIA H100 80GB HBM3"),
             (1, "NVIDIA H100 80GB HBM3"),
         ]
-        # GPU 1 already showed XID 79 at start: an agent event, not a (timeless) XidEvent
-        assert [(e.kind, e.gpu) for e in collector.drain_events()] == [("xid_seen_at_start", 1)]
+        # GPU 1 already showed XID 79 at start: reported once, marked as a pre-start value
+        assert [(e.gpu, e.xid, e.before_start) for e in xids] == [(1, 79, True)]
+        assert collector.drain_events() == []
+        xids.clear()
         samples = collector.collect()
         assert [s.temperature_c for s in samples] == [47.0, 86.0]
-        assert xids == []
+        assert xids == []  # the baseline: the same value is no new occurrence
 
         exporter.text = _set_value(FIXTURE, 'DCGM_FI_DEV_XID_ERRORS{gpu="0"', "48")
         collector.collect()
-        assert [(e.gpu, e.xid) for e in xids] == [(0, 48)]
+        assert [(e.gpu, e.xid, e.before_start) for e in xids] == [(0, 48, False)]
         collector.collect()  # unchanged value: no new event
         assert len(xids) == 1
+    finally:
+        collector.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("value", "reported"),
+    [
+        pytest.param("79", [(1, 79)], id="fatal-79"),
+        pytest.param("0", [], id="zero"),
+        # non-fatal by the catalog: still reported, the server decides it raises nothing
+        pytest.param("13", [(1, 13)], id="non-fatal-13"),
+    ],
+)
+def test_first_scrape_reports_the_xid_gauge_as_a_pre_start_value(exporter, value, reported):
+    """The first scrape's nonzero DCGM_FI_DEV_XID_ERRORS is an XidEvent with before_start;
+    zero reports nothing, and the unchanged value is no occurrence at the next scrape."""
+    exporter.text = _set_value(FIXTURE, 'DCGM_FI_DEV_XID_ERRORS{gpu="1"', value)
+    xids: list[XidEvent] = []
+    collector = DcgmExporterCollector(exporter.url)
+    try:
+        before = utcnow()
+        collector.start(xids.append)
+        assert [(e.gpu, e.xid) for e in xids] == reported
+        assert all(e.before_start for e in xids)
+        assert all(before <= e.ts <= utcnow() for e in xids)
+        assert all("before the agent started" in e.message for e in xids)
+        assert collector.drain_events() == []
+        collector.collect()
+        collector.collect()
+        assert len(xids) == len(reported)
     finally:
         collector.shutdown()
 
@@ -184,6 +217,19 @@ def test_agent_metrics_do_not_reexport_the_exporters_fields(exporter, receiver, 
         exporter.text = _set_value(FIXTURE, 'DCGM_FI_DEV_XID_ERRORS{gpu="0"', "48")
         runtime.tick()  # the collector sees XID 48 appear
         text = runtime.render_metrics().decode()
+        # GPU 1's XID 79 from before the start reached the server, marked as such
+        wait_until(
+            lambda: (
+                [
+                    (x.gpu, x.xid, x.before_start)
+                    for b in list(receiver.batches)
+                    for x in b.xids
+                    if x.gpu == 1
+                ]
+                == [(1, 79, True)]
+            ),
+            what="the pre-start XID 79 to be reported",
+        )
     finally:
         runtime.shutdown()
     series = parse_series(text)
@@ -193,4 +239,4 @@ def test_agent_metrics_do_not_reexport_the_exporters_fields(exporter, receiver, 
     stale = {lb["gpu"]: v for n, lb, v in series if n == "tierwatch_gpu_telemetry_stale"}
     assert stale == {"0": 0.0, "1": 0.0}
     xids = [(lb["gpu"], lb["xid"], v) for n, lb, v in series if n == "tierwatch_xid_events_total"]
-    assert xids == [("0", "48", 1.0)]
+    assert xids == [("0", "48", 1.0)]  # the pre-start XID 79 of GPU 1 is not counted

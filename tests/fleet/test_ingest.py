@@ -362,3 +362,23 @@ def test_node_page_limit_is_bounded(client, make_token):
     viewer = make_token("viewer")
     assert client.get("/api/v1/nodes?limit=0", headers=auth(viewer)).status_code == 422
     assert client.get("/api/v1/nodes?limit=5001", headers=auth(viewer)).status_code == 422
+
+
+@pytest.mark.parametrize(("sample_every", "stale"), [(1, True), (6, False)])
+def test_the_stale_limit_scales_with_the_agents_sample_period(
+    client, make_token, sample_every, stale
+):
+    """A heartbeat 20 s after the last samples (interval 5 s): stale when samples were due
+    every report (limit 3 × 5 s), not when they come every 6 reports (3 × 30 s)."""
+    agent, viewer = make_token("agent", "n1"), make_token("viewer")
+    first = make_batch("n1", 1, offset_s=-20, temperature_c=71.0)
+    post_batch(client, agent, first.model_copy(update={"sample_every": sample_every}))
+    beat = make_batch("n1", 2)
+    beat = beat.model_copy(update={"samples": [], "sample_every": sample_every})
+    assert post_batch(client, agent, beat).status_code == 200
+    node = node_json(client, viewer, "n1")
+    rules_found = {r["rule"] for r in node["reasons"]}
+    assert ("stale_telemetry" in rules_found) is stale
+    assert node["state"] == ("degraded" if stale else "healthy")
+    # the heartbeat left the latest values as the last samples had them
+    assert [g["temperature_c"] for g in node["gpus"]] == [71.0, 71.0]

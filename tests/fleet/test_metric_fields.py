@@ -26,7 +26,8 @@ def test_metric_list_is_the_wire_models_fields_in_order():
 @pytest.mark.parametrize(
     ("model", "identity"),
     [
-        (Gpu, {"id", "node_id", "index", "uuid", "name", "ts"}),
+        # acked_xid: the GPU's acknowledged XID code (fleet.service.acknowledge), no metric
+        (Gpu, {"id", "node_id", "index", "uuid", "name", "ts", "acked_xid"}),
         (GpuSampleRow, {"id", "node_id", "gpu_index", "ts"}),
     ],
     ids=["gpus", "gpu_samples"],

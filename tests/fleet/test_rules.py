@@ -299,6 +299,55 @@ def test_xid_mixed_batch_one_finding_per_gpu_and_code_sorted() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("values", "acked", "expected"),
+    [
+        # fatal by the catalog: unhealthy with the catalog's action, as a live occurrence
+        ([(3, 79)], {}, [("xid_before_start", "unhealthy", 3, "79", "RESTART_BM")]),
+        ([(0, 48)], {0: None}, [("xid_before_start", "unhealthy", 0, "48", "WORKFLOW_XID_48")]),
+        ([(1, 95)], {}, [("xid_before_start", "unhealthy", 1, "95", "RESET_GPU")]),
+        # non-fatal, zero and unknown values raise nothing (no time: no repeat to count)
+        ([(1, 13)], {}, []),
+        ([(1, 94)], {}, []),
+        ([(1, 0)], {}, []),
+        ([(1, 99999)], {}, []),
+        # the value already acknowledged on that GPU raises nothing; another GPU's ack or
+        # another code does not hide it
+        ([(3, 79)], {3: 79}, []),
+        ([(3, 79)], {2: 79}, [("xid_before_start", "unhealthy", 3, "79", "RESTART_BM")]),
+        ([(3, 79)], {3: 48}, [("xid_before_start", "unhealthy", 3, "79", "RESTART_BM")]),
+        # one finding per (GPU, code), ordered
+        (
+            [(3, 79), (0, 79), (3, 79)],
+            {},
+            [
+                ("xid_before_start", "unhealthy", 0, "79", "RESTART_BM"),
+                ("xid_before_start", "unhealthy", 3, "79", "RESTART_BM"),
+            ],
+        ),
+    ],
+)
+def test_rule_xid_before_start(values, acked, expected):
+    records = [XidRecord(gpu=g, xid=x, ts=at(i)) for i, (g, x) in enumerate(values)]
+    found = rules.rule_xid_before_start(records, acked, TH)
+    assert summary(found) == expected
+    for f in found:
+        assert f.message.startswith(f"XID {f.key} ")
+        assert f"on GPU {f.gpu}, seen before the agent started" in f.message
+        assert f"DCGM_FI_DEV_XID_ERRORS showed {f.key}" in f.message
+        assert f.evidence["before_start"] is True
+        assert f.at == max(r.ts for r in records if (r.gpu, str(r.xid)) == (f.gpu, f.key))
+
+
+def test_xid_before_start_reason_stays_until_acknowledged():
+    """No quiet period: neither a later evaluation nor a long time clears it."""
+    [finding] = rules.rule_xid_before_start([XidRecord(gpu=3, xid=79, ts=at(0))], {}, TH)
+    [reason] = merge_reasons([], [finding], at(0), TH)
+    for evaluated in (None, set(rules.GPU_SAMPLE_RULES), set(rules.RULES)):
+        assert merge_reasons([reason], [], at(30 * 86400), TH, evaluated) == [reason]
+    assert node_state([reason], unreachable=False) == "unhealthy"
+
+
 # --- throttling ----------------------------------------------------------------------------------
 
 
