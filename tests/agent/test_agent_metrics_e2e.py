@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from agent_helpers import PROMTOOL_INHERITED as INHERITED
 from agent_helpers import Receiver, parse_series, wait_until
 from executables import require_executable
 from procs import BIN, Proc, base_env, free_port
@@ -162,19 +163,6 @@ def inject(agent: MetricsAgent, *fault: str) -> None:
         capture_output=True,
         timeout=30,
     )
-
-
-#: promtool's findings on dcgm-exporter's names that the agent keeps on purpose (its
-#: counters without "_total", and a name with its type in it), besides the camelCase
-#: ``modelName`` label of every DCGM_FI_* family.
-INHERITED = {
-    'DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter metrics should have "_total" suffix',
-    'DCGM_FI_DEV_PCIE_REPLAY_COUNTER counter metrics should have "_total" suffix',
-    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER metric name should not include type 'counter'",
-    'DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL counter metrics should have "_total" suffix',
-    'DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS counter metrics should have "_total" suffix',
-    'DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS counter metrics should have "_total" suffix',
-}
 
 
 def test_promtool_findings_on_a_real_scrape_are_the_inherited_ones(start_agents):
