@@ -25,8 +25,8 @@ What it does, in order:
      rate and growing latency (no coordinated omission).
 
    Meanwhile reader threads in this process time the read endpoints at realistic rates: the
-   cluster page as the dashboard polls it (``GET /`` with ``HX-Request: true``) every 2 s and
-   a full-page ``GET /`` every 15 s (one person with the dashboard open), and
+   cluster page as 5 open dashboards poll it (``GET /`` with ``HX-Request: true``, each every
+   2 s, staggered), a full-page ``GET /`` every 15 s, and
    ``GET /api/v1/nodes`` every 10 s (automation polling at the report interval; its first
    page, 500 nodes, the API's default page size).
 4. Measures server CPU (``/proc/<pid>/stat``), PostgreSQL CPU, database growth
@@ -109,6 +109,7 @@ DRAIN_S = 30.0  # after the schedule ends, wait at most this long for answers
 # htmx fragment; a full page load now and then) and one automation polling the nodes API at
 # the agents' report interval.
 CLUSTER_POLL_S = 2.0
+DASHBOARDS = 5  # people with the cluster page open, each polling every CLUSTER_POLL_S
 FULL_PAGE_EVERY_S = 15.0
 NODES_API_EVERY_S = 10.0
 FLOOR_REPORTS = 1500  # DB floor: 8-row transactions per round (bounded by FLOOR_ROUND_S too)
@@ -730,7 +731,25 @@ class ReadProbe:
 
 READ_PROBES = (
     ReadProbe(
-        "cluster", "GET / HX-Request (cluster page poll)", "/", CLUSTER_POLL_S, 0.0, htmx=True
+        "cluster",
+        f"GET / HX-Request (cluster page poll, {DASHBOARDS} dashboards)",
+        "/",
+        CLUSTER_POLL_S,
+        0.0,
+        htmx=True,
+    ),
+    # the other dashboards, their polls staggered over the period; their latencies are
+    # merged into "cluster" for the table and the target
+    *(
+        ReadProbe(
+            f"cluster_{d}",
+            f"dashboard {d}",
+            "/",
+            CLUSTER_POLL_S,
+            CLUSTER_POLL_S * d / DASHBOARDS,
+            htmx=True,
+        )
+        for d in range(1, DASHBOARDS)
     ),
     ReadProbe("cluster_full", "GET / full page", "/", FULL_PAGE_EVERY_S, 0.7),
     ReadProbe(
@@ -739,6 +758,23 @@ READ_PROBES = (
     # Prometheus scraping the server's state series at its default 15 s interval
     ReadProbe("metrics", "GET /metrics (Prometheus scrape)", "/metrics", 15.0, 2.1),
 )
+
+
+#: The probes of the table and the idle measurements: the extra dashboards' polls are merged
+#: into "cluster" (:func:`merge_dashboards`).
+TABLE_PROBES = tuple(
+    p for p in READ_PROBES if not p.key.startswith("cluster_") or p.key == "cluster_full"
+)
+
+
+def merge_dashboards(lat_ms: dict, statuses: dict, nbytes: dict) -> None:
+    """Fold the extra dashboards' cluster polls into the "cluster" probe (in place)."""
+    for p in READ_PROBES:
+        if p in TABLE_PROBES:
+            continue
+        lat_ms["cluster"] += lat_ms.pop(p.key)
+        statuses["cluster"].update(statuses.pop(p.key))
+        nbytes["cluster"] = max(nbytes["cluster"], nbytes.pop(p.key))
 
 
 def probe_headers(probe: ReadProbe, token: str) -> dict[str, str]:
@@ -863,7 +899,7 @@ def measure_reads_idle(url: str, token: str, pid: int, n: int = 5) -> dict[str, 
     """
     out: dict[str, dict[str, Any]] = {}
     with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S) as c:
-        for probe in READ_PROBES:
+        for probe in TABLE_PROBES:
             headers = probe_headers(probe, token)
             lat: list[float] = []
             statuses: Counter[str] = Counter()
@@ -1298,7 +1334,7 @@ def build_rows(m: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             ratio(load_i, load_h),
         )
     )
-    for probe in READ_PROBES:
+    for probe in TABLE_PROBES:
         lat = rd["lat_ms"][probe.key]
         if lat:
             value = (
@@ -1416,8 +1452,8 @@ def verdict_lines(m: dict[str, Any]) -> list[str]:
         assert p95 is not None
         ok = p95 < TARGET_PAGE_P95_MS
         lines.append(
-            f"Cluster page target (p95 < {TARGET_PAGE_P95_MS:.0f} ms, the htmx poll the "
-            "dashboard makes): "
+            f"Cluster page target (p95 < {TARGET_PAGE_P95_MS:.0f} ms, the htmx poll of "
+            f"{DASHBOARDS} dashboards, each every {CLUSTER_POLL_S:g} s): "
             + ("met" if ok else f"missed by {p95 - TARGET_PAGE_P95_MS:.0f} ms")
             + f", p95 {p95:.0f} ms under ingest load (n={len(page)})."
         )
@@ -1559,6 +1595,7 @@ def main() -> int:
         # Counted from report_receipts: a heartbeat stores a report without sample rows.
         stored_reports = max(1, after_db.receipts - before["db"].receipts)
         m["ingest"] = ing
+        merge_dashboards(reader.lat_ms, reader.statuses, reader.nbytes)
         m["reader"] = {
             "lat_ms": reader.lat_ms,
             "statuses": reader.statuses,
@@ -1595,7 +1632,7 @@ def main() -> int:
         m["reads_idle"] = measure_reads_idle(server.url, viewer, server.pid)
         reader_cpu_s = sum(
             reader.statuses[p.key].get("200", 0) * m["reads_idle"][p.key]["cpu_ms"] / 1000
-            for p in READ_PROBES
+            for p in TABLE_PROBES
         )
         m["reader_cpu_s"] = reader_cpu_s
         m["ingest_cpu_ms_per_report"] = (
@@ -1657,10 +1694,10 @@ def main() -> int:
         f"{CONNECTIONS} pooled keep-alive connections from one aiohttp.ClientSession "
         "(the load process; bodies from per-node JSON templates, headers built once per node).",
         "Readers during the ingest phase (httpx, one thread each, viewer token): the cluster "
-        f"page as the dashboard polls it (GET / with HX-Request: true) every {CLUSTER_POLL_S:g} s "
-        f"and a full-page GET / every {FULL_PAGE_EVERY_S:g} s (one person with the dashboard "
-        f"open), GET /api/v1/nodes every {NODES_API_EVERY_S:g} s (automation polling at the "
-        "report interval).",
+        f"page as {DASHBOARDS} open dashboards poll it (GET / with HX-Request: true, each every "
+        f"{CLUSTER_POLL_S:g} s, staggered), a full-page GET / every {FULL_PAGE_EVERY_S:g} s, "
+        f"GET /api/v1/nodes every {NODES_API_EVERY_S:g} s (automation polling at the report "
+        "interval, its first page) and GET /metrics every 15 s (a Prometheus scrape).",
         f"CPU per report divides by the reports the server stored during the phase "
         f"({m['stored_reports']:,}, from report_receipts rows), not by the answers "
         "the client got in time. "
