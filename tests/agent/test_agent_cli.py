@@ -142,6 +142,17 @@ def test_run_refuses_bad_metrics_settings(args, needle):
     assert needle in result.output
 
 
+@pytest.mark.parametrize("value", ["0", "721"])
+def test_run_refuses_a_full_sample_period_out_of_range(value):
+    result = runner.invoke(
+        app,
+        ["run", "--node", "n1", "--server", "http://127.0.0.1:9", "--token", TOKEN]
+        + ["--full-sample-every", value],
+    )
+    assert result.exit_code == EXIT_USAGE
+    assert result.output.startswith("error: full_sample_every: Input should be")
+
+
 def test_cli_import_is_light():
     code = (
         "import sys, tierwatch.agent.cli; "
