@@ -2,11 +2,20 @@
 
 Every batch goes through the spool (write-ahead): :meth:`Reporter.report` assigns the next
 sequence number, writes the batch as one JSON file into the spool folder (``.tmp`` file,
-fsync, rename) and wakes the sender thread. The sender always sends the **oldest** spooled
-batch first and deletes its file once the server has acknowledged it, so after an outage the
-backlog is replayed in order (older epochs first, then this epoch by seq) before newer
-batches. Batches of earlier agent runs found in the spool at start keep their own epoch and
-seq and go first.
+fsync, rename) and wakes the sender thread, which deletes the file once the server has
+acknowledged it.
+
+Sending order (:func:`tierwatch.agent.sendorder.next_to_send`, where the reasons are): while
+the link is up the spool holds one batch and there is no order to choose. After an outage,
+or while the server is slower than the report interval, the **newest** batch goes first
+(just after the newest batch with samples when the newest is a heartbeat), so the server
+shows the node as it is now within one report interval; the rest is backfilled behind it,
+urgent batches (XIDs, command results) first, each oldest first, and a batch spooled during
+the backfill jumps the queue again. The order is chosen afresh at every attempt, so a retry
+after a failure sends whatever is newest then. Batches of earlier agent runs found in the
+spool at start keep their own epoch and seq and are backfill: this run's batches go ahead of
+them. The server takes any order (idempotent on node, epoch and seq; ``acked_seq`` is the
+highest seq it holds; older samples are stored, not evaluated).
 
 Delivery: ``POST {server}/api/v1/ingest/report`` with ``Authorization: Bearer <token>`` and
 the batch JSON; the answer is a :class:`~tierwatch.agent.protocol.ReportAck` (any ``commands``
@@ -14,7 +23,8 @@ in it go to the ``on_commands`` callback; the agent runtime hands them to its co
 executor).
 
 - Transient failures (connection errors, timeouts, HTTP 5xx, HTTP 429) are retried with
-  exponential backoff and jitter (tenacity), honouring ``Retry-After``; the backoff sleep is
+  exponential backoff and jitter (tenacity), honouring ``Retry-After``; the backoff grows
+  across attempts until one succeeds, whichever batch each attempt sends, and the sleep is
   cut short by :meth:`Reporter.push_now` and by shutdown.
 - Permanent failures (any other 4xx such as 401, 403, 422, or a redirect) are logged at ERROR
   with the server's message, the batch file moves to ``<spool>/rejected/`` (bounded like the
@@ -25,8 +35,9 @@ executor).
   count); each drop also becomes a ``spool_full`` event.
 
 Files are named ``<ordinal:016d>.<epoch>.<seq:010d>.json``: the ordinal grows across agent
-restarts (it continues from the highest one found), so names sort in sending order, and
-within one epoch they sort by seq.
+restarts (it continues from the highest one found), so names sort by age, and within one
+epoch they sort by seq. Whether a batch carries samples or is urgent is kept in memory only:
+a batch found at start counts as carrying samples and not urgent (it is backfill anyway).
 """
 
 from __future__ import annotations
@@ -64,6 +75,7 @@ from tierwatch.agent.protocol import (
     XidEvent,
     utcnow,
 )
+from tierwatch.agent.sendorder import next_to_send
 from tierwatch.agent.urlsafe import redact_url
 
 log = logging.getLogger(__name__)
@@ -85,15 +97,20 @@ class SpoolItem:
 
     Attributes:
         path: The JSON file.
-        ordinal: Position in sending order.
+        ordinal: Position in age order (grows across agent runs).
         epoch: The batch's agent epoch.
         seq: The batch's sequence number.
+        has_samples: Whether it carries GPU samples (False: a heartbeat); True when unknown
+            (a file found at start).
+        urgent: Whether it was pushed at once (XIDs, command results); False when unknown.
     """
 
     path: Path
     ordinal: int
     epoch: str
     seq: int
+    has_samples: bool = True
+    urgent: bool = False
 
     @classmethod
     def from_path(cls, path: Path) -> SpoolItem | None:
@@ -110,7 +127,10 @@ class SpoolItem:
 
 
 class Spool:
-    """A bounded FIFO of batch files in one folder (thread-safe).
+    """A bounded store of batch files in one folder, in age order (thread-safe).
+
+    Which one is sent next is the sender's choice (:mod:`tierwatch.agent.sendorder`); the
+    spool only keeps them, and drops the oldest when full.
 
     Args:
         directory: The spool folder (created if missing).
@@ -166,13 +186,17 @@ class Spool:
                 dropped += 1
             return dropped
 
-    def put(self, body: bytes, epoch: str, seq: int) -> int:
+    def put(
+        self, body: bytes, epoch: str, seq: int, *, has_samples: bool = True, urgent: bool = False
+    ) -> int:
         """Append one batch atomically (tmp file, fsync, rename), dropping the oldest if full.
 
         Args:
             body: The batch JSON.
             epoch: Its epoch.
             seq: Its sequence number.
+            has_samples: Whether it carries GPU samples.
+            urgent: Whether it was pushed at once (backfilled before the others).
 
         Returns:
             How many old batches were dropped to make room.
@@ -187,16 +211,25 @@ class Spool:
             name = f"{ordinal:016d}.{epoch}.{seq:010d}.json"
             path = self.directory / name
             atomic_write_bytes(path, body)
-            self._items.append(SpoolItem(path=path, ordinal=ordinal, epoch=epoch, seq=seq))
+            self._items.append(
+                SpoolItem(
+                    path=path,
+                    ordinal=ordinal,
+                    epoch=epoch,
+                    seq=seq,
+                    has_samples=has_samples,
+                    urgent=urgent,
+                )
+            )
             return dropped
 
     def oldest(self) -> SpoolItem | None:
-        """The next batch to send, or None when the spool is empty."""
+        """The oldest batch, or None when the spool is empty."""
         with self._lock:
             return self._items[0] if self._items else None
 
     def items(self) -> list[SpoolItem]:
-        """All spooled batches in sending order."""
+        """All spooled batches, oldest first."""
         with self._lock:
             return list(self._items)
 
@@ -354,11 +387,16 @@ class Reporter:
         self._closing = threading.Event()  # drain the spool, then stop
         self._abort = threading.Event()  # stop now, even mid-retry
         self._thread: threading.Thread | None = None
-        if len(self.spool):
+        found = self.spool.items()
+        # The newest ordinal delivered (sendorder's head). What an earlier run left is older
+        # than anything this run reports, so it starts as backfill.
+        self._head = found[-1].ordinal if found else 0
+        if found:
             log.info(
-                "spool %s holds %d unsent batch(es) from earlier; sending them first",
+                "spool %s holds %d unsent batch(es) from earlier; they are backfilled behind "
+                "this run's newest batch",
                 self.spool.directory,
-                len(self.spool),
+                len(found),
             )
 
     # -- building ------------------------------------------------------------------------
@@ -388,7 +426,8 @@ class Reporter:
             progress: Training progress of local ranks (at most 4096).
             restores: Restore outcomes (at most 1024).
             command_results: What became of commands from the server (at most 1024).
-            urgent: Cut a running retry backoff short (see :meth:`push_now`).
+            urgent: Cut a running retry backoff short (see :meth:`push_now`). A batch that
+                is urgent or carries XIDs is backfilled before the others after an outage.
 
         Returns:
             The batch as spooled.
@@ -437,7 +476,13 @@ class Reporter:
                 command_results=list(command_results),
                 dropped_batches=dropped,
             )
-            late_drops = self.spool.put(batch.model_dump_json().encode(), batch.epoch, batch.seq)
+            late_drops = self.spool.put(
+                batch.model_dump_json().encode(),
+                batch.epoch,
+                batch.seq,
+                has_samples=bool(batch.samples),
+                urgent=urgent or bool(batch.xids),
+            )
             self._seq = batch.seq
         if late_drops:  # only if the sender's in-flight batch blocked make_room (rare)
             with self._state_lock:
@@ -457,8 +502,10 @@ class Reporter:
     ) -> ReportBatch:
         """Send a batch immediately (e.g. for an XID) instead of at the next interval.
 
-        The batch still queues behind older unsent batches (order is kept), but the sender
-        is woken and a retry backoff in progress is cut short.
+        The sender is woken and a retry backoff in progress is cut short. Being the newest,
+        the batch goes ahead of any backlog (just after the newest batch with samples, if
+        that is not sent yet); if it is backfilled after all (a newer batch was spooled
+        meanwhile) it goes before the non-urgent ones.
 
         Returns:
             The batch as spooled.
@@ -537,57 +584,24 @@ class Reporter:
     # -- sending -------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._abort.is_set():
-            item = self.spool.oldest()
-            if item is None:
+            if not len(self.spool):
                 if self._closing.is_set():
                     return
                 self._wake.wait(1.0)
                 self._wake.clear()
                 continue
             try:
-                self._deliver(item)
+                self._deliver_one()
             except Exception as exc:  # noqa: BLE001 - never let the sender die silently
-                log.exception("unexpected error delivering %s", item.path.name)
+                log.exception("unexpected error delivering a spooled batch")
                 self._record_failure(f"unexpected error: {exc}")
                 self._abort.wait(1.0)
 
-    def _deliver(self, item: SpoolItem) -> None:
-        try:
-            body = item.path.read_bytes()
-        except FileNotFoundError:  # dropped meanwhile
-            self.spool.remove(item)
-            return
-        self.spool.set_in_flight(item)
-        try:
-            ack = self._send_with_retry(body)
-        except TransientReportError:
-            return  # aborted by shutdown; the batch stays spooled
-        except PermanentReportError as exc:
-            target = self.spool.reject(item)
-            with self._state_lock:
-                self._rejected += 1
-                self._last_error = str(exc)
-            hint = ""
-            if exc.status_code in (401, 403):
-                hint = f" (check the agent token and that it belongs to node {self.node!r})"
-            log.error(
-                "server refused batch epoch=%s seq=%d for good: %s%s; moved to %s",
-                item.epoch,
-                item.seq,
-                exc,
-                hint,
-                target,
-            )
-            self._add_event(
-                "report_rejected", f"batch epoch={item.epoch} seq={item.seq} refused: {exc}{hint}"
-            )
-            return
-        finally:
-            self.spool.set_in_flight(None)
-        self.spool.remove(item)
-        self._record_success(item, ack)
-
-    def _send_with_retry(self, body: bytes) -> ReportAck | None:
+    def _deliver_one(self) -> None:
+        """Deliver one batch, retrying transient failures with backoff until one attempt
+        succeeds (or shutdown aborts). Each attempt sends the batch :func:`next_to_send`
+        picks at that moment, so a batch spooled during the wait goes first; the backoff
+        keeps growing across them (one outage, one backoff)."""
         retrying = Retrying(
             retry=retry_if_exception_type(TransientReportError),
             wait=self._wait,
@@ -596,7 +610,59 @@ class Reporter:
             before_sleep=self._before_sleep,
             reraise=True,
         )
-        return retrying(self._post_once, body)
+        try:
+            retrying(self._attempt)
+        except TransientReportError:
+            return  # aborted by shutdown; the batch stays spooled
+
+    def _attempt(self) -> None:
+        """One delivery attempt of the batch to send now.
+
+        A delivered batch is deleted and becomes the head (the newest one the server has);
+        a refused one moves to ``rejected/``.
+
+        Raises:
+            TransientReportError: worth retrying; the batch stays spooled.
+        """
+        item = next_to_send(self.spool.items(), self._head)
+        if item is None:
+            return
+        try:
+            body = item.path.read_bytes()
+        except FileNotFoundError:  # dropped meanwhile
+            self.spool.remove(item)
+            return
+        self.spool.set_in_flight(item)
+        try:
+            ack = self._post_once(body)
+        except PermanentReportError as exc:
+            self._reject(item, exc)
+            return
+        finally:
+            self.spool.set_in_flight(None)
+        self.spool.remove(item)
+        self._head = max(self._head, item.ordinal)
+        self._record_success(item, ack)
+
+    def _reject(self, item: SpoolItem, exc: PermanentReportError) -> None:
+        target = self.spool.reject(item)
+        with self._state_lock:
+            self._rejected += 1
+            self._last_error = str(exc)
+        hint = ""
+        if exc.status_code in (401, 403):
+            hint = f" (check the agent token and that it belongs to node {self.node!r})"
+        log.error(
+            "server refused batch epoch=%s seq=%d for good: %s%s; moved to %s",
+            item.epoch,
+            item.seq,
+            exc,
+            hint,
+            target,
+        )
+        self._add_event(
+            "report_rejected", f"batch epoch={item.epoch} seq={item.seq} refused: {exc}{hint}"
+        )
 
     def _wait(self, state: RetryCallState) -> float:
         exp = wait_exponential_jitter(
@@ -686,18 +752,21 @@ class Reporter:
                     self._last_acked_seq = max(self._last_acked_seq, ack.acked_seq)
         if outage is not None:
             took = time.monotonic() - outage
+            backlog = len(self.spool)
             log.info(
-                "server reachable again after %.1f s (%d failed attempt(s)); replaying "
-                "%d spooled batch(es)",
+                "server reachable again after %.1f s (%d failed attempt(s)); sent epoch=%s "
+                "seq=%d first, backfilling %d spooled batch(es) behind it",
                 took,
                 failures,
-                len(self.spool),
+                item.epoch,
+                item.seq,
+                backlog,
             )
             self._add_event(
                 "server_unreachable",
-                f"reports could not be delivered for "
-                f"{took:.0f} s ({failures} failed attempt(s)); spooled batches "
-                "replayed in order",
+                f"reports could not be delivered for {took:.0f} s ({failures} failed "
+                f"attempt(s)); the newest state went first (seq {item.seq}), {backlog} "
+                "spooled batch(es) are backfilled behind it",
             )
         if ack is not None and ack.commands:
             log.info(
@@ -753,7 +822,7 @@ def _retry_after(resp: httpx.Response) -> float | None:
 
 
 def iter_spooled_batches(spool_dir: Path) -> Iterable[ReportBatch]:
-    """Read the batches waiting in a spool folder, in sending order (for inspection).
+    """Read the batches waiting in a spool folder, oldest first (for inspection).
 
     Raises:
         pydantic.ValidationError: a spool file is not a valid batch.

@@ -301,6 +301,14 @@ def _update_nodes(
     session.execute(_UPDATE_NODE, rows)
 
 
+def _is_newest(session: Session, node: Row[Any], batch: ReportBatch) -> bool:
+    """True when ``batch`` is newer than every batch stored for the node before this group:
+    a later seq of the node's epoch, or the first batch of a later agent start."""
+    if batch.epoch == node.epoch:
+        return batch.seq > node.last_seq
+    return not node.epoch or _is_newer_epoch(session, node, batch)
+
+
 def _is_newer_epoch(session: Session, node: Row[Any], batch: ReportBatch) -> bool:
     """True when ``batch`` belongs to an agent start later than the node's current epoch."""
     current_sent = session.scalar(
@@ -331,16 +339,21 @@ def _apply_batches(
     for b in batches:
         node = nodes[b.node]
         c = changes[node.id]
-        for k, v in (
-            ("simulated", b.simulated),
-            ("collector", b.collector),
-            ("agent_version", b.agent_version),
-            ("interval_s", b.interval_s),
-            ("sample_every", b.sample_every),
-            ("dropped_batches", b.dropped_batches),
-        ):
-            if getattr(node, k) != v:
-                c[k] = v
+        if _is_newest(session, node, b):
+            for k, v in (
+                ("simulated", b.simulated),
+                ("collector", b.collector),
+                ("agent_version", b.agent_version),
+                ("interval_s", b.interval_s),
+                ("sample_every", b.sample_every),
+                ("dropped_batches", b.dropped_batches),
+            ):
+                if getattr(node, k) != v:
+                    c[k] = v
+        elif b.epoch == node.epoch and b.dropped_batches > node.dropped_batches:
+            # a backfilled batch (agents send the newest first after an outage) describes
+            # the agent as it was; only its drop count, which only grows, can be news
+            c["dropped_batches"] = b.dropped_batches
         node_gpus = gpus[node.id]
         if b.samples:
             samples_rows += [

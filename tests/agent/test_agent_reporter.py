@@ -1,17 +1,22 @@
-"""Reporter: seq/epoch, spool order and bound, replay after an outage, 4xx handling."""
+"""Reporter: seq/epoch, spool bound, newest first and backfill after an outage, 4xx handling."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from agent_helpers import TOKEN, Receiver, wait_until
 
 from tierwatch.agent.netutil import free_port
-from tierwatch.agent.protocol import Command, XidEvent, utcnow
+from tierwatch.agent.protocol import Command, GpuSample, XidEvent, utcnow
 from tierwatch.agent.reporter import Reporter, Spool
+
+
+def _samples(temperature_c: float = 50.0) -> list[GpuSample]:
+    return [GpuSample(index=i, ts=utcnow(), temperature_c=temperature_c) for i in range(2)]
 
 
 def _reporter(url: str, spool: Path, token: str = TOKEN, **kw) -> Reporter:
@@ -47,7 +52,7 @@ def test_seq_and_epoch(receiver, tmp_path, closing):
         rep.report()
     wait_until(lambda: len(receiver.stored()) == 3, what="3 batches")
     batches = receiver.stored()
-    assert [b.seq for b in batches] == [1, 2, 3]
+    assert sorted(b.seq for b in batches) == [1, 2, 3]  # (a backlog goes newest first)
     assert {b.epoch for b in batches} == {rep.epoch}
     assert len(rep.epoch) == 32
     assert all(b.simulated and b.node == "node-a" for b in batches)
@@ -65,7 +70,7 @@ def test_seq_and_epoch(receiver, tmp_path, closing):
     assert (receiver.stored()[-1].epoch, receiver.stored()[-1].seq) == (rep2.epoch, 1)
 
 
-def test_spool_files_sort_in_order_and_are_complete(tmp_path, closing):
+def test_spool_files_sort_by_age_and_are_complete(tmp_path, closing):
     (tmp_path / ".tmp-0000000000000001.x.0000000001.json").write_text("{partial")
     rep = _reporter(f"http://127.0.0.1:{free_port()}", tmp_path)  # sender not started
     closing(rep)
@@ -92,54 +97,133 @@ def test_full_spool_drops_oldest_and_counts(tmp_path, closing):
         rep.start()
         wait_until(lambda: len(receiver.stored()) == 3, what="replay")
         batches = receiver.stored()
-        assert [b.seq for b in batches] == [4, 5, 6]
-        assert batches[-1].dropped_batches == 3
-        kinds = [e.kind for b in batches for e in b.events]
-        assert "spool_full" in kinds
+        assert [b.seq for b in batches] == [6, 4, 5]  # the newest first, then the backfill
+        assert batches[0].dropped_batches == 3
+        assert "spool_full" in [e.kind for e in batches[0].events]
     finally:
         rep.close(1.0)
         receiver.stop()
 
 
-def test_outage_replays_in_order_then_new_batches(tmp_path, closing):
+def test_outage_sends_the_newest_first_then_backfills_each_once(tmp_path, closing):
     port = free_port()
     rep = _reporter(f"http://127.0.0.1:{port}", tmp_path)
     closing(rep)
     rep.start()
-    for _ in range(4):
-        rep.report()
+    for i in range(5):
+        rep.report(samples=_samples(50.0 + i))
     wait_until(lambda: rep.status().consecutive_failures >= 2, what="failed attempts")
     assert "cannot reach" in rep.status().last_error
-    assert len(rep.spool) == 4
+    assert len(rep.spool) == 5
     receiver = Receiver(port=port)  # the server comes back
     try:
-        wait_until(lambda: len(receiver.stored()) == 4, what="replay after outage")
-        rep.report()
-        wait_until(lambda: len(receiver.stored()) == 5, what="new batch")
+        wait_until(lambda: len(receiver.stored()) == 5, what="delivery after the outage")
+        rep.report(samples=_samples())
+        wait_until(lambda: len(receiver.stored()) == 6, what="new batch")
         batches = receiver.stored()
-        assert [b.seq for b in batches] == [1, 2, 3, 4, 5]
+        assert [b.seq for b in batches] == [5, 1, 2, 3, 4, 6]
+        assert batches[0].samples[0].temperature_c == 54.0  # the newest reading went first
+        assert receiver.attempts == 6  # each batch exactly once, no duplicate POST
         assert "server_unreachable" in [e.kind for e in batches[-1].events]
-        assert rep.status().consecutive_failures == 0
+        status = rep.status()
+        assert (status.consecutive_failures, status.spool_depth, status.delivered_batches) == (
+            0,
+            0,
+            6,
+        )
+        assert (status.last_sent_seq, status.last_acked_seq) == (6, 6)
     finally:
         rep.close(1.0)
         receiver.stop()
 
 
-def test_previous_epoch_batches_go_first(receiver, tmp_path, closing):
+def test_backfill_puts_the_newest_samples_and_urgent_batches_first(tmp_path, closing):
+    """While down: 1 samples, 2 heartbeat, 3 an XID push, 4 samples, 5 heartbeat. The
+    heartbeat 5 is the newest, but the server must get samples 4 before it (else its GPUs
+    look stale for an interval); then the XID, then the rest oldest first."""
+    port = free_port()
+    rep = _reporter(f"http://127.0.0.1:{port}", tmp_path)
+    closing(rep)
+    rep.report(samples=_samples())
+    rep.report()
+    rep.push_now(xids=[XidEvent(gpu=1, xid=79, ts=utcnow())])
+    rep.report(samples=_samples())
+    rep.report()
+    receiver = Receiver(port=port)
+    try:
+        rep.start()
+        wait_until(lambda: len(receiver.stored()) == 5, what="delivery")
+        assert [b.seq for b in receiver.stored()] == [4, 5, 3, 1, 2]
+    finally:
+        rep.close(1.0)
+        receiver.stop()
+
+
+def test_a_batch_spooled_during_the_backfill_jumps_the_queue(tmp_path, closing):
+    port = free_port()
+
+    def on_commands(_commands):  # runs on the sender thread, right after the first delivery
+        rep.report(samples=_samples())  # a new report while 1..3 wait to be backfilled
+
+    rep = _reporter(f"http://127.0.0.1:{port}", tmp_path, on_commands=on_commands)
+    closing(rep)
+    for _ in range(4):
+        rep.report(samples=_samples())
+    receiver = Receiver(port=port)
+    receiver.commands = [{"id": "c1", "kind": "isolate", "args": {"reason": "test"}}]
+    try:
+        rep.start()
+        wait_until(lambda: len(receiver.stored()) == 5, what="delivery")
+        assert [b.seq for b in receiver.stored()] == [4, 5, 1, 2, 3]
+    finally:
+        rep.close(1.0)
+        receiver.stop()
+
+
+def test_a_retry_sends_the_newest_batch_of_that_moment(receiver, tmp_path, closing):
+    receiver.fail_with = 503
+    receiver.retry_after = "0"
+    rep = _reporter(receiver.url, tmp_path)
+    closing(rep)
+    rep.start()
+    rep.report(samples=_samples())
+    wait_until(lambda: rep.status().consecutive_failures >= 1, what="a failed attempt")
+    rep.report(samples=_samples())  # spooled while the first one waits for its retry
+    wait_until(lambda: len(rep.spool) == 2, what="two spooled")
+    receiver.fail_with = None
+    wait_until(lambda: len(receiver.stored()) == 2, what="delivery")
+    assert [b.seq for b in receiver.stored()] == [2, 1]
+
+
+def test_new_batches_during_an_outage_do_not_cut_the_backoff_short(receiver, tmp_path, closing):
+    receiver.fail_with = 503  # no Retry-After: the reporter's own backoff, 0.3 s per attempt
+    rep = _reporter(receiver.url, tmp_path, backoff_initial_s=0.3, backoff_max_s=0.3)
+    closing(rep)
+    rep.start()
+    for _ in range(20):  # a new batch every 30 ms: each attempt picks another newest one
+        rep.report(samples=_samples())
+        time.sleep(0.03)  # pacing the reports (the outage itself), not waiting for a condition
+    # ~0.6 s at 0.3 s per wait: 3 attempts (one more if the first came late); a retry per
+    # new batch would be 20
+    assert 2 <= receiver.attempts <= 5
+    assert len(rep.spool) == 20
+
+
+def test_previous_epoch_batches_are_backfilled_behind_this_run(receiver, tmp_path, closing):
     old = _reporter(receiver.url, tmp_path)  # never started: its batches stay spooled
-    old.report()
-    old.report()
+    old.report(samples=_samples())
+    old.report(samples=_samples())
     old.close(0.1)
     new = _reporter(receiver.url, tmp_path)
     closing(new)
     assert len(new.spool) == 2
-    new.report()
+    new.report(samples=_samples())
     new.start()
     wait_until(lambda: len(receiver.stored()) == 3, what="3 batches")
     assert [(b.epoch, b.seq) for b in receiver.stored()] == [
+        (new.epoch, 1),
         (old.epoch, 1),
         (old.epoch, 2),
-        (new.epoch, 1),
     ]
     wait_until(lambda: new.status().last_sent_seq == 1, what="status of this epoch")
 
@@ -200,7 +284,7 @@ def test_push_now_cuts_backoff_short(receiver, tmp_path, closing):
     xid = XidEvent(gpu=2, xid=79, ts=utcnow())
     rep.push_now(xids=[xid])
     wait_until(lambda: len(receiver.stored()) == 2, timeout=5, what="urgent delivery")
-    assert [len(b.xids) for b in receiver.stored()] == [0, 1]  # order kept
+    assert [len(b.xids) for b in receiver.stored()] == [1, 0]  # the XID, newest, went first
 
 
 def test_commands_reach_the_callback(receiver, tmp_path, closing):
