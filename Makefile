@@ -7,6 +7,7 @@ PIP := $(VENV)/bin/pip
 DEMO_SECONDS ?= 0
 DEMO_MTBF ?= 60
 DEMO_SEED ?= 3
+DEMO_PROMETHEUS ?= 0
 PYTEST_ARGS ?=
 
 .PHONY: demo test test-fast soak screenshot setup vendor lint format bench gpu-check clean
@@ -33,7 +34,8 @@ setup: $(VENV)/.installed static/vendor/.installed
 vendor: static/vendor/.installed
 
 demo: setup
-	DEMO_SECONDS=$(DEMO_SECONDS) DEMO_MTBF=$(DEMO_MTBF) DEMO_SEED=$(DEMO_SEED) $(PY) scripts/demo.py
+	DEMO_SECONDS=$(DEMO_SECONDS) DEMO_MTBF=$(DEMO_MTBF) DEMO_SEED=$(DEMO_SEED) \
+	DEMO_PROMETHEUS=$(DEMO_PROMETHEUS) $(PY) scripts/demo.py
 
 # The whole suite on $(TEST_WORKERS) pytest-xdist workers (each worker has its own
 # SQLite file and PostgreSQL schema). `make test-fast` is the inner loop: no e2e, browser or

@@ -1,10 +1,12 @@
 """The server's background work, run by the leader replica only (``leader.LeaderLock``).
 
 Every ``tick_s`` (1 s) the leader expires commands and restore requests, runs one pass of
-the auto-isolation policy and delivers due alerts; every ``prune_interval_s`` it prunes raw
-history. Cluster-driver commands (slurm, kubernetes) run in a task of their own, one at a
-time, so a slow ``scontrol`` never delays the policy. A replica that is not the leader only
-checks, each tick, whether the lock became free.
+the auto-isolation policy and delivers due alerts; every ``ROLLUP_PASS_S`` (60 s) it creates
+the raw samples' partitions ahead (PostgreSQL, ``fleet.partitions``) and rolls up closed
+5-minute buckets (``fleet.rollups``); every ``prune_interval_s`` it prunes raw history.
+Cluster-driver commands (slurm, kubernetes) run in a task of their own, one at a time, so a
+slow ``scontrol`` never delays the policy. A replica that is not the leader only checks, each
+tick, whether the lock became free.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -37,11 +40,15 @@ from tierwatch.server.actions.queue import prune as prune_actions
 from tierwatch.server.alerts.delivery import deliver_due
 from tierwatch.server.alerts.service import deliver_after_maintenance, prune_alerts
 from tierwatch.server.config import ConfigError, Settings
+from tierwatch.server.fleet import partitions, rollups
 from tierwatch.server.fleet import service as fleet_service
 from tierwatch.server.fleet.models import Node
 from tierwatch.server.leader import LeaderLock
 
 log = logging.getLogger("tierwatch.server.background")
+
+# How often the leader creates the sample partitions ahead and rolls up closed buckets (s).
+ROLLUP_PASS_S = 60.0
 
 
 class BackgroundWork:
@@ -88,6 +95,8 @@ class BackgroundWork:
         self._run_limit_s = max(3 * settings.isolation.timeout_s, 2 * settings.commands.ttl_s)
         self._tasks: list[asyncio.Task[None]] = []
         self._last_prune = time.monotonic()
+        self._last_rollup = 0.0
+        self._rolled_up_to: datetime | None = None
         self._wake_drivers = asyncio.Event()
         self.ticks = 0
         self.watch = ControlPlaneWatch(tick_s=tick_s or 1.0, ingest_lag=ingest_lag)
@@ -132,6 +141,9 @@ class BackgroundWork:
         if interval > 0 and time.monotonic() - self._last_prune >= interval:
             self._last_prune = time.monotonic()
             await run_in_threadpool(self._prune)
+        if time.monotonic() - self._last_rollup >= ROLLUP_PASS_S:
+            self._last_rollup = time.monotonic()
+            await run_in_threadpool(self._roll_up)
         self.ticks += 1
 
     def _expire_and_police(self) -> None:
@@ -177,6 +189,16 @@ class BackgroundWork:
         if run.tripped:
             log.error("auto-isolation circuit breaker tripped; holding %s", ", ".join(run.held))
 
+    def _roll_up(self) -> None:
+        """Create the sample partitions ahead (PostgreSQL) and roll up closed buckets."""
+        now = utcnow()
+        with self._factory() as session:
+            engine = session.get_bind()
+            if engine.dialect.name == "postgresql":
+                with engine.connect() as conn:  # type: ignore[union-attr]
+                    partitions.maintain(conn, now=now, cut=None)
+            self._rolled_up_to = rollups.roll_up(session, now=now, after=self._rolled_up_to)
+
     def _prune(self) -> None:
         now = utcnow()
         with self._factory() as session:
@@ -185,6 +207,7 @@ class BackgroundWork:
                 now=now,
                 sample_retention_s=self._settings.sample_retention_s,
                 event_retention_s=self._settings.event_retention_s,
+                rollup_retention_s=self._settings.rollup_retention_s,
             )
             deleted["alerts"] = prune_alerts(
                 session, now=now, retention_s=self._settings.event_retention_s

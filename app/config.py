@@ -8,10 +8,12 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tierwatch.agent.exporter import DEFAULT_HOST_LABEL, check_label_name
 from tierwatch.server.actions.drivers import IsolationSettings
 from tierwatch.server.actions.settings import PolicySettings, QueueSettings
 from tierwatch.server.alerts.service import AlertSettings
@@ -21,6 +23,7 @@ from tierwatch.server.credentials.peer_schemas import (
 )
 from tierwatch.server.credentials.schemas import MAX_TTL_S, MIN_TTL_S
 from tierwatch.server.db import DEFAULT_MAX_OVERFLOW, DEFAULT_POOL_SIZE
+from tierwatch.server.fleet.prom_history import redact
 from tierwatch.server.fleet.rules import HealthThresholds
 
 DEFAULT_DATABASE_URL = "sqlite:///var/tierwatch.db"
@@ -51,6 +54,8 @@ class Settings(BaseSettings):
             this are pruned (seconds; default 24 h).
         event_retention_s: events (XIDs, state changes) older than this are pruned (seconds).
         prune_interval_s: how often the pruner runs (seconds; 0 disables it).
+        rollup_retention_s: 5-minute GPU sample rollups (the long-range node charts) older
+            than this are pruned (seconds; default 30 days).
         max_body_bytes: request bodies larger than this are refused with 413 (bytes).
         log_level: the server's log level (``debug``, ``info``, ``warning``, ``error``);
             ``serve --log-level`` overrides it, for its worker processes too.
@@ -79,6 +84,18 @@ class Settings(BaseSettings):
         session_cookie_secure: mark the session cookie ``Secure`` (sent over HTTPS only).
             None (default): on outside dev mode, off in dev mode. Set it off only for a
             dashboard served over plain HTTP on a network you trust.
+        prometheus_url: base URL of the Prometheus that scrapes the agents' ``/metrics``
+            (``http://prometheus:9090``, a path prefix allowed; ``user:password@`` is sent
+            as basic auth). Set: the node charts read from its ``query_range``
+            (``tierwatch.server.fleet.prom_history``), falling back to the database while it
+            fails; empty (default): the charts read from the database.
+        prometheus_host_label: the label of the ``DCGM_FI_*`` series that holds the node's
+            name (the agents' ``--metrics-host-label``; dcgm-exporter's ``Hostname``, or
+            ``hostname`` since 2026).
+        prometheus_timeout_s: how long a chart request waits for Prometheus (seconds).
+        prometheus_retry_s: after Prometheus was unreachable, slow or answered 5xx, the
+            charts read from the database this long before it is tried again (seconds; 0:
+            try every request).
         health: health-rule thresholds (see ``tierwatch.server.fleet.rules``).
         isolation: the isolation driver (``TIERWATCH_ISOLATION__DRIVER=none|command|slurm|
             kubernetes``; see ``tierwatch.server.actions.drivers``).
@@ -107,6 +124,7 @@ class Settings(BaseSettings):
     sample_retention_s: Annotated[float, Field(gt=0)] = 24 * 3600.0
     event_retention_s: Annotated[float, Field(gt=0)] = 30 * 24 * 3600.0
     prune_interval_s: Annotated[float, Field(ge=0)] = 300.0
+    rollup_retention_s: Annotated[float, Field(gt=0)] = 30 * 24 * 3600.0
     max_body_bytes: Annotated[int, Field(gt=0)] = 1024 * 1024
     ingest_max_queue: Annotated[int, Field(ge=1)] = 2000
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
@@ -121,6 +139,10 @@ class Settings(BaseSettings):
     login_window_s: Annotated[float, Field(gt=0)] = 60.0
     session_ttl_s: Annotated[float, Field(gt=0, le=366 * 24 * 3600)] = 12 * 3600.0
     session_cookie_secure: bool | None = None
+    prometheus_url: str = ""
+    prometheus_host_label: str = DEFAULT_HOST_LABEL
+    prometheus_timeout_s: Annotated[float, Field(gt=0, le=120)] = 5.0
+    prometheus_retry_s: Annotated[float, Field(ge=0, le=3600)] = 30.0
     health: HealthThresholds = HealthThresholds()
     isolation: IsolationSettings = IsolationSettings()
     commands: QueueSettings = QueueSettings()
@@ -136,6 +158,31 @@ class Settings(BaseSettings):
     @classmethod
     def _blank_demo_report_is_unset(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("prometheus_url")
+    @classmethod
+    def _prometheus_url_is_http(cls, value: str) -> str:
+        value = value.strip()
+        if not value:
+            return ""
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"TIERWATCH_PROMETHEUS_URL {redact(value)!r} is not an http(s) URL: set it to "
+                "Prometheus' base URL, e.g. http://prometheus:9090 (empty: charts from the "
+                "database)"
+            )
+        if parts.query or parts.fragment:
+            raise ValueError(
+                f"TIERWATCH_PROMETHEUS_URL {redact(value)!r} has a query or fragment: give "
+                "the base URL only (the server adds /api/v1/query_range)"
+            )
+        return value.rstrip("/")
+
+    @field_validator("prometheus_host_label")
+    @classmethod
+    def _prometheus_host_label_is_a_label(cls, value: str) -> str:
+        return check_label_name(value, "TIERWATCH_PROMETHEUS_HOST_LABEL")
 
     def check_serving(self) -> None:
         """Refuse settings that are unsafe for serving.

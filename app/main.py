@@ -33,6 +33,7 @@ from tierwatch.server.db import make_engine, make_sessionmaker, pool_capacity
 from tierwatch.server.demo import api as demo_api
 from tierwatch.server.demo import views as demo_views
 from tierwatch.server.fleet import api as fleet_api
+from tierwatch.server.fleet import prom_history
 from tierwatch.server.fleet import views as fleet_views
 from tierwatch.server.ingest import api as ingest_api
 from tierwatch.server.ingest.writer import IngestWriter, WriterMetrics
@@ -191,6 +192,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await app.state.ingest_writer.stop()
         writer_engine.dispose()
         engine.dispose()
+        if app.state.prom_history is not None:
+            app.state.prom_history.close()
 
     app = FastAPI(
         title="tierwatch",
@@ -215,6 +218,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics_registry.register(WriterMetrics(app.state.ingest_writer))
     app.state.metrics_cache = ScrapeCache(app.state.metrics_registry, settings.metrics_cache_s)
     app.state.token_resolver = TokenResolver(engine, settings.token_cache_s)
+    # the node charts' history: Prometheus' query_range when TIERWATCH_PROMETHEUS_URL is set
+    app.state.prom_history = prom_history.from_settings(settings)
     app.state.background = BackgroundWork(
         app.state.sessionmaker,
         engine,

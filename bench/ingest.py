@@ -80,6 +80,7 @@ from rich.table import Table
 from tierwatch.agent.netutil import free_port
 from tierwatch.agent.protocol import GPU_METRICS, GpuSample, ReportBatch
 from tierwatch.agent.sampling import SampleGate
+from tierwatch.server.fleet.cluster_live import VERSION_HEADER as CLUSTER_VERSION_HEADER
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -767,7 +768,7 @@ TABLE_PROBES = tuple(
 )
 
 
-def merge_dashboards(lat_ms: dict, statuses: dict, nbytes: dict) -> None:
+def merge_dashboards(lat_ms: dict, statuses: dict, nbytes: dict, bytes_total: dict) -> None:
     """Fold the extra dashboards' cluster polls into the "cluster" probe (in place)."""
     for p in READ_PROBES:
         if p in TABLE_PROBES:
@@ -775,6 +776,7 @@ def merge_dashboards(lat_ms: dict, statuses: dict, nbytes: dict) -> None:
         lat_ms["cluster"] += lat_ms.pop(p.key)
         statuses["cluster"].update(statuses.pop(p.key))
         nbytes["cluster"] = max(nbytes["cluster"], nbytes.pop(p.key))
+        bytes_total["cluster"] += bytes_total.pop(p.key)
 
 
 def probe_headers(probe: ReadProbe, token: str) -> dict[str, str]:
@@ -798,7 +800,8 @@ class Reader:
         self.stop = threading.Event()
         self.lat_ms: dict[str, list[float]] = {p.key: [] for p in READ_PROBES}
         self.statuses: dict[str, Counter[str]] = {p.key: Counter() for p in READ_PROBES}
-        self.nbytes: dict[str, int] = {p.key: 0 for p in READ_PROBES}
+        self.nbytes: dict[str, int] = {p.key: 0 for p in READ_PROBES}  # largest answer
+        self.bytes_total: dict[str, int] = {p.key: 0 for p in READ_PROBES}
         self.threads = [
             threading.Thread(target=self._run, args=(p,), name=f"bench-reader-{p.key}", daemon=True)
             for p in READ_PROBES
@@ -819,22 +822,28 @@ class Reader:
         headers = probe_headers(probe, self.token)
         t0 = time.monotonic()
         deadline = t0 + self.max_s
+        version: str | None = None  # the dashboard's #cluster-version, sent back as since=
         with httpx.Client(base_url=self.url, headers=headers, timeout=REQUEST_TIMEOUT_S) as c:
             next_t = t0 + probe.offset_s
             while not self.stop.wait(max(0.0, next_t - time.monotonic())):
                 if time.monotonic() >= deadline:
                     break
                 t = time.monotonic()
+                params = {"since": version} if probe.htmx and version else None
                 try:
-                    r = c.get(probe.path)
+                    r = c.get(probe.path, params=params)
                 except httpx.HTTPError as exc:
                     self.statuses[probe.key][type(exc).__name__] += 1
                 else:
                     ms = (time.monotonic() - t) * 1000
                     self.statuses[probe.key][str(r.status_code)] += 1
-                    if r.status_code == 200:
+                    # a poll answered 204 (nothing changed) is a complete answer too
+                    if r.status_code == 200 or (probe.htmx and r.status_code == 204):
                         self.lat_ms[probe.key].append(ms)
-                        self.nbytes[probe.key] = len(r.content)
+                        self.nbytes[probe.key] = max(self.nbytes[probe.key], len(r.content))
+                        self.bytes_total[probe.key] += len(r.content)
+                    if probe.htmx:
+                        version = r.headers.get(CLUSTER_VERSION_HEADER, version)
                 next_t += probe.every_s
 
 
@@ -995,39 +1004,63 @@ class DbSnapshot:
     size_bytes: int
     samples_bytes: int
     sample_rows: int
-    max_sample_id: int
+    taken_at: datetime
     receipts: int = 0  # report_receipts rows: one per stored report, samples or not
+    tables: dict[str, int] = field(default_factory=dict)  # bytes per table, indexes included
+
+
+# Each top-level table's size, indexes and TOAST included; a partitioned table (gpu_samples
+# on PostgreSQL) counts its partitions (pg_partition_tree), as the parent has no storage.
+TABLE_SIZES_SQL = """
+SELECT c.relname,
+       CASE WHEN c.relkind = 'p'
+            THEN (SELECT coalesce(sum(pg_total_relation_size(t.relid)), 0)
+                  FROM pg_partition_tree(c.oid) t)
+            ELSE pg_total_relation_size(c.oid) END
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = current_schema() AND c.relkind IN ('r', 'p') AND NOT c.relispartition
+"""
 
 
 def db_snapshot(pg_url: str) -> DbSnapshot:
     with psycopg.connect(pg_url) as conn:
+        taken_at = datetime.now(UTC)
+        tables = {name: int(size) for name, size in conn.execute(TABLE_SIZES_SQL).fetchall()}
         row = conn.execute(
-            "SELECT pg_database_size(current_database()), "
-            "pg_total_relation_size('gpu_samples'), count(*), coalesce(max(id), 0), "
+            "SELECT pg_database_size(current_database()), count(*), "
             "(SELECT count(*) FROM report_receipts) FROM gpu_samples"
         ).fetchone()
     assert row is not None
-    return DbSnapshot(*row)
+    return DbSnapshot(
+        size_bytes=row[0],
+        samples_bytes=tables.get("gpu_samples", 0),
+        sample_rows=row[1],
+        taken_at=taken_at,
+        receipts=row[2],
+        tables=tables,
+    )
 
 
-def measure_prune(db_url: str, pg_url: str, first_run_id: int) -> dict[str, Any]:
-    """Time ``fleet.service.prune`` with a cut at the median ``ts`` of the run's samples.
+def measure_prune(db_url: str, pg_url: str, run_started: datetime) -> dict[str, Any]:
+    """Time ``fleet.service.prune`` with a cut that removes the run's samples.
 
-    The cut is applied to samples, receipts and events alike (now = cut + 1 h, both retention
-    windows 1 h), so everything older than the middle of the ingest phase goes, warm-up
-    rows included.
+    The samples are partitioned by hour (``fleet.partitions``) and retention drops whole
+    hours, so the cut is the end of the hour holding the run's newest sample: the run's
+    partition(s) are dropped, and everything older than the cut goes from receipts and events
+    alike (now = cut + 1 h, both retention windows 1 h), warm-up rows included.
     """
     from tierwatch.server.db import make_engine, make_sessionmaker
+    from tierwatch.server.fleet.partitions import WIDTH, partition_start
     from tierwatch.server.fleet.service import prune
 
     with psycopg.connect(pg_url) as conn:
         row = conn.execute(
-            "SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY ts) FROM gpu_samples WHERE id > %s",
-            (first_run_id,),
+            "SELECT max(ts) FROM gpu_samples WHERE ts >= %s", (run_started,)
         ).fetchone()
-    cut = row[0] if row else None
-    if cut is None:
+    newest = row[0] if row else None
+    if newest is None:
         return {"error": "no samples from the run"}
+    cut = partition_start(newest) + WIDTH
     engine = make_engine(db_url)
     try:
         with make_sessionmaker(engine)() as session:
@@ -1337,9 +1370,16 @@ def build_rows(m: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     for probe in TABLE_PROBES:
         lat = rd["lat_ms"][probe.key]
         if lat:
+            sizes = human_bytes(rd["nbytes"][probe.key])
+            if probe.htmx:
+                unchanged = rd["statuses"][probe.key].get("204", 0)
+                mean = rd.get("bytes_total", {}).get(probe.key, 0) / len(lat)
+                sizes = (
+                    f"{unchanged} answered 204 unchanged, mean {human_bytes(mean)}/poll, "
+                    f"largest {sizes}"
+                )
             value = (
-                f"p50 {fmt_ms(pct(lat, 50))}, p95 {fmt_ms(pct(lat, 95))} "
-                f"(n={len(lat)}, {human_bytes(rd['nbytes'][probe.key])})"
+                f"p50 {fmt_ms(pct(lat, 50))}, p95 {fmt_ms(pct(lat, 95))} (n={len(lat)}, {sizes})"
             )
         else:
             value = "missing: " + fmt_statuses(rd["statuses"][probe.key])
@@ -1362,18 +1402,23 @@ def build_rows(m: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         (
             "database growth",
             f"{human_bytes(g['bytes_per_h'])}/h; gpu_samples {g['rows_per_h'] / 1e6:.2f} M rows/h "
-            f"({g['table_bytes_per_row']:.0f} B/row incl. indexes)",
+            f"({g['table_bytes_per_row']:.0f} B/row incl. indexes); by table: "
+            + ", ".join(
+                f"{name} {human_bytes(b)}/h"
+                for name, b in sorted(g.get("tables_per_h", {}).items(), key=lambda kv: -kv[1])
+                if b >= 1 << 20
+            ),
             "",
             "",
         )
     )
     p = m["prune"]
     if "error" in p:
-        rows.append(("prune half of the run", p["error"], "", ""))
+        rows.append(("prune the run (drop its hour)", p["error"], "", ""))
     else:
         rows.append(
             (
-                "prune half of the run",
+                "prune the run (drop its hour)",
                 f"{p['total']:,} rows in {p['seconds']:.2f} s = {p['rows_per_s']:,.0f} rows/s",
                 "",
                 "",
@@ -1595,11 +1640,12 @@ def main() -> int:
         # Counted from report_receipts: a heartbeat stores a report without sample rows.
         stored_reports = max(1, after_db.receipts - before["db"].receipts)
         m["ingest"] = ing
-        merge_dashboards(reader.lat_ms, reader.statuses, reader.nbytes)
+        merge_dashboards(reader.lat_ms, reader.statuses, reader.nbytes, reader.bytes_total)
         m["reader"] = {
             "lat_ms": reader.lat_ms,
             "statuses": reader.statuses,
             "nbytes": reader.nbytes,
+            "bytes_total": reader.bytes_total,
         }
         m["stored_reports"] = stored_reports
         m["server_cpu_ms_per_report"] = 1000 * server_cpu / stored_reports
@@ -1622,6 +1668,10 @@ def main() -> int:
             "bytes_per_h": (after_db.size_bytes - b0.size_bytes) / run_s * 3600,
             "rows_per_h": rows / run_s * 3600,
             "table_bytes_per_row": (after_db.samples_bytes - b0.samples_bytes) / max(1, rows),
+            "tables_per_h": {
+                name: (size - b0.tables.get(name, 0)) / run_s * 3600
+                for name, size in after_db.tables.items()
+            },
         }
         console.print(f"ingest done: {ing['statuses']}; measuring prune and DB floor ...")
 
@@ -1640,7 +1690,7 @@ def main() -> int:
             if stored_reports >= MIN_REPORTS_FOR_CPU
             else None
         )
-        m["prune"] = measure_prune(db_url, pg_url, b0.max_sample_id)
+        m["prune"] = measure_prune(db_url, pg_url, b0.taken_at)
         m["floor"] = measure_db_floor(pg_url)
         m["server_problems"] = server.problem_lines()
         ok = True
@@ -1707,7 +1757,8 @@ def main() -> int:
         f"({m['reader_cpu_s']:.1f} s of server CPU, costed at the idle-server CPU per GET). "
         f"Database growth counts pg_database_size before/after the ingest phase (WAL not "
         f"included) over {ing['duration_s']:.0f} s, extrapolated to an hour; prune uses "
-        f"fleet.service.prune with the cut at the median ts of the run's samples, on an idle "
+        f"fleet.service.prune with the cut at the end of the hour of the run's newest sample "
+        f"(samples are partitioned by hour; the run's partition is dropped), on an idle "
         f"server ({m['prune'].get('deleted', {})}).",
         "DB floor rounds (rows/s, 8 rows per commit, one connection): "
         + ", ".join(f"{r:.0f}" for r in m["floor"]["per_report_rounds"])

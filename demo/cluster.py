@@ -89,7 +89,12 @@ def nvml_gpus(nvml: Any = None) -> int:
 
 
 def server_env(
-    var: Path, *, report: Path, policy_unreachable_s: float, quiet_s: float
+    var: Path,
+    *,
+    report: Path,
+    policy_unreachable_s: float,
+    quiet_s: float,
+    prometheus_url: str = "",
 ) -> dict[str, str]:
     """The server's environment in the demo (its own ``TIERWATCH_*`` only).
 
@@ -98,7 +103,8 @@ def server_env(
     its breaker allows 2 of the 5 nodes per 2 minutes; the health engine keeps an XID, ECC
     or temperature reason for ``quiet_s`` seconds after its last finding (so a repaired node
     shows healthy again); the policy also acts on ``CHECK_COOLING`` (a GPU past its slowdown
-    temperature takes the job down in the demo).
+    temperature takes the job down in the demo). With ``prometheus_url`` (``DEMO_PROMETHEUS=1``,
+    :mod:`demo.prometheus`) the node charts read from that Prometheus.
     """
     quiet = {
         "xid": quiet_s,
@@ -125,6 +131,7 @@ def server_env(
         "TIERWATCH_HEALTH__QUIET_PERIOD_S": json.dumps(quiet),
         "TIERWATCH_BACKGROUND_TICK_S": "0.5",
         "TIERWATCH_DEMO_REPORT": str(report),
+        **({"TIERWATCH_PROMETHEUS_URL": prometheus_url} if prometheus_url else {}),
     }
 
 
@@ -238,6 +245,7 @@ class Cluster:
     policy_unreachable_s: float = 3.0
     quiet_s: float = 5.0
     collector: str = "simulated"  # or "nvml": every agent reads this machine's real GPUs
+    prometheus_url: str = ""  # the node charts read from this Prometheus (DEMO_PROMETHEUS=1)
     env: dict[str, str] = field(default_factory=dict)
     nodes: dict[str, Node] = field(default_factory=dict)
     server: subprocess.Popen[bytes] | None = None
@@ -254,6 +262,11 @@ class Cluster:
     @property
     def persistent_dir(self) -> Path:
         return self.var / "persistent"
+
+    def agent_targets(self, count: int) -> list[str]:
+        """The ``host:port`` of the first ``count`` nodes' agents (their local API serves
+        ``/metrics``): what a Prometheus scrapes (:mod:`demo.prometheus`)."""
+        return [f"127.0.0.1:{self.agent_port + i}" for i in range(count)]
 
     def _cli(self, *args: str) -> str:
         return subprocess.run(
@@ -282,6 +295,7 @@ class Cluster:
                 report=self.report,
                 policy_unreachable_s=self.policy_unreachable_s,
                 quiet_s=self.quiet_s,
+                prometheus_url=self.prometheus_url,
             ),
         }
         self._cli("migrate")

@@ -11,7 +11,8 @@ The report (:mod:`demo.report`) is kept up to date in ``var/demo-report.json`` a
 ``/demo`` on the dashboard; it is printed at the end.
 
 Environment (or options): ``DEMO_SECONDS`` (0: until Ctrl-C), ``DEMO_MTBF`` (60 s),
-``DEMO_SEED`` (3).
+``DEMO_SEED`` (3), ``DEMO_PROMETHEUS`` (0; 1: a Prometheus scrapes the agents and the node
+charts read from it, :mod:`demo.prometheus`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from demo import cluster as cluster_mod
 from demo import faults, report
 from demo.cluster import Cluster, port_free
 from demo.injector import strike
+from demo.prometheus import DemoPrometheus
+from demo.prometheus import find_executable as find_prometheus
 from demo.supervisor import Job, Supervisor, seen_after
 from tierwatch.server.demo.report import DemoReport, Failure
 
@@ -64,6 +67,21 @@ def env_number(name: str, default: float, kind: type = float) -> Any:
     if value is None or not math.isfinite(value):
         raise SystemExit(f"error: {name}={raw!r} is not a {'whole ' if kind is int else ''}number")
     return value
+
+
+def env_flag(name: str) -> bool:
+    """Whether ``os.environ[name]`` is on (``1``/``true``/``yes``; unset, empty,
+    ``0``/``false``/``no``: off).
+
+    Raises:
+        SystemExit: any other value (the message names the variable).
+    """
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise SystemExit(f"error: {name}={os.environ[name]!r} is not 0 or 1")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -116,6 +134,15 @@ class Demo:
             interval_s=args.interval,
             report=self.report_path.resolve(),
             collector="nvml" if self.real_gpus else "simulated",
+        )
+        self.prometheus = (
+            DemoPrometheus(
+                root=self.var / "prometheus",
+                targets=self.cluster.agent_targets(NODES),
+                executable=args.prometheus_exe,
+            )
+            if args.prometheus
+            else None
         )
         self.log_dir = self.var / "train"
         self.train_args = [
@@ -182,6 +209,11 @@ class Demo:
             for f in self.var.glob(pattern):
                 f.unlink()
         self.report_path.unlink(missing_ok=True)
+        if self.prometheus is not None:
+            # before the server: its first chart request already finds Prometheus up
+            self.prometheus.start()
+            self.cluster.prometheus_url = self.prometheus.url
+            self.say(f"Prometheus on {self.prometheus.url} scrapes the agents' /metrics")
         self.cluster.start_server()
         names = [f"gpu-node-{i + 1:02d}" for i in range(NODES)]
         for i, name in enumerate(names):
@@ -654,6 +686,11 @@ class Demo:
                 token=self.cluster.token,
                 report=self.report_path,
                 logs=self.cluster.logs,
+                charts=(
+                    f"from Prometheus ({self.prometheus.url}, scraping the agents every second)"
+                    if self.prometheus is not None
+                    else "from tierwatch's database (DEMO_PROMETHEUS=1: from a Prometheus)"
+                ),
             ),
             flush=True,
         )
@@ -717,6 +754,7 @@ tierwatch demo is running: {url}/  (sign in with the token below)
   sign in   : {token}
   report    : {url}/demo  (also {report})
   API       : curl -H 'Authorization: Bearer {token}' {url}/api/v1/nodes
+  charts    : {charts}
   logs      : {logs}
 """
 
@@ -840,6 +878,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--save-every", type=int, default=2, help="checkpoint every this many steps (memory tier)"
     )
+    p.add_argument(
+        "--prometheus",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="start Prometheus (Debian's `prometheus`, on a loopback port) scraping the "
+        "agents, and let the node charts read from it [DEMO_PROMETHEUS=1]",
+    )
+    p.add_argument(
+        "--prometheus-exe",
+        default=None,
+        metavar="PATH",
+        help="the Prometheus binary (default: `prometheus` on PATH, else /usr/bin/prometheus)",
+    )
     p.add_argument("--var-dir", type=Path, default=REPO / "var" / "demo")
     p.add_argument("--report", type=Path, default=REPO / "var" / "demo-report.json")
     args = p.parse_args(argv)
@@ -850,6 +901,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.mtbf = env_number("DEMO_MTBF", 60.0)
     if args.seed is None:
         args.seed = env_number("DEMO_SEED", 3, int)
+    if args.prometheus is None:
+        args.prometheus = env_flag("DEMO_PROMETHEUS")
+    if args.prometheus:
+        try:
+            args.prometheus_exe = find_prometheus(args.prometheus_exe)
+        except RuntimeError as exc:
+            p.error(str(exc))
     if not (math.isfinite(args.seconds) and math.isfinite(args.mtbf)):
         p.error("DEMO_SECONDS and DEMO_MTBF must be finite numbers of seconds")
     if args.mtbf <= 0:
@@ -904,3 +962,5 @@ def main(argv: list[str] | None = None) -> int:
             demo.job.stop()
         demo.sup.stop()
         demo.cluster.stop()
+        if demo.prometheus is not None:
+            demo.prometheus.stop()

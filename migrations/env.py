@@ -13,6 +13,7 @@ from tierwatch.server.config import get_settings
 from tierwatch.server.credentials import models as _credential_models  # noqa: F401
 from tierwatch.server.db import Base, make_engine
 from tierwatch.server.fleet import models as _fleet_models  # noqa: F401  (registers tables)
+from tierwatch.server.fleet import partitions
 
 config = context.config
 url = config.attributes.get("database_url") or get_settings().database_url
@@ -41,6 +42,7 @@ def _run(connection) -> None:  # type: ignore[no-untyped-def]
         connection=connection,
         target_metadata=target_metadata,
         render_as_batch=connection.dialect.name == "sqlite",
+        include_object=partitions.include_in_autogenerate,
     )
     with context.begin_transaction():
         context.run_migrations()

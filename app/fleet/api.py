@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import AwareDatetime
 from pydantic_core import to_json
 from starlette.responses import Response
@@ -13,7 +13,7 @@ from starlette.responses import Response
 from tierwatch.agent.protocol import utcnow
 from tierwatch.server.actions import audit
 from tierwatch.server.deps import SessionDep, SettingsDep
-from tierwatch.server.fleet import service
+from tierwatch.server.fleet import prom_history, service
 from tierwatch.server.fleet.models import METRIC_FIELDS, Node
 from tierwatch.server.fleet.schemas import (
     AckIn,
@@ -103,11 +103,21 @@ def get_node(_: ReaderDep, node: NodeDep, session: SessionDep, settings: Setting
     return node_out(view, detail=service.report_stats(session, node))
 
 
+def get_prom_history(request: Request) -> prom_history.PromHistory | None:
+    """The app's Prometheus for the node charts (None: ``TIERWATCH_PROMETHEUS_URL`` unset)."""
+    return getattr(request.app.state, "prom_history", None)
+
+
+PromHistoryDep = Annotated[prom_history.PromHistory | None, Depends(get_prom_history)]
+
+
 @router.get("/nodes/{name}/samples", responses=error_responses(404))
 def get_samples(
     _: ReaderDep,
     node: NodeDep,
     session: SessionDep,
+    settings: SettingsDep,
+    prometheus: PromHistoryDep,
     gpu: Annotated[int | None, Query(ge=0, le=255)] = None,
     metric: Annotated[str | None, Query(description="one of: " + ", ".join(METRIC_FIELDS))] = None,
     since: AwareDatetime | None = None,
@@ -120,14 +130,59 @@ def get_samples(
     """Samples of a node, oldest first (default: the last 15 minutes).
 
     With ``step`` the rows are averaged per GPU into ``step``-second buckets (for charts of
-    long ranges); without it they are raw.
+    long ranges; counters and flags are the bucket's maximum); without it they are raw. A
+    bucketed range that starts before ``TIERWATCH_SAMPLE_RETENTION_S`` reads the 5-minute
+    rollups up to their newest bucket, raw rows after it (``fleet.rollups``).
 
-    Returns ``{"node", "metric", "since", "until", "samples": [{"gpu", "ts", <metrics>…}]}``.
+    With ``TIERWATCH_PROMETHEUS_URL`` set, the history comes from Prometheus' ``query_range``
+    (``source: "prometheus"``, always in buckets: ``step`` is the width used, derived from
+    the range when not given; see ``fleet.prom_history``). While Prometheus is unreachable,
+    slow or answers an error, and for a metric it has no DCGM series of, the rows come from
+    the database instead (``source: "database"``, ``source_error`` says why).
+
+    Returns:
+        ``{"node", "metric", "step", "since", "until", "source": "prometheus" | "database",
+        "samples": [{"gpu", "ts", <metrics>…}]}``, plus ``source_error`` (why not from the
+        configured Prometheus) or ``source_note`` (why there are no rows from it).
+
+    Raises:
+        HTTPException: 404 for an unknown node; 422 for an unknown metric or ``since``
+            after ``until``.
     """
     until = until or utcnow()
     since = since or until - timedelta(minutes=15)
     if since > until:
         raise invalid_request(("query", "since"), "since must not be after until")
+    try:
+        prom_history.check_metric(metric)
+    except ValueError as exc:
+        raise invalid_request(("query", "metric"), str(exc)) from exc
+    head = {"node": node.name, "metric": metric, "since": since, "until": until}
+    source_error = None
+    if prometheus is not None and not prom_history.covers(metric):
+        source_error = f"Prometheus has no DCGM series of {metric}"
+    elif prometheus is not None:
+        try:
+            history = prometheus.samples(
+                node=node.name,
+                gpu=gpu,
+                metric=metric,
+                since=since,
+                until=until,
+                limit=limit,
+                step_s=step,
+            )
+        except prom_history.PrometheusError as exc:
+            source_error = str(exc)
+        else:
+            note = {"source_note": history.note} if history.note else {}
+            return {
+                **head,
+                "step": history.step,
+                "source": "prometheus",
+                **note,
+                "samples": history.samples,
+            }
     try:
         rows = service.query_samples(
             session,
@@ -138,17 +193,13 @@ def get_samples(
             until=until,
             limit=limit,
             step_s=step,
+            # older than this the raw rows are gone: long ranges read the 5-minute rollups
+            raw_since=utcnow() - timedelta(seconds=settings.sample_retention_s),
         )
     except ValueError as exc:
         raise invalid_request(("query", "metric"), str(exc)) from exc
-    return {
-        "node": node.name,
-        "metric": metric,
-        "step": step,
-        "since": since,
-        "until": until,
-        "samples": rows,
-    }
+    error = {"source_error": source_error} if source_error else {}
+    return {**head, "step": step, "source": "database", **error, "samples": rows}
 
 
 @router.get("/events", response_model=list[EventOut], responses=error_responses(404))

@@ -115,18 +115,47 @@ class Gpu(_Metrics, Base):
 
 
 class GpuSampleRow(_Metrics, Base):
-    """Raw history: one row per GPU per reading."""
+    """Raw history: one row per GPU per reading (append-only).
+
+    On PostgreSQL the table is partitioned by hour of ``ts`` (``fleet.partitions``; migration
+    0012 declares it, since SQLAlchemy's DDL here stays dialect-neutral); on SQLite it is one
+    table with the same columns. No surrogate key: nothing refers to a sample row, and the
+    8-byte id plus its index were a quarter of the row's size. The ORM maps
+    (node_id, gpu_index, ts) as the identity; the database does not enforce it (a replayed
+    batch is refused earlier, by its report receipt). ``ts`` has a BRIN index (btree on
+    SQLite): rows arrive nearly in time order, so a block range summary is enough for the
+    rollups' and retention's range scans, at a few KiB instead of 30 B/row.
+    """
 
     __tablename__ = "gpu_samples"
     __table_args__ = (
         Index("ix_gpu_samples_node_gpu_ts", "node_id", "gpu_index", "ts"),
-        Index("ix_gpu_samples_ts", "ts"),
+        Index("ix_gpu_samples_ts", "ts", postgresql_using="brin"),
     )
+    __mapper_args__ = {"primary_key": ["node_id", "gpu_index", "ts"]}
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
     gpu_index: Mapped[int] = mapped_column(Integer)
     ts: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class GpuSampleRollup(_Metrics, Base):
+    """5-minute rollups of ``gpu_samples`` for long chart ranges (``fleet.rollups``).
+
+    One row per GPU per :data:`~tierwatch.server.fleet.rollups.ROLLUP_S` bucket: gauges are
+    the bucket's mean, counters and flags its maximum, ``samples`` how many raw rows it
+    summarises (the weight when buckets are merged). Kept for ``rollup_retention_s``.
+    """
+
+    __tablename__ = "gpu_sample_rollups"
+    __table_args__ = (Index("ix_gpu_sample_rollups_bucket", "bucket"),)
+
+    node_id: Mapped[int] = mapped_column(
+        ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
+    )
+    gpu_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bucket: Mapped[datetime] = mapped_column(UTCDateTime, primary_key=True)
+    samples: Mapped[int] = mapped_column(Integer)
 
 
 class Event(Base):

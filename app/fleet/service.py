@@ -10,17 +10,18 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Integer, cast, delete, func, select, update
+from sqlalchemy import Integer, case, cast, delete, func, literal, select, update
 from sqlalchemy.orm import Session
 
 from tierwatch.agent.protocol import NODE_NAME_PATTERN, throttle_reason_names
-from tierwatch.server.fleet import rules
+from tierwatch.server.fleet import partitions, rollups, rules
 from tierwatch.server.fleet.models import (
     BOOL_METRICS,
     METRIC_FIELDS,
     Acknowledgement,
     Event,
     Gpu,
+    GpuSampleRollup,
     GpuSampleRow,
     LatencySampleRow,
     Node,
@@ -398,12 +399,18 @@ def query_samples(
     until: datetime,
     limit: int,
     step_s: float | None = None,
+    raw_since: datetime | None = None,
 ) -> list[dict[str, Any]]:
     """Raw or downsampled samples of one node in ``[since, until]``, oldest first.
 
     Args:
         step_s: when given, rows are averaged per GPU into buckets of this many seconds
             (``ts`` is the bucket start; boolean metrics are true when any sample was).
+        raw_since: how far back the raw history is kept (``now - sample_retention_s``);
+            with ``step_s``, a range that starts before it reads the 5-minute rollups
+            (``fleet.rollups``) up to their newest bucket and the raw rows after it. Counters
+            and flags from rollups are the bucket's maximum; gauges are weighted by the
+            samples each rollup summarises. None: raw rows only.
 
     Returns:
         Rows ``{"gpu": int, "ts": datetime, <metric>: value, ...}``: every metric, or only
@@ -415,43 +422,151 @@ def query_samples(
     if metric is not None and metric not in METRIC_FIELDS:
         raise ValueError(f"unknown metric {metric!r}; valid: {', '.join(METRIC_FIELDS)}")
     fields = [metric] if metric else list(METRIC_FIELDS)
-    where = [GpuSampleRow.node_id == node.id, GpuSampleRow.ts >= since, GpuSampleRow.ts <= until]
-    if gpu is not None:
-        where.append(GpuSampleRow.gpu_index == gpu)
     if step_s is None:
+        where = [GpuSampleRow.node_id == node.id, GpuSampleRow.ts >= since]
+        where.append(GpuSampleRow.ts <= until)
+        if gpu is not None:
+            where.append(GpuSampleRow.gpu_index == gpu)
         cols = [GpuSampleRow.gpu_index, GpuSampleRow.ts]
         cols += [getattr(GpuSampleRow, f) for f in fields]
         q = select(*cols).where(*where).order_by(GpuSampleRow.ts.desc()).limit(limit)
         rows = [(r[0], r[1], *r[2:]) for r in session.execute(q)]
-    else:
-        epoch = _epoch_seconds(session, GpuSampleRow.ts)
-        bucket = (func.floor(epoch / step_s) * step_s).label("bucket")
-        aggs = [
-            func.max(cast(getattr(GpuSampleRow, f), Integer))
-            if f in BOOL_METRICS
-            else func.avg(getattr(GpuSampleRow, f))
-            for f in fields
-        ]
-        q = (
-            select(GpuSampleRow.gpu_index, bucket, *aggs)
-            .where(*where)
-            .group_by(GpuSampleRow.gpu_index, bucket)
-            .order_by(bucket.desc())
-            .limit(limit)
+        rows.sort(key=lambda r: (r[1], r[0]))
+        return [{"gpu": r[0], "ts": r[1], **dict(zip(fields, r[2:], strict=True))} for r in rows]
+    raw_from = since
+    parts: list[_Bucketed] = []
+    if raw_since is not None and since < raw_since:
+        rolled_to = session.scalar(
+            select(func.max(GpuSampleRollup.bucket)).where(GpuSampleRollup.node_id == node.id)
         )
-        rows = [
-            (
-                r[0],
-                datetime.fromtimestamp(float(r[1]), UTC),
-                *(
-                    None if v is None else (bool(v) if f in BOOL_METRICS else float(v))
-                    for f, v in zip(fields, r[2:], strict=True)
-                ),
+        if rolled_to is not None:
+            rollup_end = min(until, rolled_to + timedelta(seconds=rollups.ROLLUP_S))
+            parts += _bucketed(
+                session,
+                GpuSampleRollup,
+                GpuSampleRollup.bucket,
+                node,
+                gpu,
+                fields,
+                since,
+                rollup_end,
+                step_s,
+                limit,
+                weight=GpuSampleRollup.samples,
             )
-            for r in session.execute(q)
-        ]
-    rows.sort(key=lambda r: (r[1], r[0]))
-    return [{"gpu": r[0], "ts": r[1], **dict(zip(fields, r[2:], strict=True))} for r in rows]
+            raw_from = max(since, rollup_end)
+    if raw_from <= until:
+        parts += _bucketed(
+            session,
+            GpuSampleRow,
+            GpuSampleRow.ts,
+            node,
+            gpu,
+            fields,
+            raw_from,
+            until,
+            step_s,
+            limit,
+            weight=None,
+        )
+    merged = _merge_buckets(parts, fields)[-limit:]
+    return [{"gpu": g, "ts": ts, **values} for (ts, g), values in merged]
+
+
+# (gpu, bucket start, samples, values by field) of one source's bucketed query
+_Bucketed = tuple[int, datetime, float, dict[str, Any]]
+
+
+def _bucketed(
+    session: Session,
+    model: Any,
+    ts_col: Any,
+    node: Node,
+    gpu: int | None,
+    fields: list[str],
+    since: datetime,
+    until: datetime,
+    step_s: float,
+    limit: int,
+    *,
+    weight: Any,
+) -> list[_Bucketed]:
+    """One source (raw rows or rollups) grouped per GPU into ``step_s`` buckets; gauges as
+    sums weighted by ``weight`` (rows summarised per rollup; 1 per raw row), counters and
+    flags as maxima. ``until`` is inclusive for raw rows, exclusive for rollups."""
+    epoch = _epoch_seconds(session, ts_col)
+    bucket = (func.floor(epoch / step_s) * step_s).label("bucket")
+    w = weight if weight is not None else literal(1)
+    where = [model.node_id == node.id, ts_col >= since]
+    where.append(ts_col < until if weight is not None else ts_col <= until)
+    if gpu is not None:
+        where.append(model.gpu_index == gpu)
+    aggs: list[Any] = [func.sum(w)]
+    for f in fields:
+        col = getattr(model, f)
+        if f in BOOL_METRICS:
+            aggs.append(func.max(cast(col, Integer)))
+        elif f in rollups.GAUGES:
+            aggs += [func.sum(col * w), func.sum(case((col.is_not(None), w), else_=0))]
+        else:
+            aggs.append(func.max(col))
+    q = (
+        select(model.gpu_index, bucket, *aggs)
+        .where(*where)
+        .group_by(model.gpu_index, bucket)
+        .order_by(bucket.desc())
+        .limit(limit)
+    )
+    out: list[_Bucketed] = []
+    for r in session.execute(q):
+        values: dict[str, Any] = {}
+        k = 3
+        for f in fields:
+            if f in rollups.GAUGES:
+                total, n = r[k], r[k + 1]
+                values[f] = (float(total), float(n)) if total is not None and n else None
+                k += 2
+            else:
+                values[f] = r[k]
+                k += 1
+        out.append((r[0], datetime.fromtimestamp(float(r[1]), UTC), float(r[2] or 0), values))
+    return out
+
+
+def _merge_buckets(
+    parts: list[_Bucketed], fields: list[str]
+) -> list[tuple[tuple[datetime, int], dict[str, Any]]]:
+    """Combine bucket rows of both sources (a bucket can straddle the rollups' newest
+    bucket): gauges as weighted means, counters and flags as maxima; oldest first."""
+    acc: dict[tuple[datetime, int], dict[str, Any]] = {}
+    for g, ts, _n, values in parts:
+        cur = acc.setdefault((ts, g), {})
+        for f in fields:
+            v = values[f]
+            if v is None:
+                cur.setdefault(f, None)
+            elif f in rollups.GAUGES:
+                old = cur.get(f)
+                cur[f] = (old[0] + v[0], old[1] + v[1]) if old else v
+            else:
+                old = cur.get(f)
+                cur[f] = v if old is None else max(old, v)
+    out = []
+    for key in sorted(acc):
+        cur = acc[key]
+        values = {}
+        for f in fields:
+            v = cur.get(f)
+            if v is None:
+                values[f] = None
+            elif f in rollups.GAUGES:
+                values[f] = v[0] / v[1]
+            elif f in BOOL_METRICS:
+                values[f] = bool(v)
+            else:
+                values[f] = float(v)
+        out.append((key, values))
+    return out
 
 
 def _epoch_seconds(session: Session, column: Any) -> Any:
@@ -565,19 +680,40 @@ def _acked_xids(rows: Sequence[ReasonRow]) -> dict[int, int]:
 
 
 def prune(
-    session: Session, *, now: datetime, sample_retention_s: float, event_retention_s: float
+    session: Session,
+    *,
+    now: datetime,
+    sample_retention_s: float,
+    event_retention_s: float,
+    rollup_retention_s: float | None = None,
 ) -> dict[str, int]:
     """Delete raw history older than the retention windows (checkpoint history too, see
     ``checkpoints.service.prune``).
+
+    Raw GPU samples: on PostgreSQL the hourly partitions wholly older than the cut are
+    dropped (``fleet.partitions``; a partition's rows are kept until its whole hour is older
+    than the cut, at most an hour past ``sample_retention_s``) and the partitions ahead are
+    created; on SQLite the rows are deleted. Rollups older than ``rollup_retention_s``
+    (default: kept as long as events) are deleted. Ends the session's transaction first
+    (dropping a partition needs the table to itself).
 
     Returns:
         Rows deleted per table.
     """
     sample_cut = now - timedelta(seconds=sample_retention_s)
     event_cut = now - timedelta(seconds=event_retention_s)
+    rollup_cut = now - timedelta(seconds=rollup_retention_s or event_retention_s)
     deleted = {}
+    session.commit()
+    if session.get_bind().dialect.name == "postgresql":
+        engine = session.get_bind()
+        with engine.connect() as conn:  # type: ignore[union-attr]
+            deleted["gpu_samples"] = partitions.maintain(conn, now=now, cut=sample_cut).rows_dropped
+    else:
+        result = session.execute(delete(GpuSampleRow).where(GpuSampleRow.ts < sample_cut))
+        deleted["gpu_samples"] = int(result.rowcount or 0)  # type: ignore[attr-defined]
+    deleted["gpu_sample_rollups"] = rollups.prune(session, cut=rollup_cut)
     for table, col, cut in (
-        (GpuSampleRow, GpuSampleRow.ts, sample_cut),
         (LatencySampleRow, LatencySampleRow.ts, sample_cut),
         (ReportReceipt, ReportReceipt.received_at, sample_cut),
         (Event, Event.ts, event_cut),
@@ -644,30 +780,29 @@ AGENT_EVENT_LIMIT = 20
 
 @dataclass(frozen=True)
 class Tile:
-    """One node on the cluster page.
+    """One node on the cluster page: only facts that change slowly, so a tile stays the same
+    from one poll to the next until its node's state does (its digest is of these fields).
 
     Attributes:
         name: Node name.
         state: Effective state (healthy | degraded | unhealthy | unreachable).
         simulated: The agent runs a simulated collector.
         isolated: The node is isolated (cordoned/drained).
-        reason: The worst active reason (highest severity, newest) as :func:`reason_fields`,
-            or None.
+        reason: The worst active reason's message (highest severity, newest), or None.
+        action: That reason's recommended action (``RESET_GPU``…), or None.
         reason_count: Number of active reasons.
-        gpu_count: GPUs in the node's inventory.
-        max_temp_c: Hottest GPU's latest temperature (°C), None when none was read.
-        last_seen: When the node last reported.
+        silent_since: When an unreachable node last reported; None for any other state (a
+            reporting node's ``last_seen`` moves with every report).
     """
 
     name: str
     state: str
     simulated: bool
     isolated: bool
-    reason: dict[str, Any] | None
+    reason: str | None
+    action: str | None
     reason_count: int
-    gpu_count: int
-    max_temp_c: float | None
-    last_seen: datetime | None
+    silent_since: datetime | None
 
 
 def worst_reason(reasons: Sequence[Any]) -> Any | None:
@@ -687,12 +822,6 @@ def sort_reasons(reasons: Sequence[Any]) -> list[Any]:
     )
 
 
-def gpu_summaries(session: Session) -> dict[int, tuple[int, float | None]]:
-    """``node_id -> (GPU count, hottest latest temperature °C)`` in one aggregate query."""
-    q = select(Gpu.node_id, func.count(Gpu.id), func.max(Gpu.temperature_c)).group_by(Gpu.node_id)
-    return {node_id: (count, hottest) for node_id, count, hottest in session.execute(q)}
-
-
 def cluster_tiles(
     session: Session,
     *,
@@ -703,18 +832,18 @@ def cluster_tiles(
 ) -> tuple[dict[str, int], list[Tile]]:
     """Counts per state (of the nodes matching ``name_contains``) and the tiles to show.
 
+    Reads the nodes and reasons tables only (:func:`list_node_views` without GPUs).
+
     Returns:
         ``(counts, tiles)``: ``counts`` has every state (zero included) and ignores the state
         filter, as ``GET /api/v1/nodes`` does; ``tiles`` are by name, filtered by ``state``.
     """
     views = list_node_views(session, now=now, th=th, name_contains=name_contains, with_gpus=False)
     counts = state_counts(views)
-    summaries = gpu_summaries(session)
     tiles = []
     for v in views:
         if state and v.state != state:
             continue
-        gpu_count, hottest = summaries.get(v.node.id, (0, None))
         worst = worst_reason(v.reasons)
         tiles.append(
             Tile(
@@ -722,14 +851,34 @@ def cluster_tiles(
                 state=v.state,
                 simulated=v.node.simulated,
                 isolated=v.node.isolated,
-                reason=None if worst is None else reason_fields(worst),
+                reason=None if worst is None else worst.message,
+                action=None if worst is None else worst.action,
                 reason_count=len(v.reasons),
-                gpu_count=gpu_count,
-                max_temp_c=hottest,
-                last_seen=v.node.last_seen,
+                silent_since=v.node.last_seen if v.unreachable else None,
             )
         )
     return counts, tiles
+
+
+#: Order of the cluster page's "needs attention" list: worst first; a healthy node is in
+#: the list only while it is isolated.
+ATTENTION_ORDER = {"unhealthy": 0, "unreachable": 1, "degraded": 2, "healthy": 3}
+
+
+def needs_attention(tiles: Sequence[Tile], limit: int) -> tuple[list[Tile], int]:
+    """The tiles of nodes that need someone: not healthy, or isolated; worst first.
+
+    Order: unhealthy, unreachable, degraded, then isolated healthy nodes; within a state the
+    nodes still in service before the isolated ones, then by name.
+
+    Returns:
+        ``(first, more)``: at most ``limit`` tiles, and how many more there are.
+    """
+    trouble = sorted(
+        (t for t in tiles if t.state != "healthy" or t.isolated),
+        key=lambda t: (ATTENTION_ORDER.get(t.state, 0), t.isolated, t.name),
+    )
+    return trouble[:limit], max(0, len(trouble) - limit)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ template; each page URL also serves its ``live`` part as an htmx fragment
 (:func:`~tierwatch.server.web.deps.render_page`).
 
 Routes:
-    GET  /                 cluster page; ``state`` and ``name`` filter; fragment for htmx
+    GET  /                 cluster page; ``state`` and ``name`` filter; fragment for htmx,
+                           and for its poll (``since``) only what changed
     GET  /nodes/{name}     node page; fragment for htmx; 404 page for an unknown node
 """
 
@@ -20,7 +21,7 @@ from tierwatch.agent.protocol import utcnow
 from tierwatch.server.actions import maintenance, policy, queue
 from tierwatch.server.checkpoints import service as checkpoint_service
 from tierwatch.server.deps import SessionDep, SettingsDep
-from tierwatch.server.fleet import rules, schemas, service
+from tierwatch.server.fleet import cluster_live, rules, schemas, service
 from tierwatch.server.web.deps import (
     CHART_REFRESH_MIN_S,
     ViewerPageDep,
@@ -44,9 +45,14 @@ def cluster_page(
     settings: SettingsDep,
     state: Annotated[str | None, Query()] = None,
     name: Annotated[str | None, Query()] = None,
+    since: Annotated[str | None, Query(max_length=cluster_live.SINCE_MAX)] = None,
 ) -> Response:
-    """Counts per state, a grid of nodes coloured by state (filtered by state and name), and
-    the jobs with their worst checkpoint lag."""
+    """Counts per state that filter, the nodes that need attention, a grid of nodes coloured
+    by state (filtered by state and name), and the jobs with their worst checkpoint lag.
+
+    ``since`` is the version the polling page shows: its htmx poll gets 204 when nothing
+    changed, or only the changed parts (:mod:`~tierwatch.server.fleet.cluster_live`).
+    """
     state = state if state in service.STATES else None
     name = (name or "").strip()[:NAME_FILTER_MAX] or None
     now = utcnow()
@@ -54,18 +60,17 @@ def cluster_page(
         session, now=now, th=settings.health, state=state, name_contains=name
     )
     filters = {k: v for k, v in (("state", state), ("name", name)) if v}
-    return render_page(
+    return cluster_live.cluster_response(
         request,
-        "pages/cluster.html",
-        {
+        since=since,
+        state=state,
+        name=name,
+        counts=counts,
+        tiles=tiles,
+        context={
             "principal": viewer,
             "now": now,
             "refresh_s": settings.dashboard_refresh_s,
-            "counts": counts,
-            "total": sum(counts.values()),
-            "tiles": tiles,
-            "state": state,
-            "name": name or "",
             "states": service.STATES,
             "poll_url": "/" + (f"?{urlencode(filters)}" if filters else ""),
             "name_query": urlencode({"name": name}) if name else "",
@@ -102,6 +107,8 @@ def node_page(
             "now": now,
             "refresh_s": settings.dashboard_refresh_s,
             "chart_refresh_s": max(CHART_REFRESH_MIN_S, settings.dashboard_refresh_s),
+            # where the charts' history comes from (node-charts.js updates it per answer)
+            "chart_source": "prometheus" if settings.prometheus_url else "database",
             "node": node,
             "maintenance": maintenance.active(session, now).covering(view.node.name),
             "reasons": service.sort_reasons(node.reasons),

@@ -9,6 +9,11 @@
 // fetched again, every data-refresh-s seconds while the tab is visible.
 //
 // When a plot has drawn, its figure gets data-points (points per GPU) and data-gpus.
+//
+// Each answer says where its rows came from (`source`: "prometheus" with
+// TIERWATCH_PROMETHEUS_URL set, else "database"; `source_error` when Prometheus failed and
+// the database answered instead, `source_note` when Prometheus had no series): #chart-source
+// shows it, and its data-source attribute holds the source of the latest answer.
 (function () {
   "use strict";
 
@@ -39,6 +44,22 @@
       buckets: new Map(), // bucket start (s) -> Map(gpu -> [sum, count])
     };
   });
+
+  const sourceLine = document.getElementById("chart-source");
+
+  function showSource(body) {
+    if (!sourceLine || !body.source) {
+      return;
+    }
+    let text = body.source === "prometheus" ? "Charts from Prometheus" : "Charts from tierwatch's database";
+    if (body.source_error) {
+      text += " (" + body.source_error + ")";
+    } else if (body.source_note) {
+      text += " (" + body.source_note + ")";
+    }
+    sourceLine.dataset.source = body.source;
+    sourceLine.textContent = text;
+  }
 
   function bucketWidth() {
     return Math.max(1, Math.ceil(rangeS / MAX_POINTS));
@@ -171,6 +192,7 @@
     if (gen !== generation) {
       return;
     }
+    showSource(body);
     if (full) {
       chart.buckets = new Map();
     } else {

@@ -6,6 +6,7 @@ import socket
 
 import pytest
 
+from demo import prometheus as demo_prometheus
 from demo import run
 
 
@@ -83,3 +84,35 @@ def test_a_run_shorter_than_the_mtbf_says_it_injects_nothing(monkeypatch, capsys
     monkeypatch.delenv("DEMO_MTBF", raising=False)
     run.parse([])
     assert "no failure will be injected" in capsys.readouterr().err
+
+
+def test_prometheus_mode_is_off_unless_asked_for(monkeypatch, tmp_path):
+    exe = tmp_path / "prometheus"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("DEMO_PROMETHEUS", raising=False)
+    assert run.parse([]).prometheus is False
+    monkeypatch.setenv("DEMO_PROMETHEUS", "0")
+    assert run.parse([]).prometheus is False
+    monkeypatch.setenv("DEMO_PROMETHEUS", "1")
+    args = run.parse([])
+    assert args.prometheus is True
+    assert args.prometheus_exe == str(exe)  # the one on PATH
+    assert run.parse(["--no-prometheus"]).prometheus is False  # an option wins
+
+
+def test_prometheus_mode_without_prometheus_says_how_to_install_it(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(demo_prometheus, "DEFAULT_EXECUTABLE", str(tmp_path / "none"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("DEMO_PROMETHEUS", "1")
+    with pytest.raises(SystemExit) as exc:
+        run.parse([])
+    assert exc.value.code == 2
+    assert "apt-get install prometheus" in capsys.readouterr().err
+
+
+def test_a_bad_prometheus_flag_is_refused(monkeypatch):
+    monkeypatch.setenv("DEMO_PROMETHEUS", "maybe")
+    with pytest.raises(SystemExit, match="DEMO_PROMETHEUS='maybe' is not 0 or 1"):
+        run.parse([])

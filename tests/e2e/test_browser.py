@@ -35,13 +35,13 @@ def test_dashboard_shows_live_nodes_and_charts(browser, server, start_agent, tmp
     page.click("main form button[type=submit]")
     expect(page).to_have_url(f"{server.url}/")
 
-    # Both nodes arrive through htmx polling, with live GPU data, without a reload.
+    # Both nodes arrive through htmx polling, without a reload (their GPU data is on the
+    # node page: a tile shows only what changes slowly, so a quiet poll sends nothing).
     page.evaluate("window.__no_reload = true")
     for node in NODES:
         tile = page.locator(f'.tile[data-node="{node}"]')
         expect(tile).to_have_attribute("data-state", "healthy", timeout=LIVE_TIMEOUT_MS)
-        expect(tile).to_contain_text("8 GPU", timeout=LIVE_TIMEOUT_MS)
-        expect(tile).to_contain_text(re.compile(r"max \d+ °C"), timeout=LIVE_TIMEOUT_MS)
+        expect(tile).to_have_attribute("title", f"{node}: healthy")
         expect(tile).to_contain_text("sim")
     expect(page.locator('[data-count="all"]')).to_have_text("2")
     expect(page.locator('[data-count="healthy"]')).to_have_text("2")

@@ -7,7 +7,7 @@ import pytest
 from sqlalchemy import BigInteger, Boolean, Float
 
 from tierwatch.agent.protocol import GPU_METRIC_TYPES, GPU_METRICS, GpuSample
-from tierwatch.server.fleet.models import BOOL_METRICS, METRIC_FIELDS, Gpu, GpuSampleRow
+from tierwatch.server.fleet.models import BOOL_METRICS, METRIC_FIELDS, Gpu, GpuSampleRollup, GpuSampleRow
 from tierwatch.server.fleet.schemas import GpuOut
 from tierwatch.server.metrics import DCGM_GAUGES
 
@@ -28,9 +28,10 @@ def test_metric_list_is_the_wire_models_fields_in_order():
     [
         # acked_xid: the GPU's acknowledged XID code (fleet.service.acknowledge), no metric
         (Gpu, {"id", "node_id", "index", "uuid", "name", "ts", "acked_xid"}),
-        (GpuSampleRow, {"id", "node_id", "gpu_index", "ts"}),
+        (GpuSampleRow, {"node_id", "gpu_index", "ts"}),
+        (GpuSampleRollup, {"node_id", "gpu_index", "bucket", "samples"}),
     ],
-    ids=["gpus", "gpu_samples"],
+    ids=["gpus", "gpu_samples", "gpu_sample_rollups"],
 )
 def test_each_metric_is_a_nullable_column_of_its_type(model, identity):
     columns = model.__table__.columns
