@@ -149,6 +149,9 @@ class CheckpointEventRow(Base):
         Index("ix_checkpoint_events_job_ts", "job_pk", "ts"),
         Index("ix_checkpoint_events_job_tier_kind_ts", "job_pk", "tier", "kind", "ts"),
         Index("ix_checkpoint_events_ts", "ts"),
+        # the job page's per-step aggregation (checkpoints.step_events) reads a job's newest
+        # steps; without it each view scans the job's whole retained history
+        Index("ix_checkpoint_events_job_step", "job_pk", "step"),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)

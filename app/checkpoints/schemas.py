@@ -173,3 +173,111 @@ class JobHistoryOut(BaseModel):
     bucket_s: float
     progress: list[HistoryPoint]
     committed: dict[str, list[HistoryPoint]]
+
+
+class RankListOut(BaseModel):
+    """A set of ranks as ranges (``rankset.RankList``): ``ranges`` are inclusive ``[lo,
+    hi]`` pairs; when ``partial``, only the first ones (``count`` is exact)."""
+
+    count: int
+    ranges: list[tuple[int, int]]
+    partial: bool
+    text: str  # e.g. "0-511, 513-999", "3, 7 (+40 more)", "none"
+
+
+class SecondsOut(BaseModel):
+    """Min, median and max of a duration (seconds; None when no event carried it)."""
+
+    min: float | None
+    median: float | None
+    max: float | None
+
+
+class BlockingOut(BaseModel):
+    """Median and max blocking time of the training thread (seconds)."""
+
+    median: float | None
+    max: float | None
+
+
+class StepRowOut(BaseModel):
+    """A job's checkpoint events of one (step, tier, kind), aggregated over its ranks
+    (``step_events.step_summaries``)."""
+
+    step: int
+    tier: str
+    kind: str
+    world_size: int | None
+    events: int
+    ranks: int  # distinct ranks that reported it
+    whole_step: bool  # an event with rank null (the whole step)
+    reported: RankListOut  # for kind "failed": the failed ranks
+    missing: RankListOut | None  # staged/committed only; null: world size unknown or whole step
+    complete: bool | None  # the ledger's verdict for (step, tier); null: no ledger row
+    failed_ranks: int  # ranks with a failed event in the same step and tier
+    slowest_rank: int | None
+    seconds: SecondsOut
+    blocking_s: BlockingOut
+    bytes: int | None
+    first_ts: datetime
+    last_ts: datetime
+    message: str
+    messages_differ: bool
+
+
+class JobStepsOut(BaseModel):
+    """``GET /api/v1/jobs/{job_id}/steps``: the newest steps' events per (step, tier, kind)."""
+
+    job_id: str
+    steps: list[int]  # newest first
+    rows: list[StepRowOut]
+    older_before_step: int | None  # pass as before_step for the next older page
+
+
+class RankKindOut(BaseModel):
+    """One rank's events of one kind in one step and tier (latest time, largest values)."""
+
+    events: int
+    first_ts: datetime
+    last_ts: datetime
+    seconds: float | None
+    blocking_s: float | None
+    bytes: int | None
+    message: str
+    node: str | None  # the reporting node
+
+
+class RankRowOut(BaseModel):
+    """One rank of a step and tier."""
+
+    rank: int
+    node: str | None
+    kinds: dict[str, RankKindOut | None]  # staged, committed, failed, evicted
+    committed: bool
+    failed: bool
+
+
+class WholeStepEventOut(BaseModel):
+    """An event of a step with rank null (the whole step)."""
+
+    kind: str
+    ts: datetime
+    node: str | None
+    bytes: int | None
+    seconds: float | None
+    message: str
+
+
+class StepRanksOut(BaseModel):
+    """``GET /api/v1/jobs/{job_id}/steps/{step}/{tier}``: one step of one tier rank by rank."""
+
+    job_id: str
+    step: int
+    tier: str
+    world_size: int | None
+    show: str
+    from_rank: int
+    next_from_rank: int | None  # pass as from_rank for the next page
+    summary: list[StepRowOut]
+    whole_step: list[WholeStepEventOut]
+    ranks: list[RankRowOut]

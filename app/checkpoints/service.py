@@ -310,8 +310,12 @@ def _advice(
     }
 
 
-def job_status(session: Session, job: Job) -> dict[str, Any]:
+def job_status(session: Session, job: Job, *, events: bool = True) -> dict[str, Any]:
     """Everything ``GET /api/v1/jobs/{job_id}`` shows about one job.
+
+    Args:
+        events: also read the newest raw events and failures (``events``, ``failures``;
+            empty lists when False: the job page shows them per step from ``step_events``).
 
     Returns:
         ``{job_id, world_size, layout, step, step_ts, step_time_s, first_seen, last_seen,
@@ -378,9 +382,9 @@ def job_status(session: Session, job: Job) -> dict[str, Any]:
         "tiers": tiers,
         "worst_lag": _worst(tiers),
         "at_risk": at_risk,
-        "events": recent_events(session, job),
+        "events": recent_events(session, job) if events else [],
         # failures stay visible when newer commits push them out of ``events``
-        "failures": recent_events(session, job, FAILURE_LIMIT, kind="failed"),
+        "failures": recent_events(session, job, FAILURE_LIMIT, kind="failed") if events else [],
         "restores": recent_restores(session, job),
     }
 

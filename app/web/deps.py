@@ -212,11 +212,11 @@ class WebRoute(APIRoute):
                     f"{e.get('msg', '')}"
                     for e in exc.errors()[:5]
                 )
-                return error_page(
-                    request,
-                    422,
-                    "Invalid input",
-                    f"Nothing was changed. Fix and try again: {fields}.",
+                advice = (
+                    "Fix the address and try again"
+                    if request.method in ("GET", "HEAD")
+                    else "Nothing was changed. Fix and try again"
                 )
+                return error_page(request, 422, "Invalid input", f"{advice}: {fields}.")
 
         return web_handler

@@ -1,6 +1,7 @@
 """gpu_samples without its surrogate id, partitioned by hour on PostgreSQL, the 5-minute
 rollups (gpu_sample_rollups) for long chart ranges, and room for in-place updates of the
-latest-value rows (nodes, gpus: fillfactor 50 on PostgreSQL)
+latest-value rows (nodes, gpus: fillfactor 50 on PostgreSQL); checkpoint events indexed by
+(job, step) for the job page's per-step aggregation
 
 PostgreSQL: the old table is renamed, a ``PARTITION BY RANGE (ts)`` table takes its name with
 hourly partitions covering the old rows of the last 31 days up to 3 hours ahead (older rows
@@ -85,6 +86,7 @@ def upgrade() -> None:
         ),
     )
     op.create_index("ix_gpu_sample_rollups_bucket", "gpu_sample_rollups", ["bucket"])
+    op.create_index("ix_checkpoint_events_job_step", "checkpoint_events", ["job_pk", "step"])
     if op.get_bind().dialect.name == "postgresql":
         _partition_postgresql()
         # Every report rewrites its node's row and its GPUs' latest values. With full pages
@@ -195,5 +197,6 @@ def downgrade() -> None:
     if bind.dialect.name == "postgresql":
         for table in ("nodes", "gpus"):
             op.execute(f"ALTER TABLE {table} RESET (fillfactor)")
+    op.drop_index("ix_checkpoint_events_job_step", table_name="checkpoint_events")
     op.drop_index("ix_gpu_sample_rollups_bucket", table_name="gpu_sample_rollups")
     op.drop_table("gpu_sample_rollups")

@@ -142,9 +142,9 @@ def test_job_page_escapes_event_and_restore_messages(viewer, agent_token):
     assert "<script>alert" not in html
     assert "<img src=x" not in html
     escaped = "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;&lt;img src=x onerror=alert(1)&gt;"
-    # the failed event (in the failures table and the events table) and the failed restore
+    # the failed event (in the failed-ranks table and the events table) and the failed restore
     assert html.count(escaped) == 3
-    assert '<tr data-kind="failed" class="bad">' in html
+    assert html.count('<tr data-step="40" data-tier="persistent" data-kind="failed"') == 2
     assert '<tr data-ok="false">' in html
 
 

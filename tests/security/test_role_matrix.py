@@ -184,6 +184,8 @@ PATH_PARAMS = {
     "command_id": "1",
     "request_id": "1",
     "window_id": str(WINDOW_ID),
+    "step": "10",  # seed_cluster's job committed step 10 in memory
+    "tier": "memory",
 }
 
 # --- reads ---
@@ -220,6 +222,8 @@ READS: dict[str, dict[str, int | str]] = {
     "/api/v1/jobs": API_READ,
     "/api/v1/jobs/{job_id}": API_READ,
     "/api/v1/jobs/{job_id}/history": API_READ,
+    "/api/v1/jobs/{job_id}/steps": API_READ,
+    "/api/v1/jobs/{job_id}/steps/{step}/{tier}": API_READ,
     "/api/v1/jobs/{job_id}/restores": API_READ,
     "/api/v1/restores/{request_id}": API_READ,
     "/api/v1/commands": API_READ,
@@ -232,6 +236,7 @@ READS: dict[str, dict[str, int | str]] = {
     "/": PAGE_READ,
     "/nodes/{name}": PAGE_READ,
     "/jobs/{job_id}": PAGE_READ,
+    "/jobs/{job_id}/steps/{step}/{tier}": PAGE_READ,
     "/alerts": PAGE_READ,
     "/audit": PAGE_READ,
     "/policy": PAGE_READ,
