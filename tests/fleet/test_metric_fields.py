@@ -7,7 +7,13 @@ import pytest
 from sqlalchemy import BigInteger, Boolean, Float
 
 from tierwatch.agent.protocol import GPU_METRIC_TYPES, GPU_METRICS, GpuSample
-from tierwatch.server.fleet.models import BOOL_METRICS, METRIC_FIELDS, Gpu, GpuSampleRollup, GpuSampleRow
+from tierwatch.server.fleet.models import (
+    BOOL_METRICS,
+    METRIC_FIELDS,
+    Gpu,
+    GpuSampleRollup,
+    GpuSampleRow,
+)
 from tierwatch.server.fleet.schemas import GpuOut
 from tierwatch.server.metrics import DCGM_GAUGES
 
