@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from alembic.autogenerate import compare_metadata
-from alembic.migration import MigrationContext
 from sqlalchemy import inspect
+from support import schema_diff
 
 from tierwatch.server.checkpoints import models as _checkpoint_models  # noqa: F401
-from tierwatch.server.db import Base, make_engine
+from tierwatch.server.db import make_engine
 from tierwatch.server.fleet import models as _fleet_models  # noqa: F401
-from tierwatch.server.fleet import partitions
 from tierwatch.server.migrate import alembic_config, upgrade
 
 CHECKPOINT_TABLES = {
@@ -25,10 +23,7 @@ CHECKPOINT_TABLES = {
 def test_migrations_match_the_models(database_url):
     engine = make_engine(database_url)
     with engine.connect() as conn:
-        ctx = MigrationContext.configure(
-            conn, opts={"include_object": partitions.include_in_autogenerate}
-        )
-        diff = compare_metadata(ctx, Base.metadata)
+        diff = schema_diff(conn)
     engine.dispose()
     assert diff == []
 

@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import func, insert, select, text
+from support import PG_URL, migrated_database
 
-from tests.helpers.support import PG_URL, migrated_database
 from tierwatch.server.db import make_engine, make_sessionmaker
 from tierwatch.server.fleet import partitions, rollups, service
 from tierwatch.server.fleet.models import (
@@ -285,7 +285,7 @@ def _fresh_url(backend: str, tmp_path_factory, revision: str):  # type: ignore[n
     def _cm():  # type: ignore[no-untyped-def]
         real = migrate.upgrade
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr("tests.helpers.support.upgrade", lambda url: real(url, revision=revision))
+            mp.setattr("support.upgrade", lambda url: real(url, revision=revision))
             with migrated_database(backend, tmp_path_factory) as url:
                 yield url
 
@@ -337,7 +337,7 @@ def test_0012_moves_the_history_across_and_back(backend, tmp_path_factory):
 def test_the_samples_api_charts_ranges_older_than_the_raw_history_from_rollups(
     client, make_token, session
 ):
-    from tests.helpers.support import auth, make_batch, post_batch
+    from support import auth, make_batch, post_batch
 
     agent, viewer = make_token("agent", "n1"), make_token("viewer")
     post_batch(client, agent, make_batch("n1", 1, temperature_c=61.0))

@@ -7,10 +7,11 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import text
+from sqlalchemy import Connection, text
 from sqlalchemy.engine import make_url
 
 from tierwatch.agent.protocol import GpuInfo, GpuSample, ReportBatch, XidEvent, utcnow
@@ -52,6 +53,19 @@ def migrated_database(backend: str, tmp_path_factory: pytest.TempPathFactory) ->
         with admin.begin() as conn:
             conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
         admin.dispose()
+
+
+def schema_diff(conn: Connection) -> list[Any]:
+    """Alembic's differences between the migrated schema on ``conn`` and the models, leaving
+    out the partitions of ``gpu_samples`` (the models know only the parent table)."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from tierwatch.server.db import Base
+    from tierwatch.server.fleet.partitions import include_in_autogenerate
+
+    ctx = MigrationContext.configure(conn, opts={"include_object": include_in_autogenerate})
+    return list(compare_metadata(ctx, Base.metadata))
 
 
 def auth(token: str) -> dict[str, str]:

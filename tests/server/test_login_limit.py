@@ -7,14 +7,12 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from alembic import command
-from alembic.autogenerate import compare_metadata
-from alembic.migration import MigrationContext
 from fastapi.testclient import TestClient
 from sqlalchemy import func, inspect, select
-from support import migrated_database
+from support import migrated_database, schema_diff
 from web_support import csrf_from
 
-from tierwatch.server.db import Base, make_engine, make_sessionmaker
+from tierwatch.server.db import make_engine, make_sessionmaker
 from tierwatch.server.main import create_app
 from tierwatch.server.migrate import alembic_config, upgrade
 from tierwatch.server.security import LoginFailure, LoginLimiter
@@ -92,7 +90,7 @@ def test_0008_matches_the_model_and_downgrades(request, database_url, tmp_path_f
         engine = make_engine(url)
         try:
             with engine.connect() as conn:
-                diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+                diff = schema_diff(conn)
             assert [d for d in diff if "login_failures" in repr(d)] == []
             assert "login_failures" in inspect(engine).get_table_names()
             command.downgrade(alembic_config(url), "0007")

@@ -19,14 +19,13 @@ from pathlib import Path
 
 import pytest
 from alembic import command
-from alembic.autogenerate import compare_metadata
-from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from procs import wait_for
 from sqlalchemy import Engine, inspect, text
 from sqlalchemy.exc import IntegrityError, ProgrammingError
+from support import schema_diff
 
-from tierwatch.server.db import Base, make_engine
+from tierwatch.server.db import make_engine
 from tierwatch.server.migrate import (
     MIGRATION_LOCK_CLASS,
     alembic_config,
@@ -144,7 +143,7 @@ def _assert_at_head_and_matches_the_models(url: str) -> None:
         with engine.connect() as conn:
             versions = conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
             assert versions == [_head()]
-            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+            assert schema_diff(conn) == []
     finally:
         engine.dispose()
 

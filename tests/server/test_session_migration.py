@@ -4,12 +4,10 @@ matches the models for its tables, and it downgrades to 0005 and upgrades again.
 from __future__ import annotations
 
 from alembic import command
-from alembic.autogenerate import compare_metadata
-from alembic.migration import MigrationContext
 from sqlalchemy import inspect
-from support import migrated_database
+from support import migrated_database, schema_diff
 
-from tierwatch.server.db import Base, make_engine
+from tierwatch.server.db import make_engine
 from tierwatch.server.migrate import alembic_config, upgrade
 
 TABLES = {"web_sessions", "api_tokens"}
@@ -29,7 +27,7 @@ def _diff_of_our_tables(url: str) -> list:
     """The differences between the migrated schema and the models, for :data:`TABLES`."""
     engine = make_engine(url)
     with engine.connect() as conn:
-        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+        diff = schema_diff(conn)
     engine.dispose()
     return [d for d in diff if _table(d) in TABLES]
 
