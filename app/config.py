@@ -50,7 +50,7 @@ class Settings(BaseSettings):
         secret_key: signs dashboard session cookies; required unless ``dev`` is set.
         dev: development mode (allows running without a secret key; the session cookie
             is not marked ``Secure`` unless ``session_cookie_secure`` says so).
-        sample_retention_s: raw GPU samples, latency samples and report receipts older than
+        sample_retention_s: raw GPU samples, latency samples and report seq ranges older than
             this are pruned (seconds; default 24 h).
         event_retention_s: events (XIDs, state changes) older than this are pruned (seconds).
         prune_interval_s: how often the pruner runs (seconds; 0 disables it).

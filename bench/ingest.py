@@ -1005,7 +1005,7 @@ class DbSnapshot:
     samples_bytes: int
     sample_rows: int
     taken_at: datetime
-    receipts: int = 0  # report_receipts rows: one per stored report, samples or not
+    receipts: int = 0  # stored reports (report_ranges' seqs), samples or not
     tables: dict[str, int] = field(default_factory=dict)  # bytes per table, indexes included
 
 
@@ -1028,7 +1028,8 @@ def db_snapshot(pg_url: str) -> DbSnapshot:
         tables = {name: int(size) for name, size in conn.execute(TABLE_SIZES_SQL).fetchall()}
         row = conn.execute(
             "SELECT pg_database_size(current_database()), count(*), "
-            "(SELECT count(*) FROM report_receipts) FROM gpu_samples"
+            "(SELECT coalesce(sum(last_seq - first_seq + 1), 0) FROM report_ranges) "
+            "FROM gpu_samples"
         ).fetchone()
     assert row is not None
     return DbSnapshot(
@@ -1637,7 +1638,7 @@ def main() -> int:
         busy0, total0 = before["machine"]
         after_db = db_snapshot(pg_url)
         # Reports the server really stored (a client timeout may still have been stored).
-        # Counted from report_receipts: a heartbeat stores a report without sample rows.
+        # Counted from report_ranges' seqs: a heartbeat stores a report without sample rows.
         stored_reports = max(1, after_db.receipts - before["db"].receipts)
         m["ingest"] = ing
         merge_dashboards(reader.lat_ms, reader.statuses, reader.nbytes, reader.bytes_total)
@@ -1749,7 +1750,7 @@ def main() -> int:
         f"GET /api/v1/nodes every {NODES_API_EVERY_S:g} s (automation polling at the report "
         "interval, its first page) and GET /metrics every 15 s (a Prometheus scrape).",
         f"CPU per report divides by the reports the server stored during the phase "
-        f"({m['stored_reports']:,}, from report_receipts rows), not by the answers "
+        f"({m['stored_reports']:,}, from the seqs report_ranges holds), not by the answers "
         "the client got in time. "
         f"The quiet-server measurements started after waiting {m['quiet_wait_s']:.0f} s for "
         "the server to finish what the load left behind. "

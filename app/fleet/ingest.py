@@ -7,8 +7,8 @@ is mostly the Python that evaluates it. This is the hot path: 2,048 nodes report
 10 s are about 200 reports/s. ``IngestWriter`` (``tierwatch.server.ingest.writer``) forms the
 groups from concurrent requests (group commit); the checkpoint ledger
 (``checkpoints.ingest``) and command results (``actions.ingest``) are stored in the same
-transaction. A report with nothing wrong writes only its receipt, its samples,
-its GPUs' latest values and its node row; XIDs, latency samples, agent events and reason
+transaction. A report with nothing wrong writes only its seq range (``fleet.seqranges``), its
+samples, its GPUs' latest values and its node row; XIDs, latency samples, agent events and reason
 changes add statements only for the reports that carry them.
 
 The health clock for a node is the agent's own clock (``batch.sent_at`` and sample
@@ -33,7 +33,7 @@ from tierwatch.server.checkpoints import ingest as checkpoint_ingest
 from tierwatch.server.checkpoints.scoping import Refusal
 from tierwatch.server.config import Settings
 from tierwatch.server.db import insert_ignore
-from tierwatch.server.fleet import rules
+from tierwatch.server.fleet import rules, seqranges
 from tierwatch.server.fleet import service as fleet_service
 from tierwatch.server.fleet.models import (
     METRIC_FIELDS,
@@ -44,7 +44,7 @@ from tierwatch.server.fleet.models import (
     LatencySampleRow,
     Node,
     ReasonRow,
-    ReportReceipt,
+    ReportRange,
     XidCount,
 )
 from tierwatch.server.fleet.xid_catalog import lookup as lookup_xid
@@ -59,7 +59,7 @@ GPUS = Gpu.__table__
 REASONS = ReasonRow.__table__
 EVENTS = Event.__table__
 XID_COUNTS = XidCount.__table__
-RECEIPTS = ReportReceipt.__table__
+RANGES = ReportRange.__table__
 GPU_SAMPLES = GpuSampleRow.__table__
 
 REASON_FIELDS = ("severity", "message", "action", "evidence", "first_seen", "last_seen")
@@ -172,7 +172,7 @@ def ingest_reports(
     if len(set(names)) != len(names):
         raise ValueError("a group may hold one batch per node")
     nodes = _load_or_create_nodes(session, names, now)
-    stored = _insert_receipts(session, batches, nodes, now)
+    stored = _store_ranges(session, batches, nodes, now)
     changes: dict[int, dict[str, Any]] = {}
     for b in batches:
         node = nodes[b.node]
@@ -213,8 +213,8 @@ def ingest_reports(
         else:
             acked = (
                 session.scalar(
-                    select(func.max(RECEIPTS.c.seq)).where(
-                        RECEIPTS.c.node_id == node.id, RECEIPTS.c.epoch == b.epoch
+                    select(func.max(RANGES.c.last_seq)).where(
+                        RANGES.c.node_id == node.id, RANGES.c.epoch == b.epoch
                     )
                 )
                 or b.seq
@@ -241,30 +241,89 @@ def _load_or_create_nodes(session: Session, names: list[str], now: datetime) -> 
     return nodes
 
 
-def _insert_receipts(
+def _store_ranges(
     session: Session, batches: list[ReportBatch], nodes: dict[str, Row[Any]], now: datetime
 ) -> set[tuple[int, str, int]]:
-    """Insert the group's receipts; returns the (node_id, epoch, seq) keys that were new."""
-    dialect = session.get_bind().dialect.name
-    insert_fn = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    stmt = (
-        insert_fn(RECEIPTS)
-        .values(
-            [
-                {
-                    "node_id": nodes[b.node].id,
-                    "epoch": b.epoch,
-                    "seq": b.seq,
-                    "sent_at": b.sent_at,
-                    "received_at": now,
-                }
-                for b in batches
-            ]
-        )
-        .on_conflict_do_nothing()
-        .returning(RECEIPTS.c.node_id, RECEIPTS.c.epoch, RECEIPTS.c.seq)
+    """Record the group's batches in ``report_ranges``; returns the (node_id, epoch, seq)
+    keys that were new (the others are replays).
+
+    The ranges of the group's node epochs are read ``FOR UPDATE`` (PostgreSQL), in key
+    order: a replay racing its original on another worker waits here, then finds its seq
+    stored. A range that does not exist yet cannot be locked, so two first batches of one
+    epoch both insert; the primary key keeps one of a replayed seq, and the other finds its
+    insert refused (``ON CONFLICT DO NOTHING``) and counts as a replay.
+    """
+    ids = {b.node: nodes[b.node].id for b in batches}
+    q = (
+        select(RANGES)
+        .where(RANGES.c.node_id.in_(set(ids.values())))
+        .where(RANGES.c.epoch.in_({b.epoch for b in batches}))
+        .order_by(RANGES.c.node_id, RANGES.c.epoch, RANGES.c.first_seq)
     )
-    return {(r[0], r[1], r[2]) for r in session.execute(stmt)}
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        q = q.with_for_update()
+    held: dict[tuple[int, str], list[seqranges.SeqRange]] = defaultdict(list)
+    for r in session.execute(q):
+        held[(r.node_id, r.epoch)].append(
+            seqranges.SeqRange(r.first_seq, r.last_seq, r.last_sent_at)
+        )
+    stored: set[tuple[int, str, int]] = set()
+    updates: list[dict[str, Any]] = []
+    deletes: list[dict[str, Any]] = []
+    inserts: list[dict[str, Any]] = []
+    for b in batches:
+        node_id = ids[b.node]
+        plan = seqranges.place(held[(node_id, b.epoch)], b.seq, b.sent_at)
+        if plan is None:
+            continue
+        key = {"b_node": node_id, "b_epoch": b.epoch}
+        for old_first, r in plan.update:
+            updates.append(
+                key
+                | {"b_old": old_first, "b_first": r.first, "b_last": r.last}
+                | {"b_sent": r.last_sent_at, "b_now": now}
+            )
+        deletes += [key | {"b_old": first} for first in plan.delete]
+        if plan.insert is None:
+            stored.add((node_id, b.epoch, b.seq))
+        else:
+            inserts.append(
+                {"node_id": node_id, "epoch": b.epoch, "first_seq": b.seq, "last_seq": b.seq}
+                | {"last_sent_at": b.sent_at, "received_at": now}
+            )
+    if deletes:
+        session.execute(_DELETE_RANGE, deletes)
+    if updates:
+        session.execute(_UPDATE_RANGE, updates)
+    if inserts:
+        insert_fn = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        stmt = (
+            insert_fn(RANGES)
+            .values(inserts)
+            .on_conflict_do_nothing()
+            .returning(RANGES.c.node_id, RANGES.c.epoch, RANGES.c.first_seq)
+        )
+        stored |= {(r[0], r[1], r[2]) for r in session.execute(stmt)}
+    return stored
+
+
+_RANGE_KEY = (
+    (RANGES.c.node_id == bindparam("b_node"))
+    & (RANGES.c.epoch == bindparam("b_epoch"))
+    & (RANGES.c.first_seq == bindparam("b_old"))
+)
+_UPDATE_RANGE = (
+    update(RANGES)
+    .where(_RANGE_KEY)
+    .values(
+        first_seq=bindparam("b_first"),
+        last_seq=bindparam("b_last"),
+        last_sent_at=bindparam("b_sent"),
+        received_at=bindparam("b_now"),
+    )
+)
+_DELETE_RANGE = delete(RANGES).where(_RANGE_KEY)
 
 
 _NODE_COLUMNS = (
@@ -312,10 +371,10 @@ def _is_newest(session: Session, node: Row[Any], batch: ReportBatch) -> bool:
 def _is_newer_epoch(session: Session, node: Row[Any], batch: ReportBatch) -> bool:
     """True when ``batch`` belongs to an agent start later than the node's current epoch."""
     current_sent = session.scalar(
-        select(RECEIPTS.c.sent_at).where(
-            RECEIPTS.c.node_id == node.id,
-            RECEIPTS.c.epoch == node.epoch,
-            RECEIPTS.c.seq == node.last_seq,
+        select(RANGES.c.last_sent_at).where(
+            RANGES.c.node_id == node.id,
+            RANGES.c.epoch == node.epoch,
+            RANGES.c.last_seq == node.last_seq,
         )
     )
     return current_sent is None or batch.sent_at >= current_sent

@@ -122,7 +122,7 @@ class GpuSampleRow(_Metrics, Base):
     table with the same columns. No surrogate key: nothing refers to a sample row, and the
     8-byte id plus its index were a quarter of the row's size. The ORM maps
     (node_id, gpu_index, ts) as the identity; the database does not enforce it (a replayed
-    batch is refused earlier, by its report receipt). ``ts`` has a BRIN index (btree on
+    batch is refused earlier, by its report seq range). ``ts`` has a BRIN index (btree on
     SQLite): rows arrive nearly in time order, so a block range summary is enough for the
     rollups' and retention's range scans, at a few KiB instead of 30 B/row.
     """
@@ -236,18 +236,23 @@ class Acknowledgement(Base):
     note: Mapped[str] = mapped_column(Text, default="")
 
 
-class ReportReceipt(Base):
-    """One stored agent batch: the key that makes ingest idempotent."""
+class ReportRange(Base):
+    """Consecutive stored batches ``first_seq..last_seq`` of one agent epoch: the record that
+    makes ingest idempotent (``fleet.seqranges``).
 
-    __tablename__ = "report_receipts"
-    __table_args__ = (Index("ix_report_receipts_received_at", "received_at"),)
+    ``last_sent_at`` is the ``sent_at`` of the ``last_seq`` batch; ``received_at`` when the
+    range last grew (the pruner drops ranges that stopped growing before the sample cut).
+    """
+
+    __tablename__ = "report_ranges"
 
     node_id: Mapped[int] = mapped_column(
         ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
     )
     epoch: Mapped[str] = mapped_column(String(64), primary_key=True)
-    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    sent_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    first_seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    last_seq: Mapped[int] = mapped_column(BigInteger)
+    last_sent_at: Mapped[datetime] = mapped_column(UTCDateTime)
     received_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 

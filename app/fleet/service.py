@@ -26,7 +26,7 @@ from tierwatch.server.fleet.models import (
     LatencySampleRow,
     Node,
     ReasonRow,
-    ReportReceipt,
+    ReportRange,
     XidCount,
 )
 from tierwatch.server.fleet.xid_catalog import lookup as lookup_xid
@@ -376,9 +376,12 @@ def report_stats(session: Session, node: Node) -> dict[str, Any]:
     """
     first, last, count = session.execute(
         select(
-            func.min(ReportReceipt.seq), func.max(ReportReceipt.seq), func.count(ReportReceipt.seq)
-        ).where(ReportReceipt.node_id == node.id, ReportReceipt.epoch == node.epoch)
+            func.min(ReportRange.first_seq),
+            func.max(ReportRange.last_seq),
+            func.sum(ReportRange.last_seq - ReportRange.first_seq + 1),
+        ).where(ReportRange.node_id == node.id, ReportRange.epoch == node.epoch)
     ).one()
+    count = int(count or 0)
     return {
         "epoch": node.epoch,
         "first_seq": first,
@@ -715,7 +718,7 @@ def prune(
     deleted["gpu_sample_rollups"] = rollups.prune(session, cut=rollup_cut)
     for table, col, cut in (
         (LatencySampleRow, LatencySampleRow.ts, sample_cut),
-        (ReportReceipt, ReportReceipt.received_at, sample_cut),
+        (ReportRange, ReportRange.received_at, sample_cut),
         (Event, Event.ts, event_cut),
         (Acknowledgement, Acknowledgement.acked_at, event_cut),
     ):

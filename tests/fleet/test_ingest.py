@@ -10,7 +10,7 @@ from support import auth, make_batch, post_batch, register_job
 
 from tierwatch.agent.protocol import LatencySample, utcnow
 from tierwatch.server.fleet import service
-from tierwatch.server.fleet.models import Event, GpuSampleRow, ReportReceipt
+from tierwatch.server.fleet.models import Event, GpuSampleRow, ReportRange
 
 
 def node_json(client, viewer, name):
@@ -267,7 +267,8 @@ def test_prune_removes_old_raw_history_only(client, make_token, session):
     deleted = service.prune(session, now=utcnow(), sample_retention_s=3600, event_retention_s=86400)
     assert deleted["gpu_samples"] == 2
     assert session.scalar(select(func.count()).select_from(GpuSampleRow)) == 2
-    assert session.scalar(select(func.count()).select_from(ReportReceipt)) == 2  # received now
+    # one seq range (1..2): it grew now, so it is kept
+    assert session.scalar(select(func.count()).select_from(ReportRange)) == 1
     assert node_json(client, viewer, "n1")["gpus"][0]["temperature_c"] == 55.0
 
 

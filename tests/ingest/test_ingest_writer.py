@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import func, select, text
 from support import make_batch
 
-from tierwatch.server.fleet.models import GpuSampleRow, Node, ReportReceipt
+from tierwatch.server.fleet.models import GpuSampleRow, Node, ReportRange
 from tierwatch.server.ingest.writer import (
     RETRY_AFTER_MAX_S,
     IngestBusy,
@@ -63,7 +63,7 @@ def test_a_report_the_database_refuses_fails_alone(app, settings, session, db_ur
         if db_url.startswith("sqlite"):
             conn.execute(
                 text(
-                    "CREATE TRIGGER poison BEFORE INSERT ON report_receipts "
+                    "CREATE TRIGGER poison BEFORE INSERT ON report_ranges "
                     "WHEN NEW.epoch = 'poison' BEGIN SELECT RAISE(ABORT, 'poisoned'); END"
                 )
             )
@@ -77,7 +77,7 @@ def test_a_report_the_database_refuses_fails_alone(app, settings, session, db_ur
             )
             conn.execute(
                 text(
-                    "CREATE TRIGGER poison BEFORE INSERT ON report_receipts "
+                    "CREATE TRIGGER poison BEFORE INSERT ON report_ranges "
                     "FOR EACH ROW EXECUTE FUNCTION poison()"
                 )
             )
@@ -95,14 +95,14 @@ def test_a_report_the_database_refuses_fails_alone(app, settings, session, db_ur
         assert "could not store this report" in str(results[2])
         assert "INSERT" not in str(results[2])  # no SQL leaks to the agent
         assert all(r.stored for i, r in enumerate(results) if i != 2)
-        assert session.scalar(select(func.count()).select_from(ReportReceipt)) == 4
+        assert session.scalar(select(func.count()).select_from(ReportRange)) == 4
     finally:
         session.rollback()  # release this session's locks before DROP TRIGGER
         with app.state.engine.begin() as conn:
             conn.execute(
                 text(
                     "DROP TRIGGER poison"
-                    + ("" if db_url.startswith("sqlite") else " ON report_receipts")
+                    + ("" if db_url.startswith("sqlite") else " ON report_ranges")
                 )
             )
             if not db_url.startswith("sqlite"):
