@@ -19,6 +19,7 @@ reachability uses the server's receive time.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -95,6 +96,36 @@ def gpu_row_to_sample(row: Any) -> GpuSample | None:
     return GpuSample.model_construct(
         index=row.index, ts=row.ts, **{f: getattr(row, f) for f in METRIC_FIELDS}
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Stamp:
+    """A GPU's latest reading as the stale rule sees it (``rules.Stamped``)."""
+
+    index: int
+    ts: datetime
+
+
+# A latest-value row not yet turned into a GpuSample (``_latest``): most reports are
+# heartbeats (``agent.sampling``), whose rules need only the row's time.
+_UNREAD: Any = object()
+
+
+def _latest(entry: dict[str, Any]) -> GpuSample | None:
+    """The GPU's latest reading as a sample, converted from its row on first use."""
+    if entry["sample"] is _UNREAD:
+        entry["sample"] = gpu_row_to_sample(entry["row"])
+    sample: GpuSample | None = entry["sample"]
+    return sample
+
+
+def _latest_stamp(entry: dict[str, Any]) -> rules.Stamped | None:
+    """The GPU and time of its latest reading, without building the sample."""
+    if entry["sample"] is not _UNREAD:
+        sample: GpuSample | None = entry["sample"]
+        return sample
+    row = entry["row"]
+    return None if row.ts is None else _Stamp(row._mapping["index"], row.ts)
 
 
 EARLIEST_TS = datetime(2000, 1, 1, tzinfo=UTC)
@@ -430,7 +461,12 @@ def _apply_batches(
             for index, entry in node_gpus.items():
                 # samples come at least every sample_every reports (agent.sampling)
                 findings[node.id] += rules.rule_stale_telemetry(
-                    entry["sample"], index, b.sent_at, b.interval_s * b.sample_every, th, b.sent_at
+                    _latest_stamp(entry),
+                    index,
+                    b.sent_at,
+                    b.interval_s * b.sample_every,
+                    th,
+                    b.sent_at,
                 )
             evaluated[node.id].add(rules.RULE_STALE_TELEMETRY)
         findings[node.id] += _ingest_xids(session, node.id, b, node_gpus, th)
@@ -496,7 +532,8 @@ def _sync_inventories(
     """Load the group's GPUs, creating the ones seen for the first time.
 
     Returns:
-        node_id -> GPU index -> {"id", "uuid", "name", "sample": latest GpuSample or None,
+        node_id -> GPU index -> {"id", "uuid", "name", "sample": latest GpuSample or None
+        (``_UNREAD`` until :func:`_latest` converts ``"row"``, the latest-value row),
         "acked_xid": the XID code last acknowledged on it (None: none), "dirty": whether the
         latest-value row must be written}. A GPU whose UUID changed forgets ``acked_xid``.
     """
@@ -508,7 +545,8 @@ def _sync_inventories(
             "id": r.id,
             "uuid": r.uuid,
             "name": r.name,
-            "sample": gpu_row_to_sample(r),
+            "sample": _UNREAD,
+            "row": r,
             "acked_xid": r.acked_xid,
             "dirty": False,
         }
@@ -561,7 +599,7 @@ def _evaluate_samples(
     findings: list[rules.Finding] = []
     for index, samples in by_gpu.items():
         entry = node_gpus[index]
-        prev = entry["sample"]
+        prev = _latest(entry)
         for cur in sorted(samples, key=lambda s: s.ts):
             if prev is not None and cur.ts <= prev.ts:
                 continue  # a late replay of older history: stored, not evaluated
@@ -574,19 +612,22 @@ def _evaluate_samples(
 
 def _write_gpu_latest(session: Session, gpus: dict[int, dict[int, dict[str, Any]]]) -> None:
     """One executemany UPDATE of the latest-value rows that changed."""
-    updates = [
-        {
-            "b_id": e["id"],
-            "b_uuid": e["uuid"],
-            "b_name": e["name"],
-            "b_ts": e["sample"].ts if e["sample"] else None,
-            "b_acked_xid": e["acked_xid"],
-            **{f"b_{f}": getattr(e["sample"], f) if e["sample"] else None for f in METRIC_FIELDS},
-        }
-        for node_gpus in gpus.values()
-        for e in node_gpus.values()
-        if e["dirty"]
-    ]
+    updates = []
+    for node_gpus in gpus.values():
+        for e in node_gpus.values():
+            if not e["dirty"]:
+                continue
+            sample = _latest(e)
+            updates.append(
+                {
+                    "b_id": e["id"],
+                    "b_uuid": e["uuid"],
+                    "b_name": e["name"],
+                    "b_ts": sample.ts if sample else None,
+                    "b_acked_xid": e["acked_xid"],
+                    **{f"b_{f}": getattr(sample, f) if sample else None for f in METRIC_FIELDS},
+                }
+            )
     if updates:
         session.execute(_UPDATE_GPU, updates)
 

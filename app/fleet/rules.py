@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -787,8 +787,19 @@ def _check_interval(interval_s: float) -> None:
         raise ValueError(f"report interval must be > 0 s, got {interval_s}")
 
 
+class Stamped(Protocol):
+    """What the stale rule reads of a GPU's latest reading: which GPU, and when it was read
+    (a ``GpuSample`` is one)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def ts(self) -> datetime: ...
+
+
 def rule_stale_telemetry(
-    cur: GpuSample | None,
+    cur: Stamped | None,
     gpu: int,
     node_last_seen: datetime,
     interval_s: float,
