@@ -149,54 +149,46 @@ def _partition_postgresql() -> None:
 def downgrade() -> None:
     bind = op.get_bind()
     if bind.dialect.name == "postgresql":
-        cols = ", ".join(("node_id", "gpu_index", "ts", *_METRICS))
-        op.execute("ALTER TABLE gpu_samples RENAME TO gpu_samples_partitioned")
+        old = "gpu_samples_partitioned"
+        op.execute(f"ALTER TABLE gpu_samples RENAME TO {old}")
         op.execute("ALTER INDEX ix_gpu_samples_node_gpu_ts RENAME TO ix_gpu_samples_p_node_gpu_ts")
         op.execute("ALTER INDEX ix_gpu_samples_ts RENAME TO ix_gpu_samples_p_ts")
         op.execute(
-            "ALTER TABLE gpu_samples_partitioned "
+            f"ALTER TABLE {old} "
             "RENAME CONSTRAINT fk_gpu_samples_node_id_nodes TO fk_gpu_samples_p_node_id_nodes"
         )
-        op.create_table(
-            "gpu_samples",
-            sa.Column("id", sa.BigInteger(), autoincrement=True, nullable=False),
-            sa.Column("node_id", sa.Integer(), nullable=False),
-            sa.Column("gpu_index", sa.Integer(), nullable=False),
-            sa.Column("ts", sa.DateTime(timezone=True), nullable=False),
-            *_metric_columns(),
-            sa.ForeignKeyConstraint(
-                ["node_id"], ["nodes.id"], name="fk_gpu_samples_node_id_nodes", ondelete="CASCADE"
-            ),
-            sa.PrimaryKeyConstraint("id", name="pk_gpu_samples"),
-        )
-        op.execute(f"INSERT INTO gpu_samples ({cols}) SELECT {cols} FROM gpu_samples_partitioned")
-        op.execute("DROP TABLE gpu_samples_partitioned CASCADE")
-        op.create_index("ix_gpu_samples_node_gpu_ts", "gpu_samples", ["node_id", "gpu_index", "ts"])
-        op.create_index("ix_gpu_samples_ts", "gpu_samples", ["ts"])
+        _restore_id_table(old, sa.BigInteger())
+        op.execute(f"DROP TABLE {old} CASCADE")
     else:
-        cols = ", ".join(("node_id", "gpu_index", "ts", *_METRICS))
-        op.execute("ALTER TABLE gpu_samples RENAME TO gpu_samples_noid")
+        old = "gpu_samples_noid"
+        op.execute(f"ALTER TABLE gpu_samples RENAME TO {old}")
         op.execute("DROP INDEX ix_gpu_samples_node_gpu_ts")
         op.execute("DROP INDEX ix_gpu_samples_ts")
-        op.create_table(
-            "gpu_samples",
-            sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
-            sa.Column("node_id", sa.Integer(), nullable=False),
-            sa.Column("gpu_index", sa.Integer(), nullable=False),
-            sa.Column("ts", sa.DateTime(timezone=True), nullable=False),
-            *_metric_columns(),
-            sa.ForeignKeyConstraint(
-                ["node_id"], ["nodes.id"], name="fk_gpu_samples_node_id_nodes", ondelete="CASCADE"
-            ),
-            sa.PrimaryKeyConstraint("id", name="pk_gpu_samples"),
-        )
-        op.execute(f"INSERT INTO gpu_samples ({cols}) SELECT {cols} FROM gpu_samples_noid")
-        op.execute("DROP TABLE gpu_samples_noid")
-        op.create_index("ix_gpu_samples_node_gpu_ts", "gpu_samples", ["node_id", "gpu_index", "ts"])
-        op.create_index("ix_gpu_samples_ts", "gpu_samples", ["ts"])
+        _restore_id_table(old, sa.Integer())
+        op.execute(f"DROP TABLE {old}")
+    op.create_index("ix_gpu_samples_node_gpu_ts", "gpu_samples", ["node_id", "gpu_index", "ts"])
+    op.create_index("ix_gpu_samples_ts", "gpu_samples", ["ts"])
     if bind.dialect.name == "postgresql":
         for table in ("nodes", "gpus"):
             op.execute(f"ALTER TABLE {table} RESET (fillfactor)")
     op.drop_index("ix_checkpoint_events_job_step", table_name="checkpoint_events")
     op.drop_index("ix_gpu_sample_rollups_bucket", table_name="gpu_sample_rollups")
     op.drop_table("gpu_sample_rollups")
+
+
+def _restore_id_table(source: str, id_type: sa.types.TypeEngine) -> None:
+    """Create 0011's ``gpu_samples`` (with its ``id``) and copy ``source``'s rows into it."""
+    op.create_table(
+        "gpu_samples",
+        sa.Column("id", id_type, autoincrement=True, nullable=False),
+        sa.Column("node_id", sa.Integer(), nullable=False),
+        sa.Column("gpu_index", sa.Integer(), nullable=False),
+        sa.Column("ts", sa.DateTime(timezone=True), nullable=False),
+        *_metric_columns(),
+        sa.ForeignKeyConstraint(
+            ["node_id"], ["nodes.id"], name="fk_gpu_samples_node_id_nodes", ondelete="CASCADE"
+        ),
+        sa.PrimaryKeyConstraint("id", name="pk_gpu_samples"),
+    )
+    cols = ", ".join(("node_id", "gpu_index", "ts", *_METRICS))
+    op.execute(f"INSERT INTO gpu_samples ({cols}) SELECT {cols} FROM {source}")
