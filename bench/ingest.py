@@ -127,6 +127,8 @@ FLOOR_BULK_COMMITS = 8
 MIN_REPORTS_FOR_CPU = 100  # below this many stored reports, CPU per report is not quoted
 TARGET_P99_MS = 100.0
 TARGET_PAGE_P95_MS = 300.0
+TARGET_SCRAPE_MS = 1000.0
+TARGET_GROWTH_BYTES_PER_H = 300 * 1024**2
 
 ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 DB_NAME = "tierwatch_bench"
@@ -1035,7 +1037,7 @@ def db_snapshot(pg_url: str) -> DbSnapshot:
         tables = {name: int(size) for name, size in conn.execute(TABLE_SIZES_SQL).fetchall()}
         row = conn.execute(
             "SELECT pg_database_size(current_database()), count(*), "
-            "(SELECT coalesce(sum(last_seq - first_seq + 1), 0) FROM report_ranges) "
+            "(SELECT coalesce(sum(last_seq - first_seq + 1), 0)::bigint FROM report_ranges) "
             "FROM gpu_samples"
         ).fetchone()
     assert row is not None
@@ -1510,6 +1512,31 @@ def verdict_lines(m: dict[str, Any]) -> list[str]:
             + ("met" if ok else f"missed by {p95 - TARGET_PAGE_P95_MS:.0f} ms")
             + f", p95 {p95:.0f} ms under ingest load (n={len(page)})."
         )
+    scrapes = rd["lat_ms"]["metrics"]
+    if scrapes:
+        p95 = pct(scrapes, 95)
+        assert p95 is not None
+        lines.append(
+            f"/metrics target (a scrape < {TARGET_SCRAPE_MS:.0f} ms): "
+            + ("met" if p95 < TARGET_SCRAPE_MS else f"missed by {p95 - TARGET_SCRAPE_MS:.0f} ms")
+            + f", p95 {p95:.0f} ms under ingest load (n={len(scrapes)})."
+        )
+    g = m["growth"]
+    per_h = g["bytes_per_h"]
+    samples_h = g.get("tables_per_h", {}).get("gpu_samples", 0.0)
+    lines.append(
+        f"Database growth target (≤ {human_bytes(TARGET_GROWTH_BYTES_PER_H)}/h): "
+        + (
+            "met"
+            if per_h <= TARGET_GROWTH_BYTES_PER_H
+            else f"missed by {human_bytes(per_h - TARGET_GROWTH_BYTES_PER_H)}/h "
+            f"(×{per_h / TARGET_GROWTH_BYTES_PER_H:.2f})"
+        )
+        + f", {human_bytes(per_h)}/h; bound by the raw samples: gpu_samples "
+        f"{human_bytes(samples_h)}/h = {g['rows_per_h'] / 1e6:.2f} M rows/h × "
+        f"{g['table_bytes_per_row']:.0f} B/row (full samples every {FULL_SAMPLE_EVERY} reports "
+        "and on a health change)."
+    )
     return lines
 
 
