@@ -112,8 +112,12 @@ class Settings(BaseSettings):
             again at every request. Unset (or empty): no demo report, both answer 404.
     """
 
+    # hide_input_in_errors: a refused value can hold a secret (a password in a URL, a key)
     model_config = SettingsConfigDict(
-        env_prefix="TIERWATCH_", env_nested_delimiter="__", extra="ignore"
+        env_prefix="TIERWATCH_",
+        env_nested_delimiter="__",
+        extra="ignore",
+        hide_input_in_errors=True,
     )
 
     database_url: str = DEFAULT_DATABASE_URL
@@ -177,6 +181,13 @@ class Settings(BaseSettings):
                 f"TIERWATCH_PROMETHEUS_URL {redact(value)!r} has a query or fragment: give "
                 "the base URL only (the server adds /api/v1/query_range)"
             )
+        try:
+            parts.port  # noqa: B018 - urllib checks the port only when asked
+        except ValueError:
+            raise ValueError(
+                f"TIERWATCH_PROMETHEUS_URL {redact(value)!r} has no valid port: give a number "
+                "from 1 to 65535, e.g. http://prometheus:9090"
+            ) from None
         return value.rstrip("/")
 
     @field_validator("prometheus_host_label")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
@@ -111,6 +111,11 @@ def get_prom_history(request: Request) -> prom_history.PromHistory | None:
 PromHistoryDep = Annotated[prom_history.PromHistory | None, Depends(get_prom_history)]
 
 
+# The times a samples query may name (a naive year-1 or year-9999 bound overflows in UTC).
+SAMPLES_EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
+SAMPLES_LATEST = datetime(9999, 1, 1, tzinfo=UTC)
+
+
 @router.get("/nodes/{name}/samples", responses=error_responses(404))
 def get_samples(
     _: ReaderDep,
@@ -149,6 +154,12 @@ def get_samples(
         HTTPException: 404 for an unknown node; 422 for an unknown metric or ``since``
             after ``until``.
     """
+    for loc, t in (("since", since), ("until", until)):
+        # (aware comparisons never overflow; converting year 1 at +14:00 to UTC would)
+        if t is not None and not SAMPLES_EARLIEST <= t <= SAMPLES_LATEST:
+            raise invalid_request(
+                ("query", loc), f"{loc} must be between 1970-01-01 and 9999-01-01 UTC"
+            )
     until = until or utcnow()
     since = since or until - timedelta(minutes=15)
     if since > until:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import Connection, text
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import OperationalError, ProgrammingError
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,9 @@ def maintain(conn: Connection, *, now: datetime, cut: datetime | None) -> Mainte
         try:
             result.moved_from_default += create_partition(conn, start)
             result.created.append(partition_name(start))
-        except OperationalError as exc:
+        except (OperationalError, ProgrammingError) as exc:
+            # lock_timeout, or another process (a cron'd `prune`, a second leader pass)
+            # created the same hour first (DuplicateTable): either way, next pass
             result.skipped.append(f"create {partition_name(start)}: {exc.orig}")
             log.warning("gpu_samples: creating %s gave up: %s", partition_name(start), exc.orig)
     if cut is None:
@@ -222,7 +224,7 @@ def maintain(conn: Connection, *, now: datetime, cut: datetime | None) -> Mainte
         try:
             result.rows_dropped += drop_partition(conn, name)
             result.dropped.append(name)
-        except OperationalError as exc:
+        except (OperationalError, ProgrammingError) as exc:  # lock_timeout, or dropped already
             result.skipped.append(f"drop {name}: {exc.orig}")
             log.warning("gpu_samples: dropping %s gave up: %s", name, exc.orig)
     with conn.begin():

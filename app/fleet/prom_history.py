@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -273,13 +274,24 @@ def _rows(result: list[Any], query: RangeQuery, limit: int) -> list[dict[str, An
     return ordered
 
 
+# user[:password]@ right after an optional scheme, also in a URL that lacks its "//"
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*:/*)?[^/@]*@")
+
+
 def redact(url: str) -> str:
-    """``url`` without a user name or password (for logs and messages)."""
-    parts = urlsplit(url)
+    """``url`` without a user name or password (for logs and messages); a URL that does not
+    parse (a bad port, no ``//``) loses everything before its ``@``. Never raises."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return _USERINFO.sub(lambda m: m.group(1) or "", url)
+    if not parts.netloc:
+        return _USERINFO.sub(lambda m: m.group(1) or "", url)
     host = parts.hostname or ""
     if ":" in host:
         host = f"[{host}]"
-    netloc = f"{host}:{parts.port}" if parts.port else host
+    netloc = f"{host}:{port}" if port else host
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
@@ -397,11 +409,25 @@ class PromHistory:
             if self._client.is_closed:  # the app ran its lifespan again
                 self._client = self._new_client()
             client = self._client
+        late = _Unreachable(f"Prometheus did not answer within {self.timeout_s:g} s")
+        # httpx's timeout bounds each read; the deadline bounds the whole answer, so a
+        # Prometheus that trickles bytes holds a request for at most about 2 × timeout_s
+        deadline = time.monotonic() + self.timeout_s
         try:
-            resp = client.post(f"{self.url}/api/v1/query_range", data=query.params(self.timeout_s))
+            with client.stream(
+                "POST", f"{self.url}/api/v1/query_range", data=query.params(self.timeout_s)
+            ) as streamed:
+                chunks = []
+                for chunk in streamed.iter_bytes():
+                    chunks.append(chunk)
+                    if time.monotonic() > deadline:
+                        raise late
+            resp = httpx.Response(
+                streamed.status_code, headers=streamed.headers, content=b"".join(chunks)
+            )
         except httpx.TimeoutException:
-            raise _Unreachable(f"Prometheus did not answer within {self.timeout_s:g} s") from None
-        except httpx.HTTPError as exc:
+            raise late from None
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise _Unreachable(f"cannot reach Prometheus: {exc}") from None
         if resp.status_code >= 500:
             raise _Unreachable(f"Prometheus answered HTTP {resp.status_code}: {_reason(resp)}")

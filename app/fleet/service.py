@@ -410,8 +410,9 @@ def query_samples(
         step_s: when given, rows are averaged per GPU into buckets of this many seconds
             (``ts`` is the bucket start; boolean metrics are true when any sample was).
         raw_since: how far back the raw history is kept (``now - sample_retention_s``);
-            with ``step_s``, a range that starts before it reads the 5-minute rollups
-            (``fleet.rollups``) up to their newest bucket and the raw rows after it. Counters
+            with ``step_s``, the part of the range before it (to the start of its 5-minute
+            bucket) reads the rollups (``fleet.rollups``) as far as they reach, and the rest
+            the raw rows. Counters
             and flags from rollups are the bucket's maximum; gauges are weighted by the
             samples each rollup summarises. None: raw rows only.
 
@@ -443,7 +444,13 @@ def query_samples(
             select(func.max(GpuSampleRollup.bucket)).where(GpuSampleRollup.node_id == node.id)
         )
         if rolled_to is not None:
-            rollup_end = min(until, rolled_to + timedelta(seconds=rollups.ROLLUP_S))
+            # rollups only where the raw rows may be gone: up to the bucket holding
+            # raw_since (so no bucket is counted from both), and no further than they reach
+            rollup_end = min(
+                until,
+                rolled_to + timedelta(seconds=rollups.ROLLUP_S),
+                rollups.bucket_start(raw_since),
+            )
             parts += _bucketed(
                 session,
                 GpuSampleRollup,
@@ -567,7 +574,7 @@ def _merge_buckets(
             elif f in BOOL_METRICS:
                 values[f] = bool(v)
             else:
-                values[f] = float(v)
+                values[f] = int(v)  # a counter's maximum: still a count
         out.append((key, values))
     return out
 
@@ -697,7 +704,8 @@ def prune(
     dropped (``fleet.partitions``; a partition's rows are kept until its whole hour is older
     than the cut, at most an hour past ``sample_retention_s``) and the partitions ahead are
     created; on SQLite the rows are deleted. Rollups older than ``rollup_retention_s``
-    (default: kept as long as events) are deleted. Ends the session's transaction first
+    (None: ``event_retention_s``; the server passes ``TIERWATCH_ROLLUP_RETENTION_S``) are
+    deleted. Ends the session's transaction first
     (dropping a partition needs the table to itself).
 
     Returns:

@@ -296,11 +296,33 @@ def test_prometheus_settings_default_to_off():
         ({"prometheus_host_label": "host-name"}, "is not a Prometheus label name"),
         ({"prometheus_host_label": "gpu"}, "a label /metrics sets itself"),
         ({"prometheus_timeout_s": 0}, "greater than 0"),
+        (
+            {"prometheus_url": "http://al:S3CRET@prom:notaport"},
+            "'http://prom:notaport' has no valid",
+        ),
+        ({"prometheus_url": "http://prom:99999"}, "has no valid port"),
     ],
 )
 def test_bad_prometheus_settings_say_what_to_fix(change, message):
     with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Settings(dev=True, **change)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "alice:S3CRET@prom:9090",
+        "http:alice:S3CRET@prom:9090",
+        "http:/alice:S3CRET@prom",
+        "http://alice:S3CRET@prom:notaport",
+        "http://alice:S3CRET@prom:99999",
+    ],
+)
+def test_a_refused_url_never_shows_its_password(url):
+    assert "S3CRET" not in ph.redact(url)
+    with pytest.raises(ValidationError) as info:
+        Settings(dev=True, prometheus_url=url)
+    assert "S3CRET" not in str(info.value)
 
 
 def test_url_is_kept_without_its_trailing_slash():
@@ -317,6 +339,7 @@ class StandIn:
         self.status = 200
         self.body: Any = matrix()
         self.delay_s = 0.0
+        self.trickle_s = 0.0  # > 0: send the body one byte at a time, this far apart
         self.requests: list[tuple[str, dict[str, str]]] = []
         stand_in = self
 
@@ -336,7 +359,12 @@ class StandIn:
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
-                    self.wfile.write(data)
+                    if stand_in.trickle_s <= 0:
+                        self.wfile.write(data)
+                    for i in range(len(data) if stand_in.trickle_s > 0 else 0):
+                        self.wfile.write(data[i : i + 1])
+                        self.wfile.flush()
+                        time.sleep(stand_in.trickle_s)
                 except OSError:  # the client gave up waiting
                     pass
 
@@ -505,6 +533,17 @@ def test_slow_prometheus_times_out_and_falls_back(db_url, stand_in):
     assert body["source_error"] == "Prometheus did not answer within 0.2 s"
     assert [s["power_w"] for s in body["samples"]] == [400.0, 400.0]
     assert waited < 1.0  # the chart did not wait for the slow answer
+
+
+def test_a_prometheus_that_trickles_its_answer_is_cut_off_at_the_deadline(db_url, stand_in):
+    stand_in.trickle_s = 0.05  # the matrix's ~1 KiB would take about a minute
+    with api(db_url, url=stand_in.url, timeout_s=0.3) as (client, viewer):
+        started = time.monotonic()
+        body = samples(client, viewer, metric="power_w")
+        waited = time.monotonic() - started
+    assert body["source"] == "database"
+    assert body["source_error"] == "Prometheus did not answer within 0.3 s"
+    assert waited < 2.0  # each byte came within the read timeout; the deadline ended it
 
 
 def test_prometheus_is_tried_again_after_the_retry_time(db_url, stand_in):

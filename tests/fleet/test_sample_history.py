@@ -360,3 +360,54 @@ def test_the_samples_api_charts_ranges_older_than_the_raw_history_from_rollups(
     assert rows[0]["temperature_c"] == 48.0
     assert rows[0]["ecc_sbe_aggregate"] == 7
     assert rows[-1]["temperature_c"] == 61.0  # and the raw row of now
+
+
+def test_raw_rows_answer_every_part_of_a_range_they_still_cover(session, node):
+    # rollups began late (only the 15-minute bucket), raw rows cover all 20 minutes: a range
+    # that starts just before the raw retention reads the raw rows, not only the rollups
+    raw = [_sample(node.id, 0, T0 + timedelta(minutes=m), 50.0 + m, m) for m in range(20)]
+    session.execute(insert(GpuSampleRow), raw)
+    late = dict.fromkeys(METRIC_FIELDS) | {"node_id": node.id, "gpu_index": 0, "samples": 5}
+    session.execute(insert(GpuSampleRollup), [late | {"bucket": T0 + timedelta(minutes=15)}])
+    session.commit()
+    rows = service.query_samples(
+        session,
+        node,
+        gpu=0,
+        metric="temperature_c",
+        since=T0 - timedelta(hours=1),
+        until=T0 + timedelta(minutes=19),
+        limit=100,
+        step_s=300,
+        raw_since=T0 + timedelta(minutes=1),
+    )
+    assert [r["ts"] for r in rows] == [T0 + timedelta(minutes=m) for m in (0, 5, 10, 15)]
+    assert [r["temperature_c"] for r in rows] == [52.0, 57.0, 62.0, 67.0]
+
+
+def test_samples_outside_1970_to_9999_are_a_clear_422(client, make_token):
+    from support import auth, make_batch, post_batch
+
+    agent, viewer = make_token("agent", "n1"), make_token("viewer")
+    post_batch(client, agent, make_batch("n1", 1))
+    for params in (
+        {"since": "0001-01-01T00:00:00+14:00"},
+        {"until": "9999-12-31T23:59:59-14:00", "metric": "temperature_c"},
+    ):
+        r = client.get("/api/v1/nodes/n1/samples", params=params, headers=auth(viewer))
+        assert r.status_code == 422, r.text
+        assert "between 1970-01-01 and 9999-01-01" in r.text
+
+
+@pg_only
+def test_another_process_creating_the_same_hour_does_not_stop_the_pass(pg_engine):
+    now = datetime.now(UTC)
+    ahead = partitions.partition_start(now) + timedelta(hours=10)
+    # the other creator made hour +10 as a plain table first (as create_partition does)
+    with pg_engine.begin() as conn:
+        conn.execute(text(f'CREATE TABLE "{partitions.partition_name(ahead)}" (LIKE gpu_samples)'))
+    with pg_engine.connect() as conn:
+        result = partitions.maintain(conn, now=ahead - timedelta(hours=1), cut=None)
+    assert any(partitions.partition_name(ahead) in s for s in result.skipped)
+    # the hours after it were still created in the same pass
+    assert partitions.partition_name(ahead + partitions.WIDTH) in result.created
