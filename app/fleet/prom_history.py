@@ -422,8 +422,11 @@ class PromHistory:
                     chunks.append(chunk)
                     if time.monotonic() > deadline:
                         raise late
+            # iter_bytes decoded the body already: keep no Content-Encoding to undo again
             resp = httpx.Response(
-                streamed.status_code, headers=streamed.headers, content=b"".join(chunks)
+                streamed.status_code,
+                headers={"Content-Type": streamed.headers.get("Content-Type", "")},
+                content=b"".join(chunks),
             )
         except httpx.TimeoutException:
             raise late from None
