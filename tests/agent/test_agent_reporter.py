@@ -125,6 +125,8 @@ def test_outage_sends_the_newest_first_then_backfills_each_once(tmp_path, closin
         assert batches[0].samples[0].temperature_c == 54.0  # the newest reading went first
         assert receiver.attempts == 6  # each batch exactly once, no duplicate POST
         assert "server_unreachable" in [e.kind for e in batches[-1].events]
+        # the receiver stores a batch before the reporter has read its answer
+        wait_until(lambda: rep.status().delivered_batches == 6, what="the last answer read")
         status = rep.status()
         assert (status.consecutive_failures, status.spool_depth, status.delivered_batches) == (
             0,
