@@ -27,6 +27,18 @@ import httpx
 BIN = Path(sys.executable).parent
 
 
+def end_child(proc: subprocess.Popen[bytes] | None, sig: int, timeout: float) -> None:
+    """Send ``sig`` to a still-running child and wait for it; SIGKILL after ``timeout`` s."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def detach() -> None:
     """In a child, before exec: a session of its own (a terminal's Ctrl-C reaches only the
     demo, which then stops its children in order, after the final report), and SIGTERM
@@ -189,13 +201,7 @@ class Node:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         """Signal the agent and wait for it (SIGKILL after ``timeout``)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_child(self.proc, sig, timeout)
         if self.log is not None:
             self.log.close()
             self.log = None

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from demo.cluster import detach, wait_http
+from demo.cluster import detach, end_child, wait_http
 from tierwatch.agent.netutil import free_port
 
 #: Where Debian's package installs it (``apt-get install prometheus``).
@@ -108,13 +108,7 @@ class DemoPrometheus:
 
     def stop(self, timeout: float = 15.0) -> None:
         """Stop Prometheus (SIGKILL after ``timeout`` seconds)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_child(self.proc, signal.SIGTERM, timeout)
         if self.log is not None:
             self.log.close()
             self.log = None

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
-from demo.cluster import Cluster, detach
+from demo.cluster import Cluster, detach, end_child
 
 REPO = Path(__file__).resolve().parent.parent
 USABLE_STATES = ("healthy", "degraded")
@@ -92,13 +92,7 @@ class Job:
 
     def stop(self) -> None:
         """SIGTERM the launcher (it stops its ranks) and wait for it."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_child(self.proc, signal.SIGTERM, 60)
         self.log.close()
 
 
