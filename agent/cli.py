@@ -103,8 +103,18 @@ def run(
     metrics_model_label: Annotated[
         str | None,
         typer.Option(
-            help="Name of the /metrics label holding the GPU model (default modelName) "
+            help="Name of the /metrics label holding the GPU model (default model_name; "
+            "dcgm-exporter: modelName) "
             "[TIERWATCH_METRICS_MODEL_LABEL]."
+        ),
+    ] = None,
+    metrics_dcgm_names: Annotated[
+        bool | None,
+        typer.Option(
+            "--metrics-dcgm-names/--no-metrics-dcgm-names",
+            help="Serve DCGM_FI_DEV_PCIE_REPLAY_COUNTER and dcgm-exporter's counter types "
+            "exactly, which promtool rejects (default: tierwatch_gpu_pcie_replays, untyped) "
+            "[TIERWATCH_METRICS_DCGM_NAMES].",
         ),
     ] = None,
     spool_dir: Annotated[
@@ -268,6 +278,7 @@ def run(
             "metrics_listen": metrics_listen,
             "metrics_host_label": metrics_host_label,
             "metrics_model_label": metrics_model_label,
+            "metrics_dcgm_names": metrics_dcgm_names,
             "spool_dir": spool_dir,
             "spool_max_batches": spool_max_batches,
             "dcgm_exporter_url": dcgm_exporter_url,

@@ -303,8 +303,13 @@ class AgentSettings(BaseSettings):
             the local API only.
         metrics_host_label: Name of the label of ``/metrics`` that holds the node's name
             (dcgm-exporter: ``Hostname``, ``hostname`` since 2026).
-        metrics_model_label: Name of the label that holds the GPU model (dcgm-exporter:
-            ``modelName``, which promtool's linter calls camelCase).
+        metrics_model_label: Name of the label that holds the GPU model (default
+            ``model_name``; dcgm-exporter's ``modelName`` is camelCase, which promtool's
+            linter rejects).
+        metrics_dcgm_names: Serve dcgm-exporter's exact names and counter types on
+            ``/metrics`` (``DCGM_FI_DEV_PCIE_REPLAY_COUNTER``; counters without ``_total``
+            as ``counter``), which promtool's linter rejects; default False
+            (``tierwatch_gpu_pcie_replays``, ``untyped``; see agent/exporter.py).
         spool_dir: Folder of the on-disk spool of unsent batches (default
             ``var/spool/<node>`` under the working directory).
         spool_max_batches: Most batches the spool holds; beyond, the oldest are dropped.
@@ -375,7 +380,8 @@ class AgentSettings(BaseSettings):
     # exporter.DEFAULT_HOST_LABEL / DEFAULT_MODEL_LABEL (tested); not imported, so that
     # loading the settings does not load prometheus-client
     metrics_host_label: str = "Hostname"
-    metrics_model_label: str = "modelName"
+    metrics_model_label: str = "model_name"
+    metrics_dcgm_names: bool = False
     spool_dir: Path | None = None
     spool_max_batches: int = Field(10000, ge=1)
     shutdown_flush_s: float = Field(5.0, ge=0, le=600)

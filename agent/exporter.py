@@ -8,15 +8,16 @@ the same interface, so a Prometheus scrape job with one target per node works un
   for the fields it exports by default, and the control plane's ``/metrics`` names
   (``app/metrics.py``) for the health fields of :class:`~tierwatch.agent.protocol.GpuSample`
   beyond them (ECC, NVLink errors, throttle reasons, row-remap pending, slowdown/shutdown
-  thresholds, power limit): see :data:`DCGM_FIELDS`.
+  thresholds, power limit): see :data:`DCGM_FIELDS`; two departures for promtool, below.
 - **Labels** of a GPU line: ``gpu`` (index), ``UUID``, ``pci_bus_id``, ``device``
-  (``nvidia<index>``), the model label (``modelName`` by default), ``GPU_I_PROFILE`` and
-  ``GPU_I_ID`` on a MIG instance's lines, ``DCGM_FI_DRIVER_VERSION`` when the driver version
-  is known, and the host label (``Hostname`` by default, the node's name; dcgm-exporter
-  spells it ``hostname`` since 2026, so both names are settings:
-  :class:`ExportOptions`). A label whose value is unknown is left out. The ``tierwatch_*``
-  GPU lines have the same labels but the model label and the MIG labels (one line per
-  physical GPU; join them on ``instance`` and ``gpu``).
+  (``nvidia<index>``), the model label (``model_name`` by default; dcgm-exporter's
+  ``modelName``), ``GPU_I_PROFILE`` and ``GPU_I_ID`` on a MIG instance's lines,
+  ``DCGM_FI_DRIVER_VERSION`` when the driver version is known, and the host label
+  (``Hostname`` by default, the node's name; dcgm-exporter spells it ``hostname`` since 2026,
+  so both names are settings: :class:`ExportOptions`). A label whose value is unknown is left
+  out. The ``tierwatch_*`` GPU lines have the same labels but the model label and the MIG
+  labels (one line per physical GPU; join them on ``instance`` and ``gpu``);
+  ``tierwatch_gpu_pcie_replays``, a ``DCGM_FI_*`` field renamed, has all of them.
 - **None is omitted**: a field the collector could not read has no line, never a 0.
 - **MIG**: a GPU with MIG instances has one line per instance of each field, as dcgm-exporter
   has: a device-wide field (temperature, power, clocks…) repeats the GPU's value, an
@@ -36,11 +37,22 @@ the same interface, so a Prometheus scrape job with one target per node works un
   ``DCGM_FI_*`` line at all, since Prometheus scrapes that exporter itself; only the
   ``tierwatch_*`` series.
 
-promtool: ``promtool check metrics`` reports findings on dcgm-exporter's own interface, which
-this keeps by decision so existing dashboards and rules work as they are: the camelCase
-``modelName`` label (on every GPU family; set the model label to ``model_name`` to drop it),
-``DCGM_FI_DEV_PCIE_REPLAY_COUNTER`` (its name contains its type) and the counters without a
-``_total`` suffix (:func:`inherited_lint`). The ``tierwatch_*`` series have none.
+promtool: a scrape passes ``promtool check metrics`` with the default options, and the names
+a dashboard or rule reads stay dcgm-exporter's, by three choices:
+
+- dcgm-exporter's counters whose name lacks ``_total`` (``TOTAL_ENERGY_CONSUMPTION``,
+  ``NVLINK_BANDWIDTH_TOTAL``, ``*_REMAPPED_ROWS``) keep their names and are declared
+  ``untyped`` (:func:`exposed_type`): the linter checks a counter's suffix, not an untyped
+  family's, and PromQL's ``rate()``/``increase()`` do not look at the declared type.
+- ``DCGM_FI_DEV_PCIE_REPLAY_COUNTER`` contains its type, which the linter rejects under any
+  type: it is served as ``tierwatch_gpu_pcie_replays`` (the server's name for it), with the
+  same labels.
+- The model label is ``model_name``: the linter rejects the camelCase ``modelName``.
+
+:func:`dcgm_relabel_configs` gives the scrape job's ``metric_relabel_configs`` that store those
+lines under dcgm-exporter's names. ``dcgm_names`` and ``model_label`` (``ExportOptions``)
+serve dcgm-exporter's exact exposition instead, with the findings :func:`lint_findings` lists.
+The ``tierwatch_*`` series have no finding either way.
 
 Rendering is pure (:func:`render`: a snapshot and options in, the exposition text out), with
 prometheus-client's metric families and ``generate_latest``. :class:`MetricsState` is the
@@ -68,7 +80,7 @@ from tierwatch.agent.readings import MIG_READINGS, GpuExtras, MigInstance
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 DEFAULT_HOST_LABEL = "Hostname"
-DEFAULT_MODEL_LABEL = "modelName"
+DEFAULT_MODEL_LABEL = "model_name"
 #: A readings snapshot older than this many report intervals counts as stale (at least
 #: :data:`MIN_MAX_AGE_S` seconds), as the control plane's heartbeat window.
 STALE_INTERVALS = 3
@@ -129,9 +141,12 @@ class ExportOptions:
         host_label: Name of the label that holds the node's name (dcgm-exporter: ``Hostname``
             until 2026, ``hostname`` since).
         model_label: Name of the label that holds the GPU model (dcgm-exporter:
-            ``modelName``).
+            ``modelName``, which promtool's linter rejects; default ``model_name``).
         dcgm_fields: Export the ``DCGM_FI_*`` families (False with the dcgm-exporter
             collector).
+        dcgm_names: Serve dcgm-exporter's exact names and types, which promtool's linter
+            rejects: ``DCGM_FI_DEV_PCIE_REPLAY_COUNTER`` (default: ``tierwatch_gpu_pcie_replays``)
+            and its counters without ``_total`` as ``counter`` (default: ``untyped``).
 
     Raises:
         ValueError: a label name is invalid (:func:`check_label_name`), or both are the same.
@@ -140,6 +155,7 @@ class ExportOptions:
     host_label: str = DEFAULT_HOST_LABEL
     model_label: str = DEFAULT_MODEL_LABEL
     dcgm_fields: bool = True
+    dcgm_names: bool = False
 
     def __post_init__(self) -> None:
         check_label_name(self.host_label, "host label")
@@ -156,13 +172,16 @@ class DcgmField:
 
     Attributes:
         name: The metric name, exactly dcgm-exporter's.
-        kind: ``gauge`` or ``counter`` (as dcgm-exporter declares it).
+        kind: ``gauge`` or ``counter`` (as dcgm-exporter declares it; the ``# TYPE`` line says
+            :func:`exposed_type`).
         help: The HELP text.
         sample: The :class:`GpuSample` field that holds the value.
         extra: The :class:`GpuExtras` field that holds it; it wins over ``sample`` when
             both are set and it is not None (``FB_USED``: NVML's version-2 ``used``).
         per_instance: Instance-scoped on MIG GPUs: an instance's line takes the
             :class:`MigInstance` field named ``extra`` (no line when it has none).
+        lint_name: The name served instead of ``name`` unless ``dcgm_names`` is set, for a
+            name promtool's linter rejects whatever its type (it contains its type).
     """
 
     name: str
@@ -171,6 +190,17 @@ class DcgmField:
     sample: str | None = None
     extra: str | None = None
     per_instance: bool = False
+    lint_name: str | None = None
+
+    def served_name(self, options: ExportOptions) -> str:
+        """The family's name on ``/metrics`` under ``options``."""
+        if self.lint_name is not None and not options.dcgm_names:
+            return self.lint_name
+        return self.name
+
+    def served_type(self, options: ExportOptions) -> str:
+        """The family's ``# TYPE`` under ``options`` (:func:`exposed_type`)."""
+        return self.kind if options.dcgm_names else exposed_type(self.kind, self.name)
 
 
 _F = DcgmField
@@ -194,6 +224,7 @@ DCGM_FIELDS: tuple[DcgmField, ...] = (
         "counter",
         "Total number of PCIe retries.",
         sample="pcie_replay_count",
+        lint_name="tierwatch_gpu_pcie_replays",
     ),
     _F("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %).", sample="utilization_pct"),
     _F(
@@ -372,27 +403,83 @@ LAST_SAMPLE = "tierwatch_gpu_last_sample_timestamp_seconds"
 AGENT_INFO = "tierwatch_agent_info"
 
 
-def inherited_lint(name: str, kind: str, model_label: str) -> set[str]:
-    """The ``promtool check metrics`` findings a family of dcgm-exporter's interface gets
-    for its name, type and the model label (the findings this exporter keeps on purpose).
+def exposed_type(kind: str, name: str) -> str:
+    """The ``# TYPE`` a ``DCGM_FI_*`` family is served under by default.
+
+    dcgm-exporter declares some counters under names without ``_total``; promtool's linter
+    (Prometheus 2.42 ``promlint``) rejects a counter so named but does not check an
+    ``untyped`` family's suffix. So such a counter is served ``untyped`` under its own name
+    (PromQL's ``rate()`` and ``increase()`` do not look at the declared type); a counter named
+    ``..._total`` stays a counter.
 
     Args:
-        name: The family's name, e.g. ``DCGM_FI_DEV_PCIE_REPLAY_COUNTER``.
-        kind: ``gauge`` or ``counter``.
-        model_label: The model label's name (``modelName`` is camelCase).
+        kind: ``gauge`` or ``counter``, as dcgm-exporter declares the field.
+        name: The family's name.
 
     Returns:
-        promtool's lines (Prometheus 2.42's wording), e.g. ``DCGM_FI_DEV_PCIE_REPLAY_COUNTER
-        counter metrics should have "_total" suffix``.
+        ``gauge``, ``counter`` or ``untyped``.
+    """
+    if kind == "counter" and not name.endswith("_total"):
+        return "untyped"
+    return kind
+
+
+def lint_findings(name: str, kind: str, options: ExportOptions) -> set[str]:
+    """The ``promtool check metrics`` findings (Prometheus 2.42's wording) a ``DCGM_FI_*``
+    family gets under ``options``: none with the defaults; with ``modelName`` as the model
+    label, a camelCase one; with ``dcgm_names``, dcgm-exporter's own (a counter without
+    ``_total``, a name that contains its type).
+
+    Args:
+        name: The name served (:meth:`DcgmField.served_name`).
+        kind: The type served (:meth:`DcgmField.served_type`).
+        options: The export options.
+
+    Returns:
+        promtool's lines, e.g. ``DCGM_FI_DEV_PCIE_REPLAY_COUNTER counter metrics should have
+        "_total" suffix``.
     """
     found = set()
-    if re.search(r"[a-z][A-Z]", model_label):
+    if re.search(r"[a-z][A-Z]", options.model_label):
         found.add(f"{name} label names should be written in 'snake_case' not 'camelCase'")
     if kind == "counter" and not name.endswith("_total"):
         found.add(f'{name} counter metrics should have "_total" suffix')
-    if "counter" in name.lower():
-        found.add(f"{name} metric name should not include type 'counter'")
+    lower = name.lower()
+    for typename in ("counter", "gauge", "histogram", "summary"):
+        if f"_{typename}_" in lower or lower.endswith(f"_{typename}"):
+            found.add(f"{name} metric name should not include type '{typename}'")
     return found
+
+
+def dcgm_relabel_configs(model_label: str = DEFAULT_MODEL_LABEL) -> list[dict[str, object]]:
+    """A scrape job's ``metric_relabel_configs`` that make Prometheus store an agent's
+    default (promtool-clean) lines under dcgm-exporter's names: the model label as
+    ``modelName``, and each renamed family (``tierwatch_gpu_pcie_replays``) under its
+    dcgm-exporter name. For sites whose dashboards, rules or alerts key on those names.
+
+    Args:
+        model_label: The agents' ``--metrics-model-label``.
+
+    Returns:
+        Rules as Prometheus's configuration takes them: copy a non-empty ``model_label`` into
+        ``modelName`` and drop ``model_label``, then one ``__name__`` rewrite per renamed
+        family.
+    """
+    rules: list[dict[str, object]] = [
+        {"source_labels": [model_label], "regex": "(.+)", "target_label": "modelName"},
+        {"regex": model_label, "action": "labeldrop"},
+    ]
+    for spec in DCGM_FIELDS:
+        if spec.lint_name is not None:
+            rules.append(
+                {
+                    "source_labels": ["__name__"],
+                    "regex": re.escape(spec.lint_name),
+                    "target_label": "__name__",
+                    "replacement": spec.name,
+                }
+            )
+    return rules
 
 
 # -- the snapshot ---------------------------------------------------------------------------
@@ -453,7 +540,8 @@ def gpu_labels(
         node: The host label's value.
         options: The label names.
         model: Include the model label (the ``DCGM_FI_*`` lines do; the ``tierwatch_*``
-            lines do not, so that dcgm-exporter's camelCase ``modelName`` stays off them).
+            lines do not: one line per physical GPU, and no camelCase finding when the model
+            label is set to ``modelName``).
     """
     labels = {
         "gpu": str(gpu.info.index),
@@ -494,14 +582,15 @@ def _instance_value(spec: DcgmField, gpu: GpuState, instance: MigInstance) -> fl
 def _dcgm_families(snapshot: MetricsSnapshot, options: ExportOptions) -> Iterator[Metric]:
     live = [g for g in snapshot.gpus if not g.stale and g.sample is not None]
     for spec in (*DCGM_FIELDS, XID_ERRORS):
-        family = Metric(spec.name, spec.help, spec.kind)
+        name = spec.served_name(options)
+        family = Metric(name, spec.help, spec.served_type(options))
         for gpu in live:
             labels = gpu_labels(gpu, snapshot.node, options)
             mig = gpu.extras.mig if gpu.extras is not None else []
             if not mig:
                 value = _device_value(spec, gpu)
                 if value is not None:
-                    family.add_sample(spec.name, labels, value)
+                    family.add_sample(name, labels, value)
                 continue
             for instance in mig:
                 value = _instance_value(spec, gpu, instance)
@@ -510,7 +599,7 @@ def _dcgm_families(snapshot: MetricsSnapshot, options: ExportOptions) -> Iterato
                         "GPU_I_PROFILE": instance.profile,
                         "GPU_I_ID": str(instance.gpu_instance_id),
                     }
-                    family.add_sample(spec.name, {**labels, **mig_labels}, value)
+                    family.add_sample(name, {**labels, **mig_labels}, value)
         if family.samples:
             yield family
 
@@ -581,20 +670,13 @@ class _OneShot(Collector):
         return self._families
 
 
-#: dcgm-exporter's counters whose name has no ``_total``: declared under their own name.
-_BARE_COUNTERS = frozenset(
-    s.name for s in DCGM_FIELDS if s.kind == "counter" and not s.name.endswith("_total")
-)
-
-
 def render(snapshot: MetricsSnapshot, options: ExportOptions) -> bytes:
     """The Prometheus text exposition of one scrape (pure).
 
-    prometheus-client's ``generate_latest`` writes the ``# HELP``/``# TYPE`` lines of every
-    counter family under ``<name>_total`` (OpenMetrics naming); dcgm-exporter declares its
-    counters under their own names (``# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter``),
-    and so do we: those two lines are renamed back for the counters of :data:`DCGM_FIELDS`.
-    Sample lines are as ``generate_latest`` writes them (labels sorted by name).
+    Families, HELP and samples are as prometheus-client's ``generate_latest`` writes them
+    (labels sorted by name); dcgm-exporter's counters without ``_total`` are ``untyped``
+    (:func:`exposed_type`), or with ``dcgm_names`` counters declared under their own names
+    (``# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter``), as dcgm-exporter declares them.
 
     Args:
         snapshot: What the agent knows.
@@ -603,9 +685,13 @@ def render(snapshot: MetricsSnapshot, options: ExportOptions) -> bytes:
     Returns:
         UTF-8 text (:data:`CONTENT_TYPE`).
     """
-    text = generate_latest(_OneShot(collect(snapshot, options))).decode()
+    text = generate_latest(_OneShot(collect(snapshot, options)))
+    if not options.dcgm_names:
+        return text
+    # generate_latest writes a counter family's # HELP/# TYPE under <name>_total (OpenMetrics
+    # naming); dcgm-exporter writes them under the counter's own name
     lines = []
-    for line in text.splitlines(keepends=True):
+    for line in text.decode().splitlines(keepends=True):
         if line.startswith(("# HELP ", "# TYPE ")):
             name, sep, rest = line[7:].partition(" ")
             bare = name.removesuffix("_total")
@@ -613,6 +699,13 @@ def render(snapshot: MetricsSnapshot, options: ExportOptions) -> bytes:
                 line = f"{line[:7]}{bare}{sep}{rest}"
         lines.append(line)
     return "".join(lines).encode()
+
+
+#: dcgm-exporter's counters whose name has no ``_total`` (served as counters with
+#: ``dcgm_names``).
+_BARE_COUNTERS = frozenset(
+    s.name for s in DCGM_FIELDS if s.kind == "counter" and not s.name.endswith("_total")
+)
 
 
 # -- the runtime's holder -------------------------------------------------------------------

@@ -206,6 +206,7 @@ class AgentRuntime:
             host_label=settings.metrics_host_label,
             model_label=settings.metrics_model_label,
             dcgm_fields=self.collector.exports_dcgm_fields,
+            dcgm_names=settings.metrics_dcgm_names,
         )
         self.metrics = MetricsState(
             node=settings.node or "",

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from demo.cluster import detach, end_child, wait_http
+from tierwatch.agent.exporter import dcgm_relabel_configs
 from tierwatch.agent.netutil import free_port
 
 #: Where Debian's package installs it (``apt-get install prometheus``).
@@ -44,10 +45,19 @@ def find_executable(exe: str | None = None) -> str:
 
 def scrape_config(targets: list[str]) -> dict:
     """The Prometheus configuration: one ``tierwatch`` job scraping ``targets``
-    (``host:port``) at :data:`SCRAPE_INTERVAL`, as a cluster's dcgm-exporter job would."""
+    (``host:port``) at :data:`SCRAPE_INTERVAL`, as a cluster's dcgm-exporter job would, with
+    the relabel rules that store dcgm-exporter's names (``modelName``,
+    ``DCGM_FI_DEV_PCIE_REPLAY_COUNTER``)."""
     return {
         "global": {"scrape_interval": SCRAPE_INTERVAL, "scrape_timeout": SCRAPE_INTERVAL},
-        "scrape_configs": [{"job_name": "tierwatch", "static_configs": [{"targets": targets}]}],
+        "scrape_configs": [
+            {
+                "job_name": "tierwatch",
+                "static_configs": [{"targets": targets}],
+                # stores the agents' lines under dcgm-exporter's names (docs/operations.md)
+                "metric_relabel_configs": dcgm_relabel_configs(),
+            }
+        ],
     }
 
 

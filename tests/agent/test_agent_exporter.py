@@ -8,7 +8,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from agent_helpers import PROMTOOL_INHERITED, parse_series
+from agent_helpers import parse_series
 from executables import require_executable
 from pydantic import ValidationError
 
@@ -21,7 +21,9 @@ from tierwatch.agent.exporter import (
     GpuState,
     MetricsSnapshot,
     MetricsState,
-    inherited_lint,
+    dcgm_relabel_configs,
+    exposed_type,
+    lint_findings,
     render,
 )
 from tierwatch.agent.protocol import GPU_METRICS, GpuInfo, GpuSample, XidEvent
@@ -135,22 +137,58 @@ def test_default_counters_have_dcgm_exporters_names_types_and_help():
         assert specs[name][1].rstrip(".") == help_, name
 
 
-def test_counters_are_declared_under_dcgm_exporters_own_names():
+def test_bare_counters_keep_their_names_and_are_served_untyped():
+    """dcgm-exporter's counters without ``_total`` keep their names, HELP and values; their
+    ``# TYPE`` is ``untyped`` (promtool rejects a counter so named); other families keep
+    dcgm-exporter's type."""
     sample = _sample(0, pcie_replay_count=7, remapped_rows_correctable=2)
     gpu = GpuState(info=_info(0), sample=sample, extras=_extras(0, total_energy_mj=12345))
     text = render(_snapshot(gpu), ExportOptions())
     meta = _help_and_type(text)
     assert meta["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"] == (
-        "counter",
+        "untyped",
         "Total energy consumption since boot (in mJ).",
     )
-    assert meta["DCGM_FI_DEV_PCIE_REPLAY_COUNTER"][0] == "counter"
-    assert meta["DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS"][0] == "counter"
+    bare = {n for n, (kind, _) in DEFAULT_COUNTERS.items() if kind == "counter"}
+    assert {meta[n][0] for n in bare if n in meta} == {"untyped"}
     assert meta["DCGM_FI_DEV_GPU_TEMP"] == ("gauge", "GPU temperature (in C).")
+    assert meta["DCGM_FI_DEV_XID_ERRORS"][0] == "gauge"
     assert not [n for n in meta if n.startswith("DCGM_FI") and n.endswith("_total")]
     [(_, energy)] = _lines(text, "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION")
     assert energy == 12345.0
-    assert _lines(text, "DCGM_FI_DEV_PCIE_REPLAY_COUNTER")[0][1] == 7.0
+    assert _lines(text, "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS")[0][1] == 2.0
+    # the one name promtool rejects under any type is served under the server's name
+    assert "DCGM_FI_DEV_PCIE_REPLAY_COUNTER" not in meta
+    [(replay_labels, replays)] = _lines(text, "tierwatch_gpu_pcie_replays")
+    assert replays == 7.0
+    assert replay_labels == _lines(text, "DCGM_FI_DEV_GPU_TEMP")[0][0]
+
+
+def test_dcgm_names_serve_dcgm_exporters_exact_names_and_types():
+    sample = _sample(0, pcie_replay_count=7)
+    gpu = GpuState(info=_info(0), sample=sample, extras=_extras(0, total_energy_mj=12345))
+    text = render(_snapshot(gpu), ExportOptions(dcgm_names=True, model_label="modelName"))
+    meta = _help_and_type(text)
+    for name, (kind, help_) in DEFAULT_COUNTERS.items():
+        if name in meta:
+            assert meta[name] == (kind, help_ + "."), name
+    assert "tierwatch_gpu_pcie_replays" not in meta
+    [(labels, replays)] = _lines(text, "DCGM_FI_DEV_PCIE_REPLAY_COUNTER")
+    assert replays == 7.0
+    assert labels["modelName"] == MODEL
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "served"),
+    [
+        ("counter", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "untyped"),
+        ("counter", "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "untyped"),  # _TOTAL is not _total
+        ("counter", "tierwatch_x_total", "counter"),
+        ("gauge", "DCGM_FI_DEV_GPU_TEMP", "gauge"),
+    ],
+)
+def test_exposed_type(kind, name, served):
+    assert exposed_type(kind, name) == served
 
 
 # -- labels ---------------------------------------------------------------------------------
@@ -170,25 +208,25 @@ def test_gpu_line_labels():
         "UUID": "GPU-test-3",
         "pci_bus_id": "00000000:5D:00.0",
         "device": "nvidia3",
-        "modelName": MODEL,
+        "model_name": MODEL,
         "Hostname": "gpu-017",
         "DCGM_FI_DRIVER_VERSION": "550.90.07",
     }
-    # the tierwatch_* lines: the same labels but the (camelCase) model label
+    # the tierwatch_* lines: the same labels but the model label
     [(stale_labels, stale)] = _lines(text, "tierwatch_gpu_telemetry_stale")
     assert stale == 0.0
-    assert stale_labels == {k: v for k, v in labels.items() if k != "modelName"}
+    assert stale_labels == {k: v for k, v in labels.items() if k != "model_name"}
 
 
 def test_host_and_model_label_names_are_settings_and_unknown_labels_are_left_out():
     gpu = GpuState(info=_info(0), sample=_sample(0))  # no extras: no PCI id, no driver
-    text = render(_snapshot(gpu), ExportOptions(host_label="hostname", model_label="model_name"))
+    text = render(_snapshot(gpu), ExportOptions(host_label="hostname", model_label="modelName"))
     [(labels, _)] = _lines(text, "DCGM_FI_DEV_POWER_USAGE")
     assert labels == {
         "gpu": "0",
         "UUID": "GPU-test-0",
         "device": "nvidia0",
-        "model_name": MODEL,
+        "modelName": MODEL,
         "hostname": "gpu-017",
     }
     [(info, one)] = _lines(text, "tierwatch_agent_info")
@@ -236,8 +274,8 @@ def test_agent_settings_refuse_bad_metrics_settings(env, needle):
 
 def test_agent_settings_metrics_defaults_and_listen_address():
     settings = AgentSettings(node="n1")
-    assert (settings.metrics_host_label, settings.metrics_model_label) == ("Hostname", "modelName")
-    assert (ExportOptions().host_label, ExportOptions().model_label) == ("Hostname", "modelName")
+    assert (settings.metrics_host_label, settings.metrics_model_label) == ("Hostname", "model_name")
+    assert (ExportOptions().host_label, ExportOptions().model_label) == ("Hostname", "model_name")
     assert settings.metrics_address is None
     assert AgentSettings(node="n1", metrics_listen="0.0.0.0").metrics_address == ("0.0.0.0", 9471)
     assert AgentSettings(node="n1", metrics_listen=":9500").metrics_address == ("127.0.0.1", 9500)
@@ -303,7 +341,7 @@ def test_mig_instances_get_their_own_lines_and_labels():
         "UUID": "GPU-test-0",
         "pci_bus_id": "00000000:18:00.0",
         "device": "nvidia0",
-        "modelName": MODEL,
+        "model_name": MODEL,
         "GPU_I_PROFILE": "3g.40gb",
         "GPU_I_ID": "1",
         "Hostname": "gpu-017",
@@ -434,17 +472,42 @@ def _full_gpu(index: int) -> GpuState:
     return GpuState(info=_info(index), sample=sample, extras=extras, pci_bus_id="x")
 
 
-@pytest.mark.parametrize("model_label", ["modelName", "model_name"])
-def test_promtool_findings_are_dcgm_exporters_own(model_label):
+@pytest.mark.parametrize(
+    "options",
+    [
+        ExportOptions(),
+        ExportOptions(model_label="modelName"),
+        ExportOptions(model_label="modelName", dcgm_names=True),
+    ],
+    ids=["defaults", "modelName", "dcgm-exact"],
+)
+def test_promtool_passes_with_the_defaults_and_lint_findings_says_what_the_others_get(options):
+    """The full exposition (every field, XID lines) passes promtool with the default options;
+    the options that restore dcgm-exporter's exact names get exactly the findings that
+    :func:`lint_findings` lists, and never one on a ``tierwatch_*`` family."""
     gpus = [replace(_full_gpu(i), last_xid=79, xid_counts={79: 1}) for i in range(2)]
-    text = render(_snapshot(*gpus), ExportOptions(model_label=model_label))
-    kinds = {n: t for n, (t, _) in _help_and_type(text).items()}
-    expected = set().union(
-        *(inherited_lint(n, t, model_label) for n, t in kinds.items() if n.startswith("DCGM_FI"))
-    )
+    text = render(_snapshot(*gpus), options)
+    meta = _help_and_type(text)
+    served = {f.served_name(options): f.served_type(options) for f in (*DCGM_FIELDS, XID_ERRORS)}
+    assert served.keys() <= meta.keys()
+    assert {n: meta[n][0] for n in served} == served
+    expected = set().union(*(lint_findings(n, t, options) for n, t in served.items()))
     rc, found = promtool_findings(text)
     assert found == expected
     assert rc == (3 if expected else 0)
-    assert not [line for line in found if line.startswith("tierwatch_")]
-    if model_label == "model_name":  # only the names dcgm-exporter chose remain
-        assert found == PROMTOOL_INHERITED
+    if options == ExportOptions():
+        assert rc == 0
+        assert not found
+    else:
+        assert expected
+    if options.dcgm_names:  # dcgm-exporter's own six, besides the camelCase label
+        camel = {x for x in found if "camelCase" in x}
+        assert len(found - camel) == 6, found - camel
+
+
+def test_the_relabel_rules_cover_every_renamed_family():
+    rules = dcgm_relabel_configs()
+    renames = {r["regex"]: r["replacement"] for r in rules if r.get("target_label") == "__name__"}
+    assert renames == {"tierwatch_gpu_pcie_replays": "DCGM_FI_DEV_PCIE_REPLAY_COUNTER"}
+    assert rules[0]["source_labels"] == ["model_name"]
+    assert rules[0]["target_label"] == "modelName"

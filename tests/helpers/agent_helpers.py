@@ -549,14 +549,3 @@ def parse_series(text: str) -> list[tuple[str, dict[str, str], float]]:
     return out
 
 
-#: promtool's findings on dcgm-exporter's names that the agent keeps on purpose (its
-#: counters without "_total", and a name with its type in it), besides the camelCase
-#: ``modelName`` label of every DCGM_FI_* family.
-PROMTOOL_INHERITED = {
-    'DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter metrics should have "_total" suffix',
-    'DCGM_FI_DEV_PCIE_REPLAY_COUNTER counter metrics should have "_total" suffix',
-    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER metric name should not include type 'counter'",
-    'DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL counter metrics should have "_total" suffix',
-    'DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS counter metrics should have "_total" suffix',
-    'DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS counter metrics should have "_total" suffix',
-}
