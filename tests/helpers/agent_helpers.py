@@ -547,5 +547,3 @@ def parse_series(text: str) -> list[tuple[str, dict[str, str], float]]:
         }
         out.append((m[1], labels, float(m[3])))
     return out
-
-
