@@ -636,9 +636,12 @@ def test_bootstrap_creates_agent_tokens_once(tmp_path):
 
 
 def k8s_objects() -> list[dict[str, Any]]:
+    """Every object of the package's files (base, migration Job, ServiceMonitor component), read
+    directly; test_kubernetes.py renders them with kustomize and validates the result."""
     docs = []
-    for f in sorted(K8S_DIR.glob("*.yaml")):
-        docs += [d for d in yaml.safe_load_all(f.read_text()) if d]
+    for f in sorted(K8S_DIR.rglob("*.yaml")):
+        if f.name != "kustomization.yaml":
+            docs += [d for d in yaml.safe_load_all(f.read_text()) if d]
     return docs
 
 
