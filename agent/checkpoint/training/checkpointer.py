@@ -150,6 +150,11 @@ class _SaveJob:
     # this save's id: rank 0's (new_save_id(), made in save()), every rank's once the
     # writer's first exchange handed it out; "" on other ranks until then
     save_id: str = ""
+    # which save() call this is (1, 2, ...: the same on every rank), and the newest restore
+    # request every rank's agent knew when the writer's first exchange ran (0: none); see
+    # RollbackServer.offer
+    index: int = 0
+    agreed_request: int = 0
 
 
 def _human(n: float) -> str:
@@ -215,8 +220,9 @@ class TieredCheckpointer:
             ``__<r>_<i>.distcp`` file; 2 halves the write time on tmpfs).
         background_nice: Nice value (0-19) of the background writer thread, so it yields
             the cores to training (0: the training process's own priority).
-        rollback_every: :meth:`maybe_rollback` checks for restore requests on every this
-            many calls (1: every call; each check is one 8-byte all_reduce).
+        rollback_every: Also check for restore requests with an 8-byte all_reduce on every
+            this many :meth:`maybe_rollback` calls (None, the default: no collective of its
+            own; the check rides on the saves' first exchange, see :meth:`maybe_rollback`).
         request_poll_s: Seconds between two reads of the agent's restore requests (on a
             background thread).
 
@@ -242,7 +248,7 @@ class TieredCheckpointer:
         job_credential: str | None = None,
         write_threads: int = 2,
         background_nice: int = DEFAULT_NICE,
-        rollback_every: int = 1,
+        rollback_every: int | None = None,
         request_poll_s: float = 0.5,
     ) -> None:
         try:
@@ -254,7 +260,7 @@ class TieredCheckpointer:
             ("keep_memory", keep_memory),
             ("keep_peer", keep_peer),
             ("keep_persistent", keep_persistent),
-            ("rollback_every", rollback_every),
+            *([("rollback_every", rollback_every)] if rollback_every is not None else []),
         ):
             if not isinstance(value, int) or value < 1:
                 raise CheckpointError(f"{name} must be an integer ≥ 1, not {value!r}")
@@ -526,6 +532,7 @@ class TieredCheckpointer:
             persist=bool(persist),
             fences=self.fences,
             save_id=new_save_id() if self.rank == 0 else "",
+            index=self._saves + 1,
         )
         if not pending.pairs:
             job.copy_done.set()
@@ -580,6 +587,7 @@ class TieredCheckpointer:
         blocking = job.blocking_s + self._hook_wait
         self._hook_wait = 0.0
         self._inflight = None
+        self._rollback.offer(job.index, job.agreed_request)
         self.events.event(
             CheckpointEvent(
                 job_id=self.job_id,
@@ -658,9 +666,14 @@ class TieredCheckpointer:
         #    save id to every rank (docs/checkpointing.md "Save identity").
         pins = self.pinned_steps()
         reason = torn or self._budget_problem(job.staged_bytes, pins)
-        gathered_verdicts = self.collectives.all_gather((reason, job.save_id))
-        verdicts = [v for v, _ in gathered_verdicts]
+        #    It also carries each rank's newest unserved restore request, so that
+        #    maybe_rollback() needs no collective of its own (RollbackServer.offer).
+        gathered_verdicts = self.collectives.all_gather(
+            (reason, job.save_id, self._rollback.newest_unserved())
+        )
+        verdicts = [v for v, _, _ in gathered_verdicts]
         job.save_id = str(gathered_verdicts[0][1])
+        job.agreed_request = min(int(r) for _, _, r in gathered_verdicts)
         problems = [f"rank {r}: {v}" for r, v in enumerate(verdicts) if v]
         if problems:
             job.error = "; ".join(problems)[:2000]
@@ -904,9 +917,21 @@ class TieredCheckpointer:
         """Roll back in-process when an operator asked for it (a restore request).
 
         Call it on every rank at the same place of every training step, after the step
-        (and its :meth:`save`, if any). Each call (every ``rollback_every``-th one) is one
-        8-byte all_reduce (MIN) of the newest request id each rank's agent has handed out;
-        only when every rank knows a request do they act on it, all at this same call:
+        (and its :meth:`save`, if any). A rank acts on the newest request every rank's agent
+        has handed out, and all ranks act at the same call. How they agree adds no collective
+        to the training step:
+
+        - each save's first exchange (the all_gather every rank's writer runs anyway) also
+          carries each rank's newest unserved request id; its minimum is the request every
+          rank knew then;
+        - every rank has joined that save by its next :meth:`save` call, so the first call
+          after the next save acts on it: a request is served within two save intervals of
+          reaching every rank's agent (plus ``request_poll_s``);
+        - with ``rollback_every=K``, every K-th call also runs an 8-byte all_reduce (MIN) of
+          the ids, for jobs that save rarely;
+        - a one-process job reads its agent's requests at every call (no collective).
+
+        Then:
 
         1. the in-flight save is waited for, and each rank reports ``phase="staging"``;
         2. the request's step is restored collectively (from its ``tier`` only, when it
@@ -943,7 +968,7 @@ class TieredCheckpointer:
         if self.closed:
             raise CheckpointError("maybe_rollback() after close()")
         return self._rollback.maybe_rollback(
-            state, last_done=self._last_step if step is None else step
+            state, last_done=self._last_step if step is None else step, saves=self._saves
         )
 
     def finish(self) -> None:

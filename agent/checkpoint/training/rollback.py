@@ -104,20 +104,59 @@ class RollbackServer:
         ckpt: The rank's checkpointer (its collectives, agent client, events, memory files).
         poller: The rank's request poller.
         timeline: The rollbacks served so far, merged over every rank's ``timeline.json``.
-        every: :meth:`maybe_rollback` checks on every this many calls.
+        every: :meth:`maybe_rollback` also runs its own all_reduce on every this many calls
+            (None: never; the check rides on the saves, :meth:`offer`).
 
     Attributes:
         timeline: What the ranks served (written to ``timeline.json`` on each change).
     """
 
     def __init__(
-        self, ckpt: TieredCheckpointer, poller: RequestPoller, timeline: Timeline, *, every: int
+        self,
+        ckpt: TieredCheckpointer,
+        poller: RequestPoller,
+        timeline: Timeline,
+        *,
+        every: int | None,
     ) -> None:
         self.ckpt = ckpt
         self.poller = poller
         self.timeline = timeline
         self.every = every
         self.calls = 0
+        self.collective_checks = 0
+        # save index -> the request every rank knew at that save's first exchange
+        self._offers: dict[int, int] = {}
+        self._offers_lock = threading.Lock()
+
+    def newest_unserved(self) -> int:
+        """This rank's newest pending request above the served ones (0: none); what it
+        contributes to a save's first exchange."""
+        return newest_unserved(self.poller.snapshot(), self.timeline.served)
+
+    def offer(self, index: int, agreed: int) -> None:
+        """Record what save number ``index`` agreed on (called when this rank joins it).
+
+        A rank joins save ``index`` at its next :meth:`save` call at the latest (or earlier,
+        in ``wait()``), so at any :meth:`maybe_rollback` call made after ``saves`` save()
+        calls, every rank holds the offers of every index below ``saves``, and they all read
+        the same one: the newest below ``saves`` (:meth:`agreed_by_saves`).
+        """
+        with self._offers_lock:
+            self._offers[index] = agreed
+
+    def agreed_by_saves(self, saves: int) -> int:
+        """The request id the newest save before save number ``saves`` agreed on (0: none);
+        older offers are dropped."""
+        with self._offers_lock:
+            ready = [i for i in self._offers if i < saves]
+            if not ready:
+                return 0
+            newest = max(ready)
+            for i in ready:
+                if i != newest:
+                    del self._offers[i]
+            return self._offers[newest]
 
     def pinned_steps(self) -> dict[int, list[int]]:
         """Steps the pending requests of this rank's agent name: step → request ids."""
@@ -142,21 +181,28 @@ class RollbackServer:
             return None
         return self._serve(state, agreed, requests, last_done=None)
 
-    def maybe_rollback(self, state: dict[str, Any], *, last_done: int | None) -> int | None:
+    def maybe_rollback(
+        self, state: dict[str, Any], *, last_done: int | None, saves: int
+    ) -> int | None:
         """One :meth:`TieredCheckpointer.maybe_rollback
         <tierwatch.agent.checkpoint.training.checkpointer.TieredCheckpointer.maybe_rollback>`
-        call (``last_done``: the step the loop just completed).
+        call (``last_done``: the step the loop just completed; ``saves``: the save() calls
+        made so far).
 
         Returns:
             None, or the step now loaded.
         """
         self.calls += 1
-        if self.calls % self.every:
-            return None
         pending = self.poller.snapshot()
-        agreed = self.ckpt.collectives.min_over_ranks(
-            newest_unserved(pending, self.timeline.served)
-        )
+        if not self.ckpt.distributed:
+            agreed = newest_unserved(pending, self.timeline.served)
+        elif self.every is not None and self.calls % self.every == 0:
+            self.collective_checks += 1
+            agreed = self.ckpt.collectives.min_over_ranks(
+                newest_unserved(pending, self.timeline.served)
+            )
+        else:
+            agreed = self.agreed_by_saves(saves)
         if agreed <= self.timeline.served:
             return None
         return self._serve(state, agreed, pending, last_done=last_done)

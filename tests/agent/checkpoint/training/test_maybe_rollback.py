@@ -17,7 +17,11 @@ from tierwatch import RNGState, TieredCheckpointer
 from tierwatch.agent.checkpoint.format import agreement
 from tierwatch.agent.checkpoint.format.manifest import FileEntry, Manifest, load_manifest
 from tierwatch.agent.checkpoint.format.rollback import RestoreRequest, Timeline
-from tierwatch.agent.checkpoint.training.rollback import newest_unserved, pick_request
+from tierwatch.agent.checkpoint.training.rollback import (
+    RollbackServer,
+    newest_unserved,
+    pick_request,
+)
 
 
 # -- pure: fences, timelines and which request the ranks agree on ---------------------------
@@ -118,6 +122,87 @@ def test_ranks_agree_on_the_newest_request_every_rank_knows() -> None:
     assert min(newest_unserved(r, served=0) for r in [[req(4)], []]) == 0
     # served requests never count again
     assert newest_unserved([req(4), req(5)], served=5) == 0
+
+
+class _NoCollectives:
+    """A distributed checkpointer's collectives that count the calls maybe_rollback makes."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def min_over_ranks(self, value: int) -> int:
+        self.calls += 1
+        return value
+
+
+class _Ckpt:
+    distributed = True
+
+    def __init__(self) -> None:
+        self.collectives = _NoCollectives()
+
+
+class _Poller:
+    def __init__(self, requests: list[RestoreRequest]) -> None:
+        self.requests = requests
+
+    def snapshot(self) -> list[RestoreRequest]:
+        return list(self.requests)
+
+
+def _rank_server(every: int | None = None) -> tuple[RollbackServer, list[int]]:
+    """A distributed rank's RollbackServer whose serving is recorded, not carried out."""
+    server = RollbackServer(_Ckpt(), _Poller([]), Timeline(), every=every)  # type: ignore[arg-type]
+    served: list[int] = []
+
+    def serve(state, request_id, pending, *, last_done):  # noqa: ARG001 - the real signature
+        served.append(request_id)
+        return 7
+
+    server._serve = serve  # type: ignore[method-assign]
+    return server, served
+
+
+def test_maybe_rollback_adds_no_collective_and_every_rank_acts_at_the_same_call() -> None:
+    """The agreed request rides on the saves' first exchange: no all_reduce per step, and
+    ranks that joined the saves at different moments (one called wait() early) still act at
+    the same maybe_rollback call, the first one after the next save."""
+    a, served_a = _rank_server()
+    b, served_b = _rank_server()
+    state: dict = {}
+    # saves 1..3 agreed on nothing; save 4's exchange found request 9 on every rank
+    for rank in (a, b):
+        for index in (1, 2, 3):
+            rank.offer(index, 0)
+    for saves in (1, 2, 3, 4):
+        if saves == 4:
+            a.offer(4, 9)  # rank a joined save 4 at once (wait()), rank b not yet
+        assert a.maybe_rollback(state, last_done=saves, saves=saves) is None
+        assert b.maybe_rollback(state, last_done=saves, saves=saves) is None
+    # save 5: rank b joins save 4 in it (its next save() call); a already had
+    b.offer(4, 9)
+    a.offer(5, 9)  # and rank a joined save 5 early too: it must not act on it alone
+    assert a.maybe_rollback(state, last_done=5, saves=5) == 7
+    assert b.maybe_rollback(state, last_done=5, saves=5) == 7
+    assert served_a == served_b == [9]
+    assert a.ckpt.collectives.calls == b.ckpt.collectives.calls == 0
+
+
+def test_rollback_every_adds_the_explicit_check_on_every_kth_call() -> None:
+    server, served = _rank_server(every=3)
+    server.poller.requests = [req(2)]
+    results = [server.maybe_rollback({}, last_done=s, saves=0) for s in range(1, 4)]
+    assert results == [None, None, 7]  # no save yet: only the 3rd call's all_reduce sees it
+    assert server.collective_checks == server.ckpt.collectives.calls == 1
+    assert served == [2]
+
+
+def test_an_offer_below_the_served_request_is_not_served_again() -> None:
+    server, served = _rank_server()
+    server.timeline = Timeline(served=9)
+    server.offer(1, 9)
+    assert server.maybe_rollback({}, last_done=3, saves=2) is None
+    assert served == []
 
 
 def test_timeline_merge_and_after(tmp_path) -> None:
