@@ -102,6 +102,7 @@ from tierwatch.agent.checkpoint.training.commit_decision import (
     memory_evictions,
 )
 from tierwatch.agent.checkpoint.training.errors import CheckpointError
+from tierwatch.agent.checkpoint.training.planner import CachedSavePlanner, cache_key, forget
 from tierwatch.agent.checkpoint.training.rank_files import RankFiles
 from tierwatch.agent.checkpoint.training.rollback import RequestPoller, RollbackServer
 from tierwatch.agent.checkpoint.training.snapshot import PendingCopies, SnapshotStager
@@ -349,6 +350,7 @@ class TieredCheckpointer:
         self._last_step: int | None = None
         self._last_save_at: float | None = None
         self._saves = 0
+        self.plan_cache_key = cache_key(self.job_id)  # DCP plan caching (planner.py)
         self._signature: str | None = None
         # Rank 0's view of what each tier holds (seeded by restore).
         self._history = History()
@@ -698,6 +700,7 @@ class TieredCheckpointer:
                 storage_writer=FileSystemWriter(
                     tmp, sync_files=False, thread_count=self.write_threads
                 ),
+                planner=CachedSavePlanner(self.plan_cache_key),
                 process_group=self.collectives.group,
                 no_dist=not self.distributed,
             )
@@ -995,6 +998,7 @@ class TieredCheckpointer:
             h.remove()
         self._hooks.clear()
         self._poller.close()
+        forget(self.plan_cache_key)
         self.events._write_progress()
         self.events.close(min(timeout_s, 5.0))
         self.client.close()

@@ -125,6 +125,53 @@ def test_snapshot_is_the_state_at_save_even_when_training_goes_on(node) -> None:
     again.close()
 
 
+def test_saves_cache_the_dcp_plan_under_the_checkpointers_own_key(node) -> None:
+    """DCP plan caching: after the first save the plan is cached under a key of this
+    checkpointer (never torch's shared default), a later save of the same state reuses it,
+    and close() drops it; the saves restore bit-exactly."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    from tierwatch.agent.checkpoint.training import planner
+
+    job = "unit-plan-cache"
+    state = make_state()
+    ckpt = TieredCheckpointer(
+        job, node.url, latency_every=0, job_credential=AUTHORITY.job_credential(job)
+    )
+    key = ckpt.plan_cache_key
+    assert key.startswith(f"tierwatch:{job}:")
+    assert not planner.cached(key)
+    compared = []
+    real_compare = planner.DefaultSavePlanner.create_local_plan
+
+    def create_local_plan(self):  # records whether a cached plan was there to compare with
+        compared.append(self._cached_plans_key in SavePlanner._cached_save_plan)
+        return real_compare(self)
+
+    planner.DefaultSavePlanner.create_local_plan = create_local_plan  # type: ignore[method-assign]
+    try:
+        for step in range(3):
+            train_step(state)
+            ckpt.save(step, state)
+            assert ckpt.wait() is True
+    finally:
+        planner.DefaultSavePlanner.create_local_plan = real_compare  # type: ignore[method-assign]
+    saved = snapshot(state)
+    assert compared == [False, True, True]  # the first save planned, the others compared
+    assert planner.cached(key)
+    assert "DefaultSavePlanner" not in SavePlanner._cached_global_plan
+    ckpt.close()
+    assert not planner.cached(key)
+
+    fresh = make_state(seed=3)
+    again = TieredCheckpointer(
+        job, node.url, latency_every=0, job_credential=AUTHORITY.job_credential(job)
+    )
+    assert again.restore(fresh) == 2
+    assert same(snapshot(fresh), saved)
+    again.close()
+
+
 def test_at_most_one_save_in_flight(node) -> None:
     state = make_state()
     ckpt = TieredCheckpointer(
