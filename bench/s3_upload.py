@@ -43,6 +43,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from docs_section import replace_section
+
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "benchmarks.md"
 HEAD = "## S3 upload (bench/s3_upload.py)"
@@ -216,25 +218,7 @@ def _version(dist: str) -> str:
 
 def write_doc(block: str) -> None:
     """Replace this benchmark's section of docs/benchmarks.md (the others stay)."""
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    cmd = "### `.venv/bin/python bench/s3_upload.py`"
-    before, found, after = text.partition(HEAD)
-    rest = ""
-    if found:
-        nxt = after.find("\n## ")
-        rest = after[nxt:] if nxt >= 0 else ""
-    DOC.write_text(
-        before.rstrip()
-        + "\n\n"
-        + HEAD
-        + "\n\n"
-        + cmd
-        + "\n\n"
-        + block
-        + "\n"
-        + rest.rstrip("\n")
-        + ("\n" if rest else "")
-    )
+    replace_section(DOC, HEAD, ".venv/bin/python bench/s3_upload.py", block)
 
 
 if __name__ == "__main__":
