@@ -77,6 +77,34 @@ MAX_ATTEMPTS = 8
 FETCH_LIMIT_S = 1860.0
 
 
+#: How many nodes' agents list the persistent tier for a restore. The tier is shared, so one
+#: listing would do; two keep it visible when one agent cannot reach the store.
+PERSISTENT_LISTERS = 2
+
+
+def askers(nodes_by_rank: list[str]) -> dict[int, bool]:
+    """Which ranks ask their node's agent what it holds, and which of them also ask for the
+    persistent tier (pure).
+
+    One rank per node asks (the lowest on the node: its agent's answer covers every rank of
+    the node, the memory folder and the peer replicas it holds), and the first
+    :data:`PERSISTENT_LISTERS` of them also list the persistent tier. So the gathered answers
+    hold each node's entries once and the persistent tier's at most twice: O(world × steps)
+    entries in all, where one answer per rank with every persistent manifest was
+    O(world² × steps) (bench/control_path.py).
+
+    Args:
+        nodes_by_rank: Each rank's node, index = rank.
+
+    Returns:
+        ``{rank: lists_persistent}`` for the ranks that ask; the other ranks ask nothing.
+    """
+    leaders: dict[str, int] = {}
+    for rank, node in enumerate(nodes_by_rank):
+        leaders.setdefault(node, rank)
+    return {rank: i < PERSISTENT_LISTERS for i, rank in enumerate(sorted(leaders.values()))}
+
+
 def _ask(ckpt: TieredCheckpointer, persistent: bool) -> dict[str, Any] | str:
     """This rank's agent's ``available`` answer, or the error as text."""
     last = ""
@@ -92,13 +120,18 @@ def _ask(ckpt: TieredCheckpointer, persistent: bool) -> dict[str, Any] | str:
 def _gather_views(
     ckpt: TieredCheckpointer, persistent: bool, *, tier: str | None = None
 ) -> tuple[dict[int, agreement.StepView], dict[int, agreement.StepView]]:
-    """Every rank's agent's answer, merged: ``(views of tier, views of every tier)`` (the
-    same when ``tier`` is None); dead steps are left out (the ranks' fences and those the
-    manifests list)."""
+    """Every node's agent's answer (asked by one rank per node, :func:`askers`), merged:
+    ``(views of tier, views of every tier)`` (the same when ``tier`` is None); dead steps are
+    left out (the ranks' fences and those the manifests list)."""
+    plan = askers(ckpt.nodes_by_rank)
+
+    def ask() -> dict[str, Any] | str | None:
+        if ckpt.rank not in plan:
+            return None  # this node's agent is asked by its lowest rank
+        return _ask(ckpt, persistent and plan[ckpt.rank])
+
     answers = values_or_raise(
-        ckpt.collectives.gather_outcomes(
-            partial(_ask, ckpt, persistent), what="asking the agents", limit_s=FETCH_LIMIT_S
-        ),
+        ckpt.collectives.gather_outcomes(ask, what="asking the agents", limit_s=FETCH_LIMIT_S),
         what=f"restore of {ckpt.job_id}: asking the agents which steps they hold",
         nodes=ckpt.nodes_by_rank,
     )
