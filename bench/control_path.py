@@ -2,22 +2,23 @@
 the commit decision gather and cost per decision, at world sizes 64 to 1,024.
 
 Measured on the real code: ``agreement.merge_available`` + ``agreement.choose_step`` (the
-restore agreement every rank runs on the gathered ``available`` answers) and
-``commit_decision.decide_commit`` (rank 0's commit and retention decision). The inputs are
-what the agents answer today, built from real :class:`Manifest` objects:
+restore agreement every rank runs on the gathered ``available`` answers),
+``restore.askers`` (which ranks ask their node's agent, and which list the persistent tier)
+and ``commit_decision.decide_commit`` (rank 0's commit and retention decision). The inputs are
+what the agents answer, built from real :class:`Manifest` objects:
 
-- each node holds ``RANKS_PER_NODE`` ranks; each rank's agent answers with its node's
-  memory-tier manifests (``KEEP_MEMORY`` steps × the node's ranks), the peer replicas it
-  holds for the next node (the same count), and the persistent tier's manifests of **every**
-  rank for ``KEEP_PERSISTENT`` steps (each agent lists the persistent tier itself);
-- the answers are all-gathered into every rank (``all_gather_object``: pickled), and every
-  rank runs the agreement on all of them.
+- each node holds ``RANKS_PER_NODE`` ranks; a node's agent answers with its memory-tier
+  manifests (``KEEP_MEMORY`` steps × the node's ranks) and the peer replicas it holds for
+  the next node (the same count), plus, when asked to, the persistent tier's manifests of
+  every rank for ``KEEP_PERSISTENT`` steps;
+- the contributions are all-gathered into every rank (``all_gather_object``: pickled), and
+  every rank runs the agreement on all of them.
 
-Per world size the table gives the bytes one rank receives, the bytes all ranks receive
-together, the CPU one rank spends on the decision (median of ``REPEATS``), and the same for
-the commit exchange (each rank's ``(error, pinned steps)``, and rank 0's decision). The
-peer in the same run is the commit exchange itself: O(world) per decision, which is what a
-restore agreement that asks each node once and lets rank 0 decide would also be.
+Per world size the table gives the bytes one rank receives and the CPU one rank spends on
+the decision, for the product's plan (one rank per node asks; two list the persistent tier)
+and for the peer, measured in the same run on the same data: every rank asks its agent for
+every tier (the design before ``askers``, and what a rank-local restore does). Then the
+commit exchange (each rank's ``(error, pinned steps)``, and rank 0's decision).
 
 Usage::
 
@@ -49,6 +50,7 @@ from tierwatch.agent.checkpoint.training.commit_decision import (  # noqa: E402
     History,
     decide_commit,
 )
+from tierwatch.agent.checkpoint.training.restore import askers  # noqa: E402
 
 DOC = REPO / "docs" / "benchmarks.md"
 HEAD = "## Checkpoint control path (bench/control_path.py)"
@@ -80,8 +82,15 @@ def manifest(step: int, rank: int, world: int) -> Manifest:
     )
 
 
-def answers(world: int) -> list[dict]:
-    """Every rank's agent's ``available`` answer (JSON-shaped, as the agents send them)."""
+def answers(world: int, plan: dict[int, bool] | None) -> list[dict | None]:
+    """What each rank contributes to the gather: its node agent's ``available`` answer
+    (JSON-shaped, as the agents send them), or None for a rank that does not ask.
+
+    Args:
+        world: The world size.
+        plan: ``restore.askers()``'s plan (rank → lists the persistent tier); None: every rank
+            asks, with the persistent tier (the design before the per-node plan).
+    """
     nodes = world // RANKS_PER_NODE
     memory_steps = [100 - i for i in range(KEEP_MEMORY)]
     persistent_steps = [100 - 10 * i for i in range(KEEP_PERSISTENT)]
@@ -124,9 +133,17 @@ def answers(world: int) -> list[dict]:
             for s in memory_steps
             for r in range(peer_of, peer_of + RANKS_PER_NODE)
         ]
-        by_node.append({"entries": entries + persistent})
-    # the ranks of one node ask the same agent: the same answer, once per rank
-    return [by_node[r // RANKS_PER_NODE] for r in range(world)]
+        by_node.append(({"entries": entries + persistent}, {"entries": entries}))
+    out: list[dict | None] = []
+    for r in range(world):
+        with_persistent, without = by_node[r // RANKS_PER_NODE]
+        if plan is None:
+            out.append(with_persistent)
+        elif r in plan:
+            out.append(with_persistent if plan[r] else without)
+        else:
+            out.append(None)
+    return out
 
 
 def cpu_median(fn, repeats: int) -> float:
@@ -139,23 +156,30 @@ def cpu_median(fn, repeats: int) -> float:
     return statistics.median(runs)
 
 
-def measure(world: int) -> dict[str, float]:
-    gathered = answers(world)
-    # all_gather_object pickles each rank's answer on its own and every rank receives all of
-    # them: the sum of the ranks' pickles (one pickle per node here: its ranks' are equal)
-    per_node = [
-        len(pickle.dumps(gathered[r], protocol=pickle.HIGHEST_PROTOCOL))
-        for r in range(0, world, RANKS_PER_NODE)
-    ]
-    restore_bytes = sum(per_node) * RANKS_PER_NODE
-    repeats = REPEATS if world <= 256 else 1
+def restore_cost(gathered: list[dict | None], world: int) -> tuple[int, float]:
+    """(bytes one rank receives, CPU seconds of one rank's decision) for ``gathered``."""
+    # all_gather_object pickles each rank's contribution on its own and every rank receives
+    # all of them (equal contributions pickled once and counted per rank)
+    sizes: dict[int, int] = {}
+    total = 0
+    for a in gathered:
+        if id(a) not in sizes:
+            sizes[id(a)] = len(pickle.dumps(a, protocol=pickle.HIGHEST_PROTOCOL))
+        total += sizes[id(a)]
 
     def agree() -> None:
         views = agreement.merge_available(gathered)
         step, _ = agreement.choose_step(views, world)
         assert step == 100, step
 
-    restore_cpu = cpu_median(agree, repeats)
+    return total, cpu_median(agree, REPEATS if world <= 256 else 1)
+
+
+def measure(world: int) -> dict[str, float]:
+    nodes = [f"node-{r // RANKS_PER_NODE:04d}" for r in range(world)]
+    before_bytes, before_cpu = restore_cost(answers(world, None), world)
+    now = answers(world, askers(nodes))
+    restore_bytes, restore_cpu = restore_cost(now, world)
     outcomes: list[str | None] = [None] * world
     pins = [(None, []) for _ in range(world)]
     commit_bytes = sum(len(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in pins)
@@ -174,7 +198,9 @@ def measure(world: int) -> dict[str, float]:
     commit_cpu = cpu_median(commit, max(REPEATS, 20))
     return {
         "world": world,
-        "entries": sum(len(a["entries"]) for a in gathered),
+        "entries": sum(len(a["entries"]) for a in now if a),
+        "before_bytes_rank": before_bytes,
+        "before_cpu_rank": before_cpu,
         "restore_bytes_rank": restore_bytes,
         "restore_bytes_all": restore_bytes * world,
         "restore_cpu_rank": restore_cpu,
@@ -194,18 +220,19 @@ def human(n: float) -> str:
 
 def table(rows: list[dict[str, float]]) -> str:
     out = [
-        "| world size | entries gathered | restore: bytes per rank | restore: bytes, all ranks "
-        "| restore: CPU per rank | restore: CPU, all ranks | commit: bytes per rank "
-        "| commit: CPU (rank 0) | restore/commit bytes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| world size | entries gathered | restore: bytes per rank | peer: every rank asks, "
+        "bytes per rank | ratio | restore: CPU per rank | peer: CPU per rank | ratio "
+        "| commit: bytes per rank | commit: CPU (rank 0) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
             f"| {r['world']:,} | {r['entries']:,} | {human(r['restore_bytes_rank'])} "
-            f"| {human(r['restore_bytes_all'])} | {r['restore_cpu_rank'] * 1000:,.0f} ms "
-            f"| {r['restore_cpu_all']:,.1f} s | {human(r['commit_bytes_rank'])} "
-            f"| {r['commit_cpu'] * 1e6:,.0f} µs "
-            f"| ×{r['restore_bytes_rank'] / r['commit_bytes_rank']:,.0f} |"
+            f"| {human(r['before_bytes_rank'])} "
+            f"| ×{r['restore_bytes_rank'] / r['before_bytes_rank']:.3f} "
+            f"| {r['restore_cpu_rank'] * 1000:,.0f} ms | {r['before_cpu_rank'] * 1000:,.0f} ms "
+            f"| ×{r['restore_cpu_rank'] / max(r['before_cpu_rank'], 1e-9):.3f} "
+            f"| {human(r['commit_bytes_rank'])} | {r['commit_cpu'] * 1e6:,.0f} µs |"
         )
     return "\n".join(out)
 
@@ -213,15 +240,17 @@ def table(rows: list[dict[str, float]]) -> str:
 def growth(rows: list[dict[str, float]]) -> str:
     first, last = rows[0], rows[-1]
     w = last["world"] / first["world"]
-    b = last["restore_bytes_rank"] / first["restore_bytes_rank"]
-    c = last["restore_cpu_rank"] / max(first["restore_cpu_rank"], 1e-9)
-    k = last["commit_bytes_rank"] / first["commit_bytes_rank"]
+
+    def g(key: str) -> float:
+        return last[key] / max(first[key], 1e-9)
+
     return (
         f"From world size {first['world']:,} to {last['world']:,} (×{w:g}): one rank's restore "
-        f"gather grows ×{b:,.1f} and its decision CPU ×{c:,.1f} (all ranks together: "
-        f"×{b * w:,.0f} bytes), the commit exchange ×{k:,.1f}. The restore's growth is "
-        f"quadratic in the world size: every rank's agent lists every rank's persistent "
-        f"manifests, and every rank receives every rank's answer."
+        f"gather grows ×{g('restore_bytes_rank'):,.1f} and its decision CPU "
+        f"×{g('restore_cpu_rank'):,.1f}; with every rank asking its agent for every tier (the "
+        f"peer, the design before) ×{g('before_bytes_rank'):,.1f} and "
+        f"×{g('before_cpu_rank'):,.1f}, quadratic; the commit exchange grows "
+        f"×{g('commit_bytes_rank'):,.1f}."
     )
 
 
@@ -239,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[-1]
         print(
             f"world {world}: restore {human(r['restore_bytes_rank'])}/rank, "
-            f"{r['restore_cpu_rank'] * 1000:.0f} ms CPU/rank; commit "
+            f"{r['restore_cpu_rank'] * 1000:.0f} ms CPU/rank (peer "
+            f"{human(r['before_bytes_rank'])}, {r['before_cpu_rank'] * 1000:.0f} ms); commit "
             f"{human(r['commit_bytes_rank'])}/rank",
             flush=True,
         )
@@ -263,9 +293,10 @@ def main(argv: list[str] | None = None) -> int:
                 growth(rows)
                 + " Bytes are the sum of every rank's pickled answer (what `all_gather_object` "
                 "moves to each rank); CPU is `merge_available` + `choose_step` on one rank, "
-                "which every rank runs. This is the restore control path as built today; the "
-                "fix the checkpoint issue asks for (each node's agent asked once, a per-step "
-                "index on the persistent tier, rank 0 decides and broadcasts) is not built yet.",
+                "which every rank runs. The restore asks one rank per node and lists the "
+                "persistent tier on two nodes (`restore.askers`); every rank still receives "
+                "every node's answer and decides on its own (rank 0 deciding and broadcasting, "
+                "and a per-step index on the persistent tier, are not built).",
             ]
         )
         write_doc(block)
