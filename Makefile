@@ -10,7 +10,7 @@ DEMO_SEED ?= 3
 DEMO_PROMETHEUS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast soak screenshot setup vendor lint format bench gpu-check clean
+.PHONY: demo test test-fast soak screenshot setup vendor lint format bench gpu-check images clean
 
 LOCKS := requirements/runtime.lock requirements/train.lock requirements/dev.lock
 
@@ -68,6 +68,12 @@ bench: setup
 	$(PY) bench/ingest.py
 	$(PY) bench/checkpoint.py
 	$(PY) bench/demo.py
+
+# The server, agent and trainer images from docker/Dockerfile (scripts/images.sh): docker when
+# its daemon answers, else buildah (a local debootstrap base), else podman; IMAGE_BUILDER picks
+# one. Prints each image's size, user, and whether torch imports. Minutes; not part of `make test`.
+images:
+	scripts/images.sh
 
 clean:
 	rm -rf $(VENV) node_modules static/vendor var

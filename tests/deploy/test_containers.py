@@ -315,6 +315,54 @@ def test_dockerfile_stages_copies_and_images():
         assert any(b.startswith("python:3.11-slim") for b in bases), target
 
 
+def dockerfile_build_args(path: Path = DOCKERFILE) -> dict[str, str]:
+    """Every ``ARG NAME[=default]`` of the Dockerfile, global or per stage: ``{NAME: default}``."""
+    return {
+        name: default
+        for word, rest in dockerfile_instructions(path)
+        if word == "ARG"
+        for name, _, default in [rest.partition("=")]
+    }
+
+
+def test_dockerfile_build_args_default_to_public_sources():
+    """``make images`` overrides the bases and the torch wheel on a machine without registry
+    access; a plain ``docker build`` needs none of that."""
+    build_args = dockerfile_build_args()
+    assert build_args["PYTHON_IMAGE"] == "python:3.11-slim"
+    assert build_args["NODE_IMAGE"] == "node:20-slim"
+    assert build_args["TORCH_WHEEL"] == "", "without a local wheel, torch comes from the index"
+    # the wheel folder is bind-mounted, so it must exist in a fresh clone and be in the context
+    stages = parse_stages()
+    mounts = re.findall(r"--mount=type=bind,source=(\S+?),", " ".join(stages["venv-torch"]["runs"]))
+    assert mounts == ["docker/wheels"]
+    assert (REPO / "docker" / "wheels" / "README.md").is_file()
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert not [p for p in ignored if fnmatch.fnmatch("docker/wheels", p.rstrip("/"))]
+    assert "docker/wheels/*.whl" in (REPO / ".gitignore").read_text().split()
+
+
+def test_make_images_target():
+    """``make images`` runs scripts/images.sh, which parses; ``make test`` does not build images
+    (minutes)."""
+    makefile = (REPO / "Makefile").read_text()
+    recipe = re.search(r"^images:.*\n((?:\t.*\n)+)", makefile, re.MULTILINE)
+    assert recipe, "Makefile has no images target"
+    assert "scripts/images.sh" in recipe[1]
+    test_rule = re.search(r"^test:(.*)$", makefile, re.MULTILINE)
+    assert test_rule
+    assert "images" not in test_rule[1].split()
+    script = REPO / "scripts" / "images.sh"
+    assert script.stat().st_mode & stat.S_IXUSR, "scripts/images.sh is not executable"
+    syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    text = script.read_text()
+    for builder in ("buildah", "docker", "podman", "IMAGE_BUILDER"):
+        assert builder in text, builder
+    for target in IMAGE_TARGETS:
+        assert target in text, target
+
+
 def _pins(name: str) -> dict[str, str]:
     """``package -> version`` of ``requirements/<name>.lock`` (names lower-cased)."""
     out = {}
