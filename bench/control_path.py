@@ -94,42 +94,27 @@ def answers(world: int, plan: dict[int, bool] | None) -> list[dict | None]:
     nodes = world // RANKS_PER_NODE
     memory_steps = [100 - i for i in range(KEEP_MEMORY)]
     persistent_steps = [100 - 10 * i for i in range(KEEP_PERSISTENT)]
-    persistent = [
-        {
-            "tier": "persistent",
-            "holder": "persistent",
-            "url": f"s3://ckpt/{JOB}/step-{s}",
-            "step": s,
-            "rank": r,
-            "manifest": manifest(s, r, world).model_dump(mode="json"),
+
+    def entry(tier: str, node: int | None, step: int, rank: int) -> dict:
+        # new strings per entry, as JSON-decoded answers have (pickle shares equal objects)
+        return {
+            "tier": tier,
+            "holder": "persistent" if node is None else f"node-{node:04d}",
+            "url": f"s3://ckpt/{JOB}/step-{step}"
+            if node is None
+            else f"http://node-{node:04d}:9470",
+            "step": step,
+            "rank": rank,
+            "manifest": manifest(step, rank, world).model_dump(mode="json"),
         }
-        for s in persistent_steps
-        for r in range(world)
-    ]
+
+    persistent = [entry("persistent", None, s, r) for s in persistent_steps for r in range(world)]
     by_node = []
     for n in range(nodes):
         local = range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE)
         peer_of = ((n - 1) % nodes) * RANKS_PER_NODE
-        entries = [
-            {
-                "tier": "memory",
-                "holder": f"node-{n:04d}",
-                "url": f"http://node-{n:04d}:9470",
-                "step": s,
-                "rank": r,
-                "manifest": manifest(s, r, world).model_dump(mode="json"),
-            }
-            for s in memory_steps
-            for r in local
-        ] + [
-            {
-                "tier": "peer",
-                "holder": f"node-{n:04d}",
-                "url": f"http://node-{n:04d}:9470",
-                "step": s,
-                "rank": r,
-                "manifest": manifest(s, r, world).model_dump(mode="json"),
-            }
+        entries = [entry("memory", n, s, r) for s in memory_steps for r in local] + [
+            entry("peer", n, s, r)
             for s in memory_steps
             for r in range(peer_of, peer_of + RANKS_PER_NODE)
         ]
