@@ -10,7 +10,7 @@ DEMO_SEED ?= 3
 DEMO_PROMETHEUS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast soak screenshot setup vendor lint format bench gpu-check images clean
+.PHONY: demo test test-fast soak screenshot setup vendor lint format bench gpu-check images container-check clean
 
 LOCKS := requirements/runtime.lock requirements/train.lock requirements/dev.lock
 
@@ -74,6 +74,12 @@ bench: setup
 # one. Prints each image's size, user, and whether torch imports. Minutes; not part of `make test`.
 images:
 	scripts/images.sh
+
+# docker-compose.yml's topology started inside those images (buildah run, the host's loopback
+# and PostgreSQL), checked, and the table written into docs/deployment.md. Root; minutes; not
+# part of `make test` (scripts/container_check.py).
+container-check: setup
+	$(PY) scripts/container_check.py
 
 clean:
 	rm -rf $(VENV) node_modules static/vendor var
