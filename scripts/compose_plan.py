@@ -31,6 +31,10 @@ from typing import Any
 LOOPBACK = "127.0.0.1"
 DATABASE_SERVICE = "postgres"
 
+# keys that change what a service runs and that the plan does not apply: a file using one is
+# refused rather than run differently from compose
+UNSUPPORTED_KEYS = ("entrypoint", "user", "working_dir", "env_file", "tmpfs")
+
 _VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:-|:\?)(?P<arg>[^}]*))?\}")
 
 
@@ -126,24 +130,52 @@ def substitute(value: str, env: dict[str, str]) -> str:
 
 
 def _listen_port(command: list[str]) -> int | None:
-    """The port a command listens on: ``--listen HOST:PORT`` or ``--port PORT``."""
+    """The port a command listens on: ``--listen HOST:PORT`` or ``--port PORT``.
+
+    Raises:
+        ComposeError: the option's value has no port number.
+    """
     for i, arg in enumerate(command[:-1]):
-        if arg == "--listen":
-            return int(command[i + 1].rsplit(":", 1)[1])
-        if arg == "--port":
-            return int(command[i + 1])
+        if arg in ("--listen", "--port"):
+            value = command[i + 1]
+            try:
+                return int(value.rsplit(":", 1)[1] if arg == "--listen" else value)
+            except (IndexError, ValueError):
+                raise ComposeError(f"{arg} {value!r}: no port number") from None
     return None
 
 
-def _rewrite(text: str, own: tuple[int, int] | None, urls: dict[str, int]) -> str:
+def _rewrite(text: str, own: tuple[int, int] | None, urls: dict[str, tuple[int, int]]) -> str:
     """Addresses in one argument or value: ``own`` = (compose port, loopback port) of the
-    service (or of the one whose network it shares); ``urls``: service -> loopback port."""
-    for name, port in urls.items():
-        text = re.sub(rf"//{re.escape(name)}:\d+", f"//{LOOPBACK}:{port}", text)
+    service (or of the one whose network it shares); ``urls``: service -> (compose port,
+    loopback port). A URL naming a service at another port is left as it is (so
+    ``addresses_left`` reports it): the service listens on one port only here."""
+    for name, (inner, outer) in urls.items():
+        text = re.sub(rf"//{re.escape(name)}:{inner}\b", f"//{LOOPBACK}:{outer}", text)
     if own is not None:
         inner, outer = own
         text = re.sub(rf"\b(0\.0\.0\.0|127\.0\.0\.1):{inner}\b", f"{LOOPBACK}:{outer}", text)
     return text
+
+
+def _environment(name: str, raw: Any, env: dict[str, str]) -> dict[str, str]:
+    """A service's ``environment:`` (mapping or ``KEY=value`` list), substituted. A key with
+    no value takes the caller's variable, as compose does (left out when unset)."""
+    if raw is None:
+        return {}
+    if isinstance(raw, list):
+        pairs = [str(item).partition("=") for item in raw]
+        raw = {k: (v if sep else None) for k, sep, v in pairs}
+    if not isinstance(raw, dict):
+        raise ComposeError(f"{name}: environment is neither a mapping nor a list")
+    out = {}
+    for k, v in raw.items():
+        if v is None:
+            if str(k) in env:
+                out[str(k)] = env[str(k)]
+        else:
+            out[str(k)] = substitute(str(v), env)
+    return out
 
 
 def _command(raw: Any, env: dict[str, str]) -> list[str]:
@@ -181,15 +213,21 @@ def plan(
 
     Raises:
         ComposeError: a service the file needs has no port in ``ports``, a dependency is
-            missing or circular, or a command is a shell string.
+            missing or circular, a command is a shell string, or a service uses a key of
+            ``UNSUPPORTED_KEYS``.
     """
     services: dict[str, Any] = compose.get("services") or {}
     volumes: dict[str, Any] = compose.get("volumes") or {}
+    # compose starts a service with no profile, or with any one of its profiles active
     chosen = {
         name: svc
         for name, svc in services.items()
-        if name != DATABASE_SERVICE and set(svc.get("profiles") or []) <= profiles
+        if name != DATABASE_SERVICE and (not svc.get("profiles") or set(svc["profiles"]) & profiles)
     }
+    for name, svc in chosen.items():
+        for key in UNSUPPORTED_KEYS:
+            if key in svc:
+                raise ComposeError(f"{name}: `{key}:` is not applied by the check; remove it")
     own_port: dict[str, int] = {}
     for name, svc in chosen.items():
         inner = _listen_port(_command(svc.get("command"), env))
@@ -197,16 +235,14 @@ def plan(
             if name not in ports:
                 raise ComposeError(f"no loopback port given for {name}")
             own_port[name] = inner
-    urls = {name: ports[name] for name in own_port}
+    urls = {name: (inner, ports[name]) for name, inner in own_port.items()}
 
     out: dict[str, Service] = {}
     for name, svc in chosen.items():
         shared = str(svc.get("network_mode") or "")
         host_of = shared.removeprefix("service:") if shared.startswith("service:") else name
         own = (own_port[host_of], ports[host_of]) if host_of in own_port else None
-        environment = {
-            k: substitute(str(v), env) for k, v in (svc.get("environment") or {}).items()
-        }
+        environment = _environment(name, svc.get("environment"), env)
         for key in environment:
             if key == "TIERWATCH_DATABASE_URL":
                 environment[key] = database_url
@@ -295,11 +331,13 @@ def _start_order(services: dict[str, Service]) -> list[Service]:
 
 def addresses_left(topology: Topology, compose: dict[str, Any]) -> list[str]:
     """Every argument, value or health check of the plan that still names a compose service
-    as a host (empty when the rewrite is complete): ``"<service>: <text>"``."""
-    names = [n for n in (compose.get("services") or {}) if n != DATABASE_SERVICE]
+    (the ``postgres`` one too) as a host, or listens on all addresses (empty when the rewrite
+    is complete): ``"<service>: <text>"``. ``TIERWATCH_DATABASE_URL`` is the check's own."""
+    names = list(compose.get("services") or {})
     found = []
     for s in topology.services:
-        texts = [*s.command, *s.env.values(), *(s.health or [])]
+        env = [v for k, v in s.env.items() if k != "TIERWATCH_DATABASE_URL"]
+        texts = [*s.command, *env, *(s.health or [])]
         for text in texts:
             for n in names:
                 if re.search(rf"(//|@|^){re.escape(n)}(:\d+|$|/)", text):

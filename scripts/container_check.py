@@ -33,6 +33,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -61,16 +62,89 @@ JOB = "gpt-compose"
 NODES = ("node-1", "node-2", "node-3")
 TIERS = ("memory", "peer", "persistent")
 DEFAULT_DB = "postgresql+psycopg://postgres@127.0.0.1:5432/tierwatch_container_check"
+_TRAINER_DEPENDS = {
+    "register-job": "service_completed_successfully",
+    **{f"agent-{i}": "service_healthy" for i in (1, 2, 3)},
+}
+# what run_checks starts, in this order, and the depends_on conditions its waits implement; main
+# refuses a compose file that says otherwise (the check would not follow it)
+DEPENDS: dict[str, dict[str, str]] = {
+    "server": {},
+    "bootstrap": {"server": "service_healthy"},
+    "register-job": {"server": "service_healthy"},
+    **{
+        f"agent-{i}": {"server": "service_healthy", "bootstrap": "service_completed_successfully"}
+        for i in (1, 2, 3)
+    },
+    **{f"trainer-{i}": dict(_TRAINER_DEPENDS) for i in (1, 2, 3)},
+}
 
 
 class CheckFailed(RuntimeError):
     """A check did not pass (the message says what was seen)."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(names: list[str]) -> dict[str, int]:
+    """A distinct free loopback port per name (every socket is held until all are chosen, so
+    the kernel cannot hand out one port twice)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in names:
+            socks.append(socket.socket())
+            socks[-1].bind(("127.0.0.1", 0))
+        return {n: s.getsockname()[1] for n, s in zip(names, socks, strict=True)}
+    finally:
+        for s in socks:
+            s.close()
+
+
+def plan_problems(topology: compose_plan.Topology) -> list[str]:
+    """Where the compose file's services or their ``depends_on`` differ from what
+    ``run_checks`` starts and waits for (``DEPENDS``), or a service has no ``command:`` (the
+    image's CMD would run with addresses the plan never saw). Empty when the check can
+    follow the file."""
+    have = {s.name: s for s in topology.services}
+    out = []
+    if set(have) != set(DEPENDS):
+        missing, extra = sorted(set(DEPENDS) - set(have)), sorted(set(have) - set(DEPENDS))
+        out.append(f"the check starts {sorted(DEPENDS)}: missing {missing}, extra {extra}")
+    for name, svc in have.items():
+        if name in DEPENDS and svc.depends_on != DEPENDS[name]:
+            out.append(f"{name}: depends_on {svc.depends_on}, the check waits as {DEPENDS[name]}")
+        if not svc.command:
+            out.append(f"{name}: no command: in the compose file")
+    return out
+
+
+def restarts(policy: str, rc: int) -> bool:
+    """Whether compose's restart policy starts a service again after it exited with ``rc``
+    (``on-failure:N``'s retry limit is not applied)."""
+    if policy in ("always", "unless-stopped"):
+        return True
+    if policy == "on-failure" or policy.startswith("on-failure:"):
+        return rc != 0
+    return False
+
+
+def stale_runs(proc: Path = Path("/proc")) -> list[int]:
+    """Process ids of ``buildah ... run ... tierwatch-check-<service>`` still running: an
+    earlier check killed before it could clean up (each is its process group's leader)."""
+    pids = []
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = [a.decode(errors="replace") for a in (d / "cmdline").read_bytes().split(b"\0")]
+        except OSError:
+            continue
+        if (
+            argv
+            and Path(argv[0]).name == "buildah"
+            and "run" in argv
+            and any(a.startswith(PREFIX) for a in argv)
+        ):
+            pids.append(int(d.name))
+    return sorted(pids)
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float, every_s: float = 1.0) -> Any:
@@ -201,12 +275,12 @@ class Stack:
                 if rc is None or len(run.exits) >= run.starts:
                     continue
                 run.exits.append(rc)
-                policy = run.svc.restart
-                if not self.stopping and (
-                    policy == "unless-stopped" or (policy == "on-failure" and rc != 0)
-                ):
+                if not self.stopping and restarts(run.svc.restart, rc):
                     time.sleep(1.0)
-                    self._spawn(run)
+                    with self.lock:  # stop() sets stopping under the lock: no spawn after it
+                        if self.stopping:
+                            return
+                        self._spawn(run)
             time.sleep(0.5)
 
     def wait_exit(self, name: str, timeout_s: float) -> int:
@@ -226,7 +300,10 @@ class Stack:
             os.killpg(run.proc.pid, signal.SIGKILL)
 
     def stop(self) -> None:
-        self.stopping = True
+        with self.lock:
+            self.stopping = True
+        if self.watcher.is_alive():
+            self.watcher.join(timeout=10)
         for run in self.running.values():
             if run.proc and run.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -298,18 +375,26 @@ class Check:
         print(f"container-check: {'ok  ' if ok else 'FAIL'} {check}: {detail}", flush=True)
         return ok
 
-    def healthy(self, name: str, timeout_s: float = 120) -> str:
+    def healthy(self, name: str, timeout_s: float = 120, *, never_exited: bool = False) -> str:
+        """Wait for the service's health check to pass inside its container. With
+        ``never_exited``, fail too when the service exited at any time (a crash its restart
+        policy papered over)."""
         svc = self.t.service(name)
         assert svc.health is not None
         ctr = PREFIX + name
+        run = self.stack.running[name]
 
         def probe() -> bool:
-            run = self.stack.running[name]
             if run.proc and run.proc.poll() is not None and svc.restart == "no":
                 raise CheckFailed(f"{name} exited {run.proc.returncode}:\n{self.stack.tail(name)}")
             return self.b.exec(ctr, svc.health, timeout_s=10).returncode == 0
 
-        wait_for(f"{name}'s health check", probe, timeout_s, every_s=2)
+        try:
+            wait_for(f"{name}'s health check", probe, timeout_s, every_s=2)
+        except CheckFailed as exc:
+            raise CheckFailed(f"{exc}; exits {run.exits}:\n{self.stack.tail(name)}") from None
+        if never_exited and run.exits:
+            raise CheckFailed(f"{name} exited during the run (exit codes {run.exits}), restarted")
         return f"`{' '.join(svc.health[:2])} …` exits 0 inside the container"
 
     def get(self, path: str) -> Any:
@@ -327,17 +412,28 @@ class Check:
         return r.json() if r.status_code == 200 else None
 
 
+def private_file(f: Path) -> str:
+    """``f`` is a non-empty regular file (not a link) of uid 10001 that neither its group
+    nor others can read or write; returns its mode (``0600``)."""
+    st = f.lstat()
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0 or mode & 0o077 or st.st_uid != UID:
+        kind = "file" if stat.S_ISREG(st.st_mode) else "not a regular file"
+        raise CheckFailed(f"{f}: {kind}, size {st.st_size}, mode {mode:04o}, uid {st.st_uid}")
+    return f"{mode:04o}"
+
+
 def tokens_written(volume: Path) -> str:
-    """The bootstrap's token files: one per node, mode 0600, owned by uid 10001."""
-    found = []
-    for node in NODES:
-        f = volume / f"{node}.token"
-        st = f.stat()
-        if st.st_size == 0 or st.st_mode & 0o077 or st.st_uid != UID:
-            mode = oct(st.st_mode & 0o777)
-            raise CheckFailed(f"{f}: size {st.st_size}, mode {mode}, uid {st.st_uid}")
-        found.append(f.name)
-    return f"{', '.join(found)}: mode 0600, uid {UID}"
+    """The bootstrap's token files: one per node, private to uid 10001."""
+    modes = {private_file(volume / f"{node}.token") for node in NODES}
+    names = ", ".join(f"{node}.token" for node in NODES)
+    return f"{names}: mode {', '.join(sorted(modes))}, uid {UID}"
+
+
+def credential_written(volume: Path) -> str:
+    """register-job's job credential file, private to uid 10001."""
+    f = volume / f"{JOB}.credential"
+    return f"{f.name}: mode {private_file(f)}, uid {UID}"
 
 
 def run_checks(check: Check, stack: Stack, topology: compose_plan.Topology, entry: dict) -> None:
@@ -358,18 +454,14 @@ def run_checks(check: Check, stack: Stack, topology: compose_plan.Topology, entr
             raise CheckFailed(f"exit {rc}:\n{stack.tail(name)}")
         return "exit 0"
 
-    check.row("bootstrap (agent tokens) completes", lambda: one_shot("bootstrap"))
+    # compose starts no dependent of a failed one-shot or of an unhealthy service
+    # (service_completed_successfully / service_healthy): neither does the check
+    if not check.row("bootstrap (agent tokens) completes", lambda: one_shot("bootstrap")):
+        raise CheckFailed("bootstrap failed: the agents depend on it")
     check.row("bootstrap's token files", lambda: tokens_written(vols / "agent-tokens"))
-    check.row("register-job (job credential) completes", lambda: one_shot("register-job"))
-
-    def credential() -> str:
-        f = vols / "job-credential" / f"{JOB}.credential"
-        st = f.stat()
-        if st.st_mode & 0o077 or st.st_uid != UID:
-            raise CheckFailed(f"{f}: mode {oct(st.st_mode & 0o777)}, uid {st.st_uid}")
-        return f"{f.name}: mode 0600, uid {UID}"
-
-    check.row("the job credential file", credential)
+    if not check.row("register-job (job credential) completes", lambda: one_shot("register-job")):
+        raise CheckFailed("register-job failed: the trainers depend on it")
+    check.row("the job credential file", lambda: credential_written(vols / "job-credential"))
 
     # a viewer token for reading the API, made in the server's container with its environment,
     # as an operator would (`docker compose exec server tierwatch-server token create ...`)
@@ -385,14 +477,19 @@ def run_checks(check: Check, stack: Stack, topology: compose_plan.Topology, entr
         text=True,
         timeout=120,
     )  # fmt: skip
-    if out.returncode != 0:
-        raise CheckFailed(f"viewer token: {out.stderr.strip()}")
-    check.viewer = out.stdout.strip().splitlines()[-1]
+    printed = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not printed:
+        raise CheckFailed(f"viewer token: exit {out.returncode}: {out.stderr.strip()}")
+    check.viewer = printed[-1]
 
     for n in ("agent-1", "agent-2", "agent-3"):
         start(n)
-    for n in ("agent-1", "agent-2", "agent-3"):
+    agents_ok = [
         check.row(f"{n} health check", lambda n=n: check.healthy(n, 120))
+        for n in ("agent-1", "agent-2", "agent-3")
+    ]
+    if not all(agents_ok):
+        raise CheckFailed("an agent never became healthy: the trainers depend on all three")
 
     def nodes_healthy() -> str:
         def probe() -> dict | None:
@@ -444,54 +541,70 @@ def run_checks(check: Check, stack: Stack, topology: compose_plan.Topology, entr
     check.row("injected XID 79 makes the node unhealthy", xid_79)
 
     def killed_trainer_resumes() -> str:
-        before = {r["ts"] for r in (check.job() or {}).get("restores") or []}
+        before = {(r["ts"], r["rank"]) for r in (check.job() or {}).get("restores") or []}
         killed_at = datetime.now(UTC)
         stack.kill("trainer-2")
 
-        def probe() -> dict | None:
+        def probe() -> dict[int, dict] | None:
+            new: dict[int, dict] = {}
             for r in (check.job() or {}).get("restores") or []:
-                if r["ts"] not in before and r["rank"] == 1 and r["step"] is not None:
-                    return r
-            return None
+                if (r["ts"], r["rank"]) not in before and r["step"] is not None:
+                    new.setdefault(r["rank"], r)
+            return new if set(new) >= {0, 1, 2} else None
 
-        r = wait_for("a restore by rank 1 after the kill", probe, 420, every_s=3)
-        tiers = r["files_by_tier"]
-        if not r["ok"] or not tiers.get("memory") or tiers.get("persistent"):
-            raise CheckFailed(f"not a restore from the memory tier: {r}")
-        restarts = {n: stack.running[n].starts - 1 for n in ("trainer-1", "trainer-2", "trainer-3")}
+        by_rank = wait_for("a restore by ranks 0, 1 and 2 after the kill", probe, 420, every_s=3)
+        r = by_rank[1]
+        if not r["files_by_tier"].get("memory"):
+            raise CheckFailed(f"rank 1 did not restore from its memory tier: {r}")
+        for rank in (0, 1, 2):
+            x = by_rank[rank]
+            if not x["ok"] or x["files_by_tier"].get("persistent") or x["step"] != r["step"]:
+                want = f"a restore of step {r['step']} with nothing from persistent"
+                raise CheckFailed(f"rank {rank}: not {want}: {x}")
+        trainers = ("trainer-1", "trainer-2", "trainer-3")
+        restarted = {n: stack.running[n].starts - 1 for n in trainers}
         waited = (datetime.fromisoformat(r["ts"]) - killed_at).total_seconds()
+        others = "; ".join(f"rank {k} {by_rank[k]['files_by_tier']}" for k in (0, 2))
         return (
             f"rank 1 restored step {r['step']} ({r['steps_lost']} step(s) lost) in "
-            f"{r['seconds']:.2f} s, files by tier {r['files_by_tier']}, {waited:.0f} s after "
-            f"the kill; restarts {restarts}"
+            f"{r['seconds']:.2f} s, files by tier {r['files_by_tier']} ({others}), "
+            f"{waited:.0f} s after the kill; restarts {restarted}"
         )
 
     check.row("a killed trainer container resumes from memory", killed_trainer_resumes)
 
     for n in ("server", "agent-1", "agent-2", "agent-3"):
-        check.row(f"{n} health check at the end", lambda n=n: check.healthy(n, 30))
+        check.row(
+            f"{n} health check at the end",
+            lambda n=n: check.healthy(n, 30, never_exited=True),
+        )
     check.row(
         "the memory tiers are tmpfs, and every file written is uid 10001's",
         lambda: volumes_owned(vols, topology),
     )
 
 
-def volumes_owned(vols: Path, topology: compose_plan.Topology) -> str:
-    """Each tmpfs volume is mounted as one, and every file under every volume belongs to uid
-    10001 (no container wrote as root)."""
-    mounts = {
-        ln.split()[1]: ln.split()[2] for ln in Path("/proc/self/mounts").read_text().splitlines()
-    }
+def volumes_owned(
+    vols: Path, topology: compose_plan.Topology, mounts: dict[str, str] | None = None
+) -> str:
+    """Each tmpfs volume is mounted as one and holds files (the containers wrote into the
+    tmpfs, not into a folder it hides), and every file under every volume belongs to uid
+    10001 (no container wrote as root). ``mounts``: mount point -> type (``mount_table()``)."""
+    mounts = mount_table() if mounts is None else mounts
+    tiers = 0
     for t in topology.tmpfs:
         if mounts.get(str(t.host)) != "tmpfs":
             raise CheckFailed(f"{t.host} is not a tmpfs mount")
+        n = sum(1 for p in t.host.rglob("*") if p.is_file())
+        if n == 0:
+            raise CheckFailed(f"{t.host}: no file in this tmpfs")
+        tiers += n
     files = 0
     for path in vols.rglob("*"):
         st = path.lstat()
         if st.st_uid != UID:
             raise CheckFailed(f"{path} belongs to uid {st.st_uid}")
         files += 1
-    tiers = sum(1 for p in (vols).glob("memory-node-*/**/*") if p.is_file())
     return f"{len(topology.tmpfs)} tmpfs mounts; {files} files and folders, {tiers} in memory tiers"
 
 
@@ -522,23 +635,38 @@ def table(rows: list[Row], meta: dict[str, str]) -> str:
     ]
     for r in rows:
         detail = r.detail.replace("|", "\\|").replace("\n", " ")[:300]
-        lines.append(f"| {r.check} | {'pass' if r.ok else 'FAIL'} | {detail} | {r.seconds:.0f} |")
+        check = r.check.replace("|", "\\|")
+        lines.append(f"| {check} | {'pass' if r.ok else 'FAIL'} | {detail} | {r.seconds:.0f} |")
     lines += ["", "What this did not exercise:", ""]
     lines += [f"- {x}" for x in NOT_RUN]
     return "\n".join(lines)
 
 
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    """SIGTERM / SIGHUP (``timeout``, a closed terminal) end the check through its cleanup,
+    like Ctrl-C: the containers' processes run in their own sessions and would outlive it."""
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
     if os.geteuid() != 0:
         raise SystemExit("container-check: run as root (tmpfs mounts and chown to uid 10001)")
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
     b = Buildah()
+    stale = stale_runs()
+    if stale:
+        raise SystemExit(
+            f"container-check: containers of an earlier check still run (pids {stale}); "
+            "end them first: " + "; ".join(f"kill -- -{p}" for p in stale)
+        )
     workdir = REPO / "var" / "container-check"
     for m in _mounted_under(workdir):
         subprocess.run(["umount", m], check=False)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     compose = yaml.safe_load(COMPOSE.read_text())
-    ports = {n: free_port() for n in ("server", "agent-1", "agent-2", "agent-3", "MASTER_PORT")}
+    ports = free_ports(["server", "agent-1", "agent-2", "agent-3", "MASTER_PORT"])
     db = os.environ.get("CONTAINER_CHECK_DATABASE_URL", DEFAULT_DB)
     env = dict(os.environ)
     env["TIERWATCH_SECRET_KEY"] = secrets.token_urlsafe(48)
@@ -546,6 +674,10 @@ def main() -> int:
     left = compose_plan.addresses_left(topology, compose)
     if left:
         raise SystemExit("container-check: addresses not rewritten:\n" + "\n".join(left))
+    problems = plan_problems(topology)
+    if problems:
+        says = "\n".join(problems)
+        raise SystemExit(f"container-check: the check does not follow this compose file:\n{says}")
     entry: dict[str, list[str]] = {}
     versions = []
     for svc in topology.services:
@@ -556,25 +688,36 @@ def main() -> int:
     for s in topology.services:
         for m in s.mounts:
             m.host.mkdir(parents=True, exist_ok=True)
-    for t in topology.tmpfs:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", t.options, "tmpfs", str(t.host)], check=True)
-    for d in (workdir / "volumes").iterdir():
-        os.chown(d, UID, UID)
-    reset_database(db)
+    reset_database(db)  # first: an unreachable PostgreSQL stops the check with nothing to undo
     stack = Stack(b, workdir)
     check = Check(topology, stack, b)
+    mounted: list[Path] = []
     t0 = time.monotonic()
     try:
+        for t in topology.tmpfs:
+            opts = ["-o", t.options] if t.options else []
+            subprocess.run(["mount", "-t", "tmpfs", *opts, "tmpfs", str(t.host)], check=True)
+            mounted.append(t.host)
+        for d in (workdir / "volumes").iterdir():
+            os.chown(d, UID, UID)
         run_checks(check, stack, topology, entry)
     except CheckFailed as exc:
         check.rows.append(Row("(stopped early)", False, str(exc).splitlines()[0], 0))
         print(f"container-check: stopped: {exc}", file=sys.stderr)
     finally:
-        stack.stop()
-        for t in topology.tmpfs:
-            subprocess.run(["umount", str(t.host)], check=False)
-        with contextlib.suppress(Exception):
-            reset_database(db, drop_only=True)
+        # a second Ctrl-C (or SIGTERM) must not cut the cleanup short
+        sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs}
+        try:
+            stack.stop()
+            for m in reversed(mounted):
+                subprocess.run(["umount", str(m)], check=False)
+            with contextlib.suppress(Exception):
+                reset_database(db, drop_only=True)
+            check.http.close()
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
     meta = {
         "when": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "builder": b.call("--version"),
@@ -597,7 +740,9 @@ def mount_table() -> dict[str, str]:
 
 
 def _mounted_under(path: Path) -> list[str]:
-    return [m for m in mount_table() if m.startswith(str(path))]
+    """Mount points at or under ``path``, deepest first."""
+    inside = [m for m in mount_table() if m == str(path) or m.startswith(f"{path}/")]
+    return sorted(inside, key=len, reverse=True)
 
 
 if __name__ == "__main__":

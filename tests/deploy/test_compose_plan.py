@@ -148,3 +148,64 @@ def test_a_leftover_service_address_is_found() -> None:
         "agent-2: 0.0.0.0:1",
         "trainer-1: http://server:8000/x",
     ]
+
+
+def test_a_url_at_a_port_the_service_does_not_listen_on_is_left_and_reported() -> None:
+    # the server listens on 8000 only: a URL at its 9090 is not silently pointed at 8000
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    agent = compose["services"]["agent-1"]
+    agent["command"] = [*agent["command"], "--extra-url", "http://server:9090/metrics"]
+    t = _plan(compose)
+    assert "http://server:9090/metrics" in t.service("agent-1").command
+    assert compose_plan.addresses_left(t, compose) == ["agent-1: http://server:9090/metrics"]
+
+
+def test_a_leftover_database_host_is_reported_but_the_checks_own_url_is_not() -> None:
+    t = _plan()
+    assert t.service("server").env["TIERWATCH_DATABASE_URL"] == DB
+    t.service("bootstrap").env["PGHOST_URL"] = "postgresql://tierwatch@postgres:5432/x"
+    assert compose_plan.addresses_left(t, COMPOSE) == [
+        "bootstrap: postgresql://tierwatch@postgres:5432/x"
+    ]
+
+
+def test_environment_as_a_list_and_keys_passed_through_from_the_caller() -> None:
+    compose = _mini(environment=["A=1", "B=${X:-d}", "PASSED", "MISSING", "C=x=y"])
+    t = plan(compose, env={"PASSED": "p"}, ports=PORTS, database_url=DB, workdir=Path("/w"))
+    assert t.service("server").env == {"A": "1", "B": "d", "PASSED": "p", "C": "x=y"}
+    compose = _mini(environment={"A": None, "B": 2})
+    t = plan(compose, env={"A": "from-env"}, ports=PORTS, database_url=DB, workdir=Path("/w"))
+    assert t.service("server").env == {"A": "from-env", "B": "2"}
+
+
+def test_a_service_is_started_when_any_of_its_profiles_is_active() -> None:
+    compose = _mini(profiles=["gpu", "debug"])
+    assert plan(compose, env=ENV, ports=PORTS, database_url=DB, workdir=Path("/w")).services == []
+    t = plan(
+        compose,
+        env=ENV,
+        ports=PORTS,
+        database_url=DB,
+        workdir=Path("/w"),
+        profiles=frozenset({"debug"}),
+    )
+    assert [s.name for s in t.services] == ["server"]
+
+
+@pytest.mark.parametrize("key", compose_plan.UNSUPPORTED_KEYS)
+def test_keys_the_check_would_not_apply_are_refused(key) -> None:
+    with pytest.raises(ComposeError, match=rf"server: `{key}:` is not applied"):
+        plan(_mini(**{key: "x"}), env=ENV, ports=PORTS, database_url=DB, workdir=Path("/w"))
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["tierwatch-agent", "run", "--listen", "9470"],
+        ["tierwatch-server", "serve", "--port", "${PORT}"],
+    ],
+    ids=["listen-without-port", "port-not-a-number"],
+)
+def test_a_listen_option_without_a_port_number_is_a_compose_error(command) -> None:
+    with pytest.raises(ComposeError, match="no port number"):
+        plan(_mini(command=command), env=ENV, ports=PORTS, database_url=DB, workdir=Path("/w"))
