@@ -33,7 +33,7 @@ import hmac
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, BinaryIO
 
@@ -196,23 +196,37 @@ def xxh3_file(path: Path | str | BinaryIO) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
+class FileDigest:
+    """A file's manifest digests, fed its bytes in order: size, xxh3-64 and SHA-256."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self._x = xxhash.xxh3_64()
+        self._h = hashlib.sha256()
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._x.update(data)
+        self._h.update(data)
+        self.size += len(data)
+
+    def result(self) -> tuple[int, str, str]:
+        """(size in bytes, xxh3-64 hex, SHA-256 hex) of the bytes so far."""
+        return self.size, self._x.hexdigest(), self._h.hexdigest()
+
+
 def digest_file(path: Path | str) -> tuple[int, str, str]:
     """Size (bytes), xxh3-64 and SHA-256 hex digests of a file, in one read.
 
     Raises:
         OSError: the file cannot be read.
     """
-    x = xxhash.xxh3_64()
-    h = hashlib.sha256()
-    size = 0
+    d = FileDigest()
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
-            x.update(view[:n])
-            h.update(view[:n])
-            size += n
-    return size, x.hexdigest(), h.hexdigest()
+            d.update(view[:n])
+    return d.result()
 
 
 def sha256_stream(stream: BinaryIO) -> tuple[int, str]:
@@ -385,10 +399,13 @@ def make_manifest(
     fences: Iterable[tuple[int, int]] = (),
     save_id: str = LEGACY_SAVE_ID,
     key: bytes | None = None,
+    known: Mapping[str, tuple[int, str, str]] | None = None,
 ) -> Manifest:
-    """Build rank ``rank``'s manifest by reading back its files from ``directory`` (each
-    file read once for its xxh3-64 and SHA-256).
+    """Build rank ``rank``'s manifest from its files in ``directory``.
 
+    ``known``: name -> (size, xxh3-64, SHA-256) computed while the file was written
+    (:class:`~tierwatch.agent.checkpoint.training.digesting_writer.DigestingWriter`); a file
+    not in it, or whose size on disk differs, is read back once for both digests.
     ``save_id`` is the save's id (rank 0's :func:`new_save_id`); ``""`` writes a legacy
     manifest. ``key``: the job's manifest key, which signs it (None: unsigned).
 
@@ -397,7 +414,11 @@ def make_manifest(
     """
     files = []
     for name in sorted(names):
-        size, digest, sha = digest_file(directory / name)
+        have = (known or {}).get(name)
+        if have is not None and (directory / name).stat().st_size == have[0]:
+            size, digest, sha = have
+        else:
+            size, digest, sha = digest_file(directory / name)
         files.append(FileEntry(name=name, size=size, xxh3=digest, sha256=sha))
     manifest = Manifest(
         job_id=job_id,

@@ -34,8 +34,9 @@ Design notes (each seam has a module of its own in this package):
   optimizer in ``state`` waits for that copy, so a snapshot is never torn. Without an
   optimizer, staging is synchronous.
 - **Commit** (:mod:`.commit_decision`, :mod:`.rank_files`). The background thread writes the
-  step with ``dcp.save`` into the node's memory folder under a temporary name, renames,
-  checksums and writes the rank's manifest; the ranks then exchange their outcome and rank 0
+  step with ``dcp.save`` into the node's memory folder under a temporary name, hashing each
+  file as it is written (:mod:`.digesting_writer`), renames, and writes the rank's manifest;
+  the ranks then exchange their outcome and rank 0
   decides commit, persistence (every ``persist_every``-th step) and retention for all tiers,
   which every rank records in its commit marker. The node agent replicates and uploads from
   there; training never waits for it and keeps committing to memory while the agent is down.
@@ -649,8 +650,9 @@ class TieredCheckpointer:
         )
 
     def _write(self, job: _SaveJob) -> None:
-        from torch.distributed.checkpoint import FileSystemWriter
         from torch.distributed.checkpoint import save as dcp_save
+
+        from tierwatch.agent.checkpoint.training.digesting_writer import DigestingWriter
 
         t0 = time.monotonic()
         # a tensor changed outside the hooked optimizer step makes a torn snapshot
@@ -695,11 +697,10 @@ class TieredCheckpointer:
         names: list[str] = []
         try:
             shutil.rmtree(tmp, ignore_errors=True)
+            writer = DigestingWriter(tmp, sync_files=False, thread_count=self.write_threads)
             dcp_save(
                 job.staged,
-                storage_writer=FileSystemWriter(
-                    tmp, sync_files=False, thread_count=self.write_threads
-                ),
+                storage_writer=writer,
                 planner=CachedSavePlanner(self.plan_cache_key),
                 process_group=self.collectives.group,
                 no_dist=not self.distributed,
@@ -725,6 +726,7 @@ class TieredCheckpointer:
                 fences=job.fences,
                 save_id=job.save_id,
                 key=self.manifest_key,
+                known=writer.digests,  # hashed while written: no read-back of the shards
             )
             atomic_write_json(step_dir / manifest_name(self.rank), manifest, fsync=False)
             nbytes = manifest.total_bytes()
