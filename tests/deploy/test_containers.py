@@ -334,7 +334,8 @@ def test_dockerfile_build_args_default_to_public_sources():
     assert build_args["TORCH_WHEEL"] == "", "without a local wheel, torch comes from the index"
     # the wheel folder is bind-mounted, so it must exist in a fresh clone and be in the context
     stages = parse_stages()
-    mounts = re.findall(r"--mount=type=bind,source=(\S+?),", " ".join(stages["venv-torch"]["runs"]))
+    trainer_runs = " ".join(r for n in closure(stages, "trainer") for r in stages[n]["runs"])
+    mounts = re.findall(r"--mount=type=bind,source=(\S+?),", trainer_runs)
     assert mounts == ["docker/wheels"]
     assert (REPO / "docker" / "wheels" / "README.md").is_file()
     ignored = (REPO / ".dockerignore").read_text().split()
