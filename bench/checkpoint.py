@@ -60,9 +60,10 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-from ckpt_worker import build, step  # noqa: E402
-
+# the repository root, not bench/: bench/demo.py would shadow the demo package for whatever
+# imports this module (a test) and then imports demo
+sys.path.insert(0, str(REPO))
+from bench.ckpt_worker import build, step  # noqa: E402
 from tierwatch import TieredCheckpointer  # noqa: E402
 from tierwatch.agent.checkpoint.format.layout import step_dirname  # noqa: E402
 from tierwatch.agent.netutil import free_port  # noqa: E402

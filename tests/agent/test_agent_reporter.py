@@ -56,7 +56,11 @@ def test_seq_and_epoch(receiver, tmp_path, closing):
     assert {b.epoch for b in batches} == {rep.epoch}
     assert len(rep.epoch) == 32
     assert all(b.simulated and b.node == "node-a" for b in batches)
-    wait_until(lambda: rep.status().last_acked_seq == 3, what="ack")
+    # the spool file of the last batch goes just after its ack is recorded: wait for both
+    wait_until(
+        lambda: (rep.status().last_acked_seq, rep.status().spool_depth) == (3, 0),
+        what="ack and empty spool",
+    )
     status = rep.status()
     assert (status.last_seq, status.last_sent_seq, status.spool_depth) == (3, 3, 0)
     rep.close(2.0)
